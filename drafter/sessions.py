@@ -1,0 +1,204 @@
+"""Draft sessions: one per generation, holding the drafter's view of the sequence.
+
+Terms:
+    context     committed tokens followed by the drafter's own not-yet-verified drafts
+    committed   how many leading tokens of `context` the target has verified
+    window      how far past `committed` the drafter may draft: gamma + 1 + lookahead.
+                The first draft token guesses the token the target emits itself in
+                its current step; the next gamma are the block it verifies after.
+                `lookahead` lets the drafter keep drafting while a block is verified.
+    sent        tokens of `context` already sent to the caller in blocks
+
+A commit (position s, verified tokens T) makes the committed context
+context[:s] + T. Drafts that agree with T are kept; at the first disagreement the
+drafts are dropped and the model's KV cache is rolled back to the agreeing prefix,
+never recomputed from scratch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec.acceptance import sparse_q, target_distribution
+
+
+@dataclass
+class Draft:
+    """One drafted token: its id, q(token), and the sparse q it was sampled from (or None: one-hot)."""
+
+    token_id: int
+    prob: float
+    support: tuple[list[int], list[float]] | None
+
+
+@dataclass
+class BlockOut:
+    """A block ready to send: drafts starting at `start_position`."""
+
+    start_position: int
+    drafts: list[Draft]
+    draft_ms: float
+
+
+class DraftSession:
+    """Shared bookkeeping of a draft session; subclasses implement `_next_token`."""
+
+    def __init__(self, prompt: list[int], gamma: int, lookahead: int, flush_ms: float = 10.0) -> None:
+        self.context: list[int] = list(prompt)
+        self.committed = len(prompt)
+        self.sent = len(prompt)
+        self.gamma = gamma
+        self.lookahead = lookahead
+        self.flush_ms = flush_ms
+        self.lock = threading.Lock()
+        self.closed = False
+        self.exhausted = False  # the method has nothing more to propose for this context
+        self._pending: list[Draft] = []
+        self._pending_since = 0.0
+        self._pending_ms = 0.0
+
+    @property
+    def window(self) -> int:
+        return self.gamma + 1 + self.lookahead
+
+    def wants_work(self) -> bool:
+        return not self.closed and not self.exhausted and len(self.context) - self.committed < self.window
+
+    def commit(self, start: int, tokens: list[int], gamma: int = 0) -> None:
+        """Apply a target verdict: context[:start] + tokens is now verified."""
+        with self.lock:
+            if gamma:
+                self.gamma = gamma
+            end = start + len(tokens)
+            agree = 0
+            while agree < len(tokens) and start + agree < len(self.context) and self.context[start + agree] == tokens[agree]:
+                agree += 1
+            if agree < len(tokens):
+                keep = start + agree  # drafts past here are wrong
+                self.context = self.context[:keep] + list(tokens[agree:])
+                self._rollback(keep)
+                self._pending.clear()
+                self.sent = len(self.context)
+
+            self.committed = max(self.committed, end)
+            self.sent = max(self.sent, self.committed)
+            self.exhausted = False  # the context grew: the method may propose again
+
+    def step(self) -> BlockOut | None:
+        """Draft one token (if the window allows); return a block when one is due."""
+        with self.lock:
+            if not self.wants_work():
+                return self._flush(force=True)
+            t0 = time.perf_counter()
+            draft = self._next_token()
+            if draft is None:
+                self.exhausted = True
+                return self._flush(force=True)
+            if not self._pending:
+                self._pending_since = t0
+                self._pending_ms = 0.0
+            self.context.append(draft.token_id)
+            self._pending.append(draft)
+            self._pending_ms += (time.perf_counter() - t0) * 1e3
+            return self._flush(force=not self.wants_work())
+
+    def _flush(self, force: bool) -> BlockOut | None:
+        if not self._pending:
+            return None
+        waited_ms = (time.perf_counter() - self._pending_since) * 1e3
+        if not force and len(self._pending) < self.gamma + 1 and waited_ms < self.flush_ms:
+            return None
+        block = BlockOut(self.sent, self._pending, self._pending_ms)
+        self.sent += len(self._pending)
+        self._pending = []
+        return block
+
+    def _next_token(self) -> Draft | None:
+        raise NotImplementedError
+
+    def _rollback(self, keep: int) -> None:
+        """Forget model state past the first `keep` tokens of the context."""
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ModelDraftSession(DraftSession):
+    """Drafts with a causal LM, keeping its KV cache across rounds.
+
+    `cached` counts context tokens whose keys/values are in the cache; each step feeds
+    only context[cached:] (one token in steady state, a few after a commit).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        prompt: list[int],
+        gamma: int,
+        lookahead: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        seed: int | None,
+        q_top_k: int,
+    ) -> None:
+        super().__init__(prompt, gamma, lookahead)
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache()
+        self.cached = 0
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
+        self.q_top_k = q_top_k
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self.forward_tokens = 0  # tokens run through the draft model (work counter)
+
+    @torch.inference_mode()
+    def _next_token(self) -> Draft | None:
+        new = self.context[self.cached :]
+        # [1, len(new)] -> logits [1, len(new), vocab]
+        out = self.model(
+            input_ids=torch.tensor([new], dtype=torch.long),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cached = len(self.context)
+        self.forward_tokens += len(new)
+        logits = out.logits[0, -1]  # [vocab]
+        if self.temperature == 0:
+            return Draft(int(logits.argmax()), 1.0, None)
+        probs = target_distribution(logits, self.temperature, self.top_k, self.top_p)
+        ids, q = sparse_q(probs, self.q_top_k)
+        pick = int(torch.multinomial(q, 1, generator=self.generator))
+        return Draft(int(ids[pick]), float(q[pick]), (ids.tolist(), q.tolist()))
+
+    def _rollback(self, keep: int) -> None:
+        if self.cached > keep:
+            self.cache.crop(keep)
+            self.cached = keep
+
+
+class NgramDraftSession(DraftSession):
+    """Model-free prompt lookup: propose what followed the latest earlier occurrence
+    of the context's last n tokens (n from ngram_max down to ngram_min)."""
+
+    def __init__(self, prompt: list[int], gamma: int, lookahead: int, ngram_max: int, ngram_min: int) -> None:
+        super().__init__(prompt, gamma, lookahead)
+        self.ngram_max = ngram_max
+        self.ngram_min = ngram_min
+
+    def _next_token(self) -> Draft | None:
+        ctx = self.context
+        for n in range(min(self.ngram_max, len(ctx) - 1), self.ngram_min - 1, -1):
+            suffix = ctx[-n:]
+            for start in range(len(ctx) - n - 1, -1, -1):
+                if ctx[start : start + n] == suffix:
+                    return Draft(ctx[start + n], 1.0, None)
+        return None

@@ -1,0 +1,168 @@
+"""The gateway gRPC service (specdec.v1.GatewayService): validation, tokenisation, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.rounds import Plan, Round
+from gateway.text import TextStream
+from specdec import serving
+from specdec.config import GatewayConfig
+from specdec.validation import InvalidField, check_gamma, check_sampling, check_token_ids
+from specdec.wire import pb, rpc
+
+log = logging.getLogger("specdec.gateway")
+
+DRAFTERS = ("model", "ngram", "none")
+
+
+@dataclass
+class TargetInfo:
+    vocab_size: int
+    max_model_len: int
+    max_gamma: int
+
+
+@dataclass
+class Chunk:
+    """What one verdict gives the client."""
+
+    text: str
+    token_ids: list[int]
+    drafted: int
+    accepted: int
+    finish_reason: int
+
+
+class GatewayServicer(rpc.GatewayServiceServicer):
+    def __init__(self, cfg: GatewayConfig) -> None:
+        from transformers import AutoTokenizer
+
+        from specdec.models import resolve
+
+        self.cfg = cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer))
+        self._verifier_channel = grpc.aio.insecure_channel(cfg.verifier_address)
+        self._drafter_channel = grpc.aio.insecure_channel(cfg.drafter_address)
+        self.verifier = rpc.VerifierServiceStub(self._verifier_channel)
+        self.drafter = rpc.DrafterServiceStub(self._drafter_channel)
+        self._target: TargetInfo | None = None
+
+    async def target_info(self) -> TargetInfo:
+        """The verifier's limits, asked once (waits for the verifier to come up)."""
+        if self._target is None:
+            info = await self.verifier.GetVerifierInfo(pb.GetVerifierInfoRequest(), wait_for_ready=True, timeout=600)
+            self._target = TargetInfo(info.vocab_size, info.max_model_len, info.max_gamma)
+        return self._target
+
+    async def plan(self, spec: "pb.GenerationSpec") -> Plan:
+        """Validate a request and fill in the defaults; raises InvalidField."""
+        target = await self.target_info()
+        if spec.prompt_text and spec.prompt_token_ids:
+            raise InvalidField("spec.prompt_token_ids", "give either prompt_text or prompt_token_ids, not both")
+        if spec.prompt_text:
+            prompt = list(self.tokenizer.encode(spec.prompt_text))
+            if not prompt:
+                raise InvalidField("spec.prompt_text", "encodes to no tokens")
+        else:
+            prompt = list(spec.prompt_token_ids)
+            if not prompt:
+                raise InvalidField("spec.prompt_text", "the prompt is empty (set prompt_text or prompt_token_ids)")
+        check_token_ids("spec.prompt_token_ids", prompt, target.vocab_size)
+        gamma = spec.gamma if spec.HasField("gamma") else min(self.cfg.default_gamma, target.max_gamma)
+        check_gamma("spec.gamma", gamma, target.max_gamma)
+        drafter = spec.drafter or self.cfg.default_drafter
+        if drafter not in DRAFTERS:
+            raise InvalidField("spec.drafter", f"unknown drafter {drafter!r}; known: {', '.join(DRAFTERS)}")
+        sampling = pb.SamplingParams()
+        sampling.CopyFrom(spec.sampling)
+        if not sampling.HasField("max_tokens"):
+            sampling.max_tokens = min(self.cfg.default_max_tokens, target.max_model_len - len(prompt))
+        check_sampling("spec.sampling", sampling, len(prompt), target.max_model_len)
+        return Plan(spec.request_id or uuid.uuid4().hex, prompt, sampling, gamma, drafter)
+
+    def _round(self, plan: Plan) -> Round:
+        return Round(plan, self.verifier, self.drafter, self.cfg.drafter_open_timeout_s)
+
+    async def _chunks(self, round_: Round) -> AsyncIterator[Chunk]:
+        """The round's verdicts as text chunks; ends at the finish reason or a stop sequence."""
+        text = TextStream(self.tokenizer, list(round_.plan.sampling.stop))
+        async for v in round_.verdicts():
+            finish = v.finish_reason
+            delta = text.add(list(v.token_ids), final=finish != pb.FINISH_REASON_UNSPECIFIED)
+            if text.stopped:
+                finish = pb.FINISH_REASON_STOP
+            yield Chunk(delta, list(v.token_ids), v.drafted, v.accepted, finish)
+            if text.stopped:
+                return  # leaving the loop cancels the verifier's request
+
+    async def _checked_plan(self, spec: "pb.GenerationSpec", context: grpc.aio.ServicerContext) -> Plan:
+        try:
+            return await self.plan(spec)
+        except InvalidField as err:
+            await serving.abort_invalid(context, err)
+            raise  # unreachable: abort raises
+
+    async def Generate(self, request, context) -> "pb.GenerateResponse":  # noqa: N802
+        plan = await self._checked_plan(request.spec, context)
+        t0 = time.perf_counter()
+        first_ms = 0.0
+        round_ = self._round(plan)
+        text, ids, finish = [], [], pb.FINISH_REASON_UNSPECIFIED
+        async for chunk in self._chunks(round_):
+            if not first_ms:
+                first_ms = (time.perf_counter() - t0) * 1e3
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            finish = chunk.finish_reason
+        return pb.GenerateResponse(
+            request_id=plan.request_id,
+            text="".join(text),
+            token_ids=ids,
+            finish_reason=finish,
+            usage=pb.Usage(prompt_tokens=len(plan.prompt_token_ids), completion_tokens=len(ids)),
+            stats=round_.stats.to_pb(),
+            total_ms=(time.perf_counter() - t0) * 1e3,
+            first_token_ms=first_ms,
+        )
+
+    async def GenerateStream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:  # noqa: N802
+        plan = await self._checked_plan(request.spec, context)
+        round_ = self._round(plan)
+        n = 0
+        async for chunk in self._chunks(round_):
+            n += len(chunk.token_ids)
+            last = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+            yield pb.GenerateStreamResponse(
+                request_id=plan.request_id,
+                text=chunk.text,
+                token_ids=chunk.token_ids,
+                drafted=chunk.drafted,
+                accepted=chunk.accepted,
+                finish_reason=chunk.finish_reason,
+                usage=pb.Usage(prompt_tokens=len(plan.prompt_token_ids), completion_tokens=n) if last else None,
+                stats=round_.stats.to_pb() if last else None,
+            )
+
+    async def close(self) -> None:
+        await asyncio.gather(self._verifier_channel.close(), self._drafter_channel.close())
+
+
+async def main(cfg: GatewayConfig) -> None:
+    servicer = GatewayServicer(cfg)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        rpc.add_GatewayServiceServicer_to_server(servicer, server)
+        return ["specdec.v1.GatewayService"]
+
+    try:
+        await serving.serve("gateway", cfg.host, cfg.port, register)
+    finally:
+        await servicer.close()

@@ -1,0 +1,281 @@
+"""The `specdec` command line.
+
+    specdec up [--models qwen-coder|tiny]         start gateway, drafter and verifier locally
+    specdec serve drafter|verifier|gateway ...    start one service (multi-host deployments)
+    specdec generate "text" [--json] ...          a completion and its speculation stats
+    specdec demo [--models qwen-coder|tiny]       up + one generation with stats + down
+    specdec models list | pull NAME | path REF    the model registry
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from specdec import config
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from specdec.serving import setup_logging
+
+    setup_logging()
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "kind", "func")}
+    if args.kind == "drafter":
+        from drafter import server
+
+        asyncio.run(server.main(config.from_env(config.DrafterConfig, **overrides)))
+    elif args.kind == "verifier":
+        from verifier import server
+
+        asyncio.run(server.main(config.from_env(config.VerifierConfig, **overrides)))
+    else:
+        from gateway import server
+
+        asyncio.run(server.main(config.from_env(config.GatewayConfig, **overrides)))
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start one service")
+    kinds = p.add_subparsers(dest="kind", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--host", help="bind address (env SPECDEC_HOST)")
+    common.add_argument("--port", type=int, help="port (env SPECDEC_PORT)")
+    d = kinds.add_parser("drafter", parents=[common], help="the draft model service")
+    d.add_argument("--model", help="draft model: registry name (qwen-coder/draft) or folder")
+    d.add_argument("--threads", type=int, help="torch threads")
+    d.add_argument("--lookahead", type=int, help="tokens to draft past gamma + 1 (-1: gamma + 1)")
+    v = kinds.add_parser("verifier", parents=[common], help="the vLLM target service")
+    v.add_argument("--model", help="target model: registry name (qwen-coder/target) or folder")
+    v.add_argument("--threads", type=int, help="engine CPU threads (0: environment)")
+    v.add_argument("--max-gamma", type=int, help="largest gamma a request may use")
+    v.add_argument("--max-model-len", type=int, help="context length")
+    v.add_argument("--max-num-seqs", type=int, help="engine batch size limit")
+    v.add_argument("--dtype", help="float32 or bfloat16")
+    v.add_argument("--kv-cache-gib", type=float, help="KV cache size")
+    g = kinds.add_parser("gateway", parents=[common], help="the round-running entry point")
+    g.add_argument("--drafter-address", help="host:port of the drafter")
+    g.add_argument("--verifier-address", help="host:port of the verifier")
+    g.add_argument("--tokenizer", help="tokenizer (the target's): registry name or folder")
+    g.add_argument("--default-gamma", type=int, help="gamma when a request does not say")
+    g.add_argument("--default-drafter", choices=["model", "ngram", "none"])
+    p.set_defaults(func=_serve)
+
+
+def _pull_pair(pair: str) -> None:
+    if pair == "tiny":
+        from specdec.models import tiny
+        from specdec.config import cache_dir
+
+        tiny.build(cache_dir() / "tiny")
+    else:
+        from specdec.models import pull
+
+        pull.pull(pair)
+
+
+def _up(args: argparse.Namespace) -> None:
+    from specdec.launch import Cluster
+
+    _pull_pair(args.models)
+    cluster = Cluster(
+        pair=args.models, draft=args.draft, gateway_port=args.port, drafter_port=args.drafter_port,
+        verifier_port=args.verifier_port, log_dir=Path(args.log_dir), pin=not args.no_pin,
+    )
+    print(f"starting verifier, drafter and gateway ({args.models}); logs in {args.log_dir}", file=sys.stderr)
+    cluster.start()
+    print(f"ready: gateway on 127.0.0.1:{args.port} (Ctrl-C stops)", file=sys.stderr)
+    try:
+        while all(s.proc.poll() is None for s in cluster.services):
+            time.sleep(1.0)
+        print("a service exited; stopping the others", file=sys.stderr)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+
+
+def _spec(args: argparse.Namespace):  # -> pb.GenerationSpec
+    from specdec.wire import pb
+
+    sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, stop=args.stop or [], ignore_eos=args.ignore_eos)
+    if args.max_tokens is not None:
+        sampling.max_tokens = args.max_tokens
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    if args.seed is not None:
+        sampling.seed = args.seed
+    spec = pb.GenerationSpec(sampling=sampling, drafter=args.drafter or "")
+    if args.token_ids:
+        spec.prompt_token_ids.extend(int(t) for t in args.prompt.split(","))
+    else:
+        spec.prompt_text = args.prompt
+    if args.gamma is not None:
+        spec.gamma = args.gamma
+    return spec
+
+
+def stats_dict(stats) -> dict:  # specdec.v1.SpeculationStats -> JSON-ready dict
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(stats, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+
+
+def format_stats(stats, usage, total_ms: float, first_ms: float) -> str:
+    s = stats
+    lines = [
+        f"tokens: {usage.completion_tokens} generated from {usage.prompt_tokens} prompt tokens in "
+        f"{total_ms / 1e3:.2f} s (first token {first_ms:.0f} ms, "
+        f"{(usage.completion_tokens - 1) / max(1e-9, (total_ms - first_ms) / 1e3):.1f} tok/s after it)",
+        f"speculation: drafter={s.drafter} gamma={s.gamma} target_steps={s.target_steps} "
+        f"speculative_steps={s.speculative_steps}",
+        f"  drafted={s.drafted_tokens} accepted={s.accepted_tokens} acceptance_rate={s.acceptance_rate:.3f} "
+        f"mean_accepted_length={s.mean_accepted_length:.2f} tokens_per_step={s.tokens_per_step:.2f}",
+        f"  accepted_per_position={list(s.accepted_per_position)} target_computed_tokens={s.target_computed_tokens}",
+    ]
+    if s.drafter_fallback:
+        lines.append(f"  drafter fallback: {s.fallback_reason}")
+    return "\n".join(lines)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from specdec.wire import pb, rpc
+
+    spec = _spec(args)
+    with grpc.insecure_channel(args.address) as channel:
+        stub = rpc.GatewayServiceStub(channel)
+        t0 = time.perf_counter()
+        first_ms = 0.0
+        text, ids, last = [], [], None
+        try:
+            for chunk in stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), wait_for_ready=True, timeout=args.timeout):
+                if not first_ms:
+                    first_ms = (time.perf_counter() - t0) * 1e3
+                if not args.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                text.append(chunk.text)
+                ids.extend(chunk.token_ids)
+                last = chunk
+        except grpc.RpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 2
+    total_ms = (time.perf_counter() - t0) * 1e3
+    if args.json:
+        print(json.dumps({
+            "request_id": last.request_id,
+            "text": "".join(text),
+            "token_ids": ids,
+            "finish_reason": pb.FinishReason.Name(last.finish_reason),
+            "usage": {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": last.usage.completion_tokens},
+            "stats": stats_dict(last.stats),
+            "total_ms": round(total_ms, 1),
+            "first_token_ms": round(first_ms, 1),
+        }))
+    else:
+        print("\n---", file=sys.stderr)
+        print(format_stats(last.stats, last.usage, total_ms, first_ms), file=sys.stderr)
+    return 0
+
+
+def _add_generate_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=f"127.0.0.1:{config.DEFAULT_GATEWAY_PORT}", help="gateway host:port")
+    p.add_argument("--gamma", type=int, help="draft tokens per target step (0: plain decoding)")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop sequence (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--drafter", choices=["model", "ngram", "none"], help="default: the gateway's")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from specdec.launch import Cluster, free_port
+
+    _pull_pair(args.models)
+    ports = [free_port() for _ in range(3)]
+    cluster = Cluster(pair=args.models, gateway_port=ports[0], drafter_port=ports[1], verifier_port=ports[2],
+                      log_dir=Path(args.log_dir))
+    print(f"starting verifier, drafter and gateway ({args.models}); logs in {args.log_dir}", file=sys.stderr)
+    cluster.start()
+    try:
+        print(f"prompt: {args.prompt!r}\n", file=sys.stderr)
+        args.address = f"127.0.0.1:{ports[0]}"
+        return _generate(args)
+    finally:
+        cluster.stop()
+
+
+def _models(args: argparse.Namespace) -> int:
+    from specdec.models import resolve
+
+    if args.action == "list":
+        from specdec.models import pull
+
+        for m in pull.list_models():
+            print(json.dumps(m))
+        print(json.dumps({"name": "tiny", "roles": ["target", "draft-same", "draft-mid", "draft-far"], "built": "on use"}))
+    elif args.action == "pull":
+        _pull_pair(args.name)
+        print(f"{args.name}: ready")
+    else:
+        print(resolve(args.name, pull=False))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+
+    up = sub.add_parser("up", help="start the three services locally")
+    up.add_argument("--models", default="qwen-coder", choices=["qwen-coder", "tiny"])
+    up.add_argument("--draft", help="draft model reference (default: the pair's draft)")
+    up.add_argument("--port", type=int, default=config.DEFAULT_GATEWAY_PORT)
+    up.add_argument("--drafter-port", type=int, default=config.DEFAULT_DRAFTER_PORT)
+    up.add_argument("--verifier-port", type=int, default=config.DEFAULT_VERIFIER_PORT)
+    up.add_argument("--log-dir", default="logs")
+    up.add_argument("--no-pin", action="store_true", help="do not give the drafter its own core")
+    up.set_defaults(func=_up)
+
+    gen = sub.add_parser("generate", help="generate a completion through the gateway")
+    gen.add_argument("prompt", help="prompt text (or comma-separated ids with --token-ids)")
+    gen.add_argument("--token-ids", action="store_true", help="the prompt is token ids")
+    _add_generate_flags(gen)
+    gen.set_defaults(func=_generate)
+
+    demo = sub.add_parser("demo", help="start the services, run one generation with stats, stop")
+    demo.add_argument("--models", default="qwen-coder", choices=["qwen-coder", "tiny"])
+    demo.add_argument("--prompt", default="def quicksort(items: list[int]) -> list[int]:\n")
+    demo.add_argument("--log-dir", default="logs")
+    demo.set_defaults(func=lambda a: _demo(_demo_defaults(a)), token_ids=False)
+
+    models = sub.add_parser("models", help="list, pull or locate models")
+    models.add_argument("action", choices=["list", "pull", "path"])
+    models.add_argument("name", nargs="?", default="qwen-coder", help="pair (pull) or PAIR/ROLE (path)")
+    models.set_defaults(func=_models)
+
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def _demo_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    defaults = argparse.ArgumentParser(add_help=False)
+    _add_generate_flags(defaults)
+    merged = vars(defaults.parse_args([]))
+    merged.update({"max_tokens": 96, "gamma": 4, "json": False})
+    merged.update(vars(args))
+    return argparse.Namespace(**merged)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

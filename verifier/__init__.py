@@ -1,0 +1,1 @@
+"""The verifier service: vLLM holding the target model (see protos/specdec/v1/verifier.proto)."""

@@ -1,0 +1,242 @@
+"""The target engine: vLLM's V1 LLMEngine, in-process, stepped by one thread.
+
+All sessions share one engine, so concurrent generations are batched by vLLM's
+scheduler (continuous batching), not serialised. The engine is built with the
+`custom_class` speculative method (verifier.proposer.ExternalDraftProposer), so
+drafts offered on the board are verified by vLLM itself with each request's KV cache
+kept between steps: a step computes only 1 + (number of drafts) new tokens per request.
+
+Per step and request the engine thread emits a `Verdict` (the new tokens, how many
+drafts were checked and accepted, the tokens computed) to the session's callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.config import VerifierConfig
+
+log = logging.getLogger("specdec.verifier")
+
+
+@dataclass
+class Verdict:
+    """One target step's result for one request."""
+
+    start_position: int
+    token_ids: list[int]
+    drafted: int
+    accepted: int
+    finish_reason: str | None  # None, "length", "stop", "abort"
+    computed_tokens: int
+    batch_size: int
+    step_ms: float
+
+
+@dataclass
+class GenerationRequest:
+    """What a session asks the engine for."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    max_tokens: int
+    ignore_eos: bool
+    gamma: int
+
+
+def configure_vllm_env(cfg: VerifierConfig) -> None:
+    """Environment vLLM reads at import: in-process engine, CPU thread and KV settings."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the proposer must share our process
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib))))
+    if cfg.threads:
+        os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+
+
+class TargetEngine:
+    """Owns the vLLM engine and its stepping thread."""
+
+    def __init__(self, cfg: VerifierConfig, model_path: str) -> None:
+        configure_vllm_env(cfg)
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from verifier import cpu_fix
+        from verifier.proposer import BOARD
+
+        if cfg.cpu_sampler_fix and cpu_fix.apply():
+            log.info("installed the CPU rejection-sampler fix (vLLM issue #55005)")
+        self.cfg = cfg
+        args = EngineArgs(
+            model=model_path,
+            tokenizer=model_path,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=True,
+            kv_cache_memory_bytes=int(cfg.kv_cache_gib * (1 << 30)),
+            speculative_config={
+                "method": "custom_class",
+                "model": "verifier.proposer.ExternalDraftProposer",
+                "num_speculative_tokens": cfg.max_gamma,
+            },
+            disable_log_stats=True,
+        )
+        self.engine = LLMEngine.from_engine_args(args)
+        self.board = BOARD
+        self.board.max_model_len = cfg.max_model_len
+        hf = self.engine.model_config.hf_config
+        self.vocab_size = int(self.engine.model_config.get_vocab_size())
+        eos = getattr(hf, "eos_token_id", None)
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self._scheduled: dict[str, int] = {}
+        self._hook_scheduler()
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._live: dict[str, _Live] = {}
+        self.steps = 0
+        self.computed_tokens_total = 0
+        self._thread = threading.Thread(target=self._run, name="target-engine", daemon=True)
+        self._stopped = False
+        self._thread.start()
+
+    def _hook_scheduler(self) -> None:
+        """Record how many tokens each request was scheduled (= computed) per step."""
+        scheduler = self.engine.engine_core.engine_core.scheduler
+        original = scheduler.schedule
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            for rid, n in out.num_scheduled_tokens.items():
+                self._scheduled[rid] = self._scheduled.get(rid, 0) + n
+            return out
+
+        scheduler.schedule = schedule
+
+    # ---- called from any thread -------------------------------------------------
+    def submit(self, req: GenerationRequest, on_verdict: Callable[[Verdict], None]) -> None:
+        self._commands.put(("add", (req, on_verdict)))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def offer(self, request_id: str, start: int, tokens: list[int]) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            self.board.offer(live.engine_id, start, tokens)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    # ---- engine thread ----------------------------------------------------------
+    def _apply_commands(self) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                req, cb = arg
+                params = SamplingParams(
+                    temperature=req.temperature,
+                    top_p=req.top_p,
+                    top_k=req.top_k,
+                    seed=req.seed,
+                    max_tokens=req.max_tokens,
+                    ignore_eos=req.ignore_eos,
+                    detokenize=False,
+                    output_kind=RequestOutputKind.DELTA,
+                )
+                live = _Live(req, cb, engine_id="")
+                # the engine id gets a random suffix; register drafts under it before any step
+                engine_id = self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids}, params)
+                live.engine_id = engine_id
+                self.board.register(engine_id, req.gamma, len(req.prompt_token_ids), req.max_tokens)
+                self._live[req.request_id] = live
+            elif kind == "abort":
+                live = self._live.pop(arg, None)
+                if live is not None:
+                    self.engine.abort_request([live.engine_id], internal=True)
+                    self.board.unregister(live.engine_id)
+                    self._scheduled.pop(live.engine_id, None)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # the engine is broken: fail every live session
+                log.exception("engine step failed")
+                for live in list(self._live.values()):
+                    live.callback(Verdict(live.position, [], 0, 0, "abort", 0, 0, 0.0))
+                self._live.clear()
+                raise SystemExit(f"engine step failed: {exc}") from exc
+            step_ms = (time.perf_counter() - t0) * 1e3
+            self.steps += 1
+            for out in outputs:
+                live = self._live.get(out.request_id)  # RequestOutput carries our (external) id
+                if live is None:
+                    continue
+                self._emit(live, out, len(outputs), step_ms)
+
+    def _emit(self, live: "_Live", out: Any, batch_size: int, step_ms: float) -> None:
+        completion = out.outputs[0]
+        tokens = list(completion.token_ids)
+        finish = completion.finish_reason
+        room = live.req.max_tokens - live.generated
+        if len(tokens) >= room:  # the engine may accept drafts past max_tokens: cut there
+            tokens = tokens[:room]
+            finish = finish or "length"
+        if out.finished and finish is None:
+            finish = "stop"
+        start = live.position
+        proposal = self.board.take_proposal(live.engine_id, start)
+        accepted = 0
+        while accepted < min(len(proposal), len(tokens)) and proposal[accepted] == tokens[accepted]:
+            accepted += 1
+        computed = self._scheduled.pop(live.engine_id, 0)
+        self.computed_tokens_total += computed
+        live.generated += len(tokens)
+        verdict = Verdict(start, tokens, len(proposal), accepted, finish, computed, batch_size, step_ms)
+        if finish is not None:
+            self._live.pop(live.req.request_id, None)
+            self.board.unregister(live.engine_id)
+            if not out.finished:
+                self.engine.abort_request([live.engine_id], internal=True)
+        live.callback(verdict)
+
+
+@dataclass
+class _Live:
+    req: GenerationRequest
+    callback: Callable[[Verdict], None]
+    engine_id: str
+    generated: int = 0
+
+    @property
+    def position(self) -> int:
+        return len(self.req.prompt_token_ids) + self.generated

@@ -1,0 +1,138 @@
+"""The verifier gRPC service (specdec.v1.VerifierService).
+
+A `Verify` stream per generation: `open` submits the request to the shared
+TargetEngine; each later `block` goes on the draft board; each engine step's
+verdict for the request is streamed back. Cancelling the call aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from specdec import serving
+from specdec.config import VerifierConfig
+from specdec.validation import InvalidField, check_gamma, check_sampling, check_token_ids
+from specdec.wire import pb, rpc
+from verifier.engine import GenerationRequest, TargetEngine, Verdict
+
+log = logging.getLogger("specdec.verifier")
+
+FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop": pb.FINISH_REASON_STOP,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+def verdict_pb(v: Verdict) -> "pb.VerifyResponse":
+    return pb.VerifyResponse(
+        start_position=v.start_position,
+        token_ids=v.token_ids,
+        drafted=v.drafted,
+        accepted=v.accepted,
+        finish_reason=FINISH[v.finish_reason],
+        computed_tokens=v.computed_tokens,
+        batch_size=v.batch_size,
+        step_ms=v.step_ms,
+    )
+
+
+class VerifierServicer(rpc.VerifierServiceServicer):
+    def __init__(self, cfg: VerifierConfig) -> None:
+        from specdec.models import resolve
+
+        self.cfg = cfg
+        self.model_name = cfg.model
+        self.engine = TargetEngine(cfg, str(resolve(cfg.model)))
+        self._ids: set[str] = set()
+
+    def _request(self, req: "pb.VerifyOpen") -> GenerationRequest:
+        if not req.request_id:
+            raise InvalidField("open.request_id", "must not be empty")
+        if req.request_id in self._ids:
+            raise InvalidField("open.request_id", f"{req.request_id!r} is already in use")
+        check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.engine.vocab_size)
+        check_gamma("open.gamma", req.gamma, self.cfg.max_gamma)
+        sp = req.sampling
+        check_sampling("open.sampling", sp, len(req.prompt_token_ids), self.cfg.max_model_len)
+        return GenerationRequest(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            temperature=sp.temperature,
+            top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+            top_k=sp.top_k if sp.top_k > 0 else -1,
+            seed=sp.seed if sp.HasField("seed") else None,
+            max_tokens=sp.max_tokens,
+            ignore_eos=sp.ignore_eos,
+            gamma=req.gamma,
+        )
+
+    async def Verify(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        first = await context.read()
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "open":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must be `open`")
+        try:
+            req = self._request(first.open)
+        except InvalidField as err:
+            await serving.abort_invalid(context, err)
+        loop = asyncio.get_running_loop()
+        verdicts: asyncio.Queue[Verdict | InvalidField] = asyncio.Queue()
+        self._ids.add(req.request_id)
+        self.engine.submit(req, lambda v: loop.call_soon_threadsafe(verdicts.put_nowait, v))
+        vocab = self.engine.vocab_size
+
+        async def read_blocks() -> None:
+            try:
+                while True:
+                    msg = await context.read()
+                    if msg is grpc.aio.EOF:
+                        return
+                    if msg.WhichOneof("kind") != "block":
+                        raise InvalidField("block", "only blocks may follow `open`")
+                    check_token_ids("block.token_ids", msg.block.token_ids, vocab, allow_empty=True)
+                    self.engine.offer(req.request_id, msg.block.start_position, list(msg.block.token_ids))
+            except InvalidField as err:
+                verdicts.put_nowait(err)
+
+        reader = asyncio.create_task(read_blocks())
+        finished = False
+        try:
+            while True:
+                item = await verdicts.get()
+                if isinstance(item, InvalidField):
+                    await serving.abort_invalid(context, item)
+                await context.write(verdict_pb(item))
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            reader.cancel()
+            self._ids.discard(req.request_id)
+            if not finished:  # cancelled, failed or invalid: free the engine's slot
+                self.engine.abort(req.request_id)
+
+    async def GetVerifierInfo(self, request, context) -> "pb.GetVerifierInfoResponse":  # noqa: N802
+        return pb.GetVerifierInfoResponse(
+            model=self.model_name,
+            vocab_size=self.engine.vocab_size,
+            max_model_len=self.cfg.max_model_len,
+            max_gamma=self.cfg.max_gamma,
+            eos_token_ids=self.engine.eos_token_ids,
+        )
+
+
+async def main(cfg: VerifierConfig) -> None:
+    servicer = VerifierServicer(cfg)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        rpc.add_VerifierServiceServicer_to_server(servicer, server)
+        return ["specdec.v1.VerifierService"]
+
+    try:
+        await serving.serve("verifier", cfg.host, cfg.port, register)
+    finally:
+        servicer.engine.stop()
