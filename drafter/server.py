@@ -93,9 +93,6 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.worker.start()
         log.info("draft model %s loaded from %s (vocab %d)", cfg.model, path, self.vocab_size)
 
-    def _lookahead(self, gamma: int) -> int:
-        return gamma + 1 if self.cfg.lookahead < 0 else self.cfg.lookahead
-
     def _open(self, req: "pb.DraftOpen") -> DraftSession:
         check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.vocab_size)
         if not 1 <= req.gamma <= MAX_GAMMA_LIMIT:
@@ -107,12 +104,12 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         check_sampling("open.sampling", sp)
         prompt = list(req.prompt_token_ids)
         if method == "ngram":
-            return NgramDraftSession(prompt, req.gamma, self._lookahead(req.gamma), self.cfg.ngram_max, self.cfg.ngram_min)
+            return NgramDraftSession(prompt, req.gamma, self.cfg.lookahead, self.cfg.ngram_max, self.cfg.ngram_min)
         return ModelDraftSession(
             self.model,
             prompt,
             req.gamma,
-            self._lookahead(req.gamma),
+            self.cfg.lookahead,
             temperature=sp.temperature,
             top_k=sp.top_k if sp.top_k > 0 else 0,
             top_p=sp.top_p if sp.HasField("top_p") else 1.0,

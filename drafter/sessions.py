@@ -3,9 +3,7 @@
 Terms:
     context     committed tokens followed by the drafter's own not-yet-verified drafts
     committed   how many leading tokens of `context` the target has verified
-    window      how far past `committed` the drafter may draft: gamma + 1 + lookahead.
-                The first draft token guesses the token the target emits itself in
-                its current step; the next gamma are the block it verifies after.
+    window      how far past `committed` the drafter may draft: gamma + lookahead.
                 `lookahead` lets the drafter keep drafting while a block is verified.
     sent        tokens of `context` already sent to the caller in blocks
 
@@ -47,7 +45,7 @@ class BlockOut:
 class DraftSession:
     """Shared bookkeeping of a draft session; subclasses implement `_next_token`."""
 
-    def __init__(self, prompt: list[int], gamma: int, lookahead: int, flush_ms: float = 10.0) -> None:
+    def __init__(self, prompt: list[int], gamma: int, lookahead: int, flush_ms: float = 50.0) -> None:
         self.context: list[int] = list(prompt)
         self.committed = len(prompt)
         self.sent = len(prompt)
@@ -56,6 +54,7 @@ class DraftSession:
         self.flush_ms = flush_ms
         self.lock = threading.Lock()
         self.closed = False
+        self.started = False  # drafting starts with the first commit (the target's first token)
         self.exhausted = False  # the method has nothing more to propose for this context
         self._pending: list[Draft] = []
         self._pending_since = 0.0
@@ -63,14 +62,19 @@ class DraftSession:
 
     @property
     def window(self) -> int:
-        return self.gamma + 1 + self.lookahead
+        return self.gamma + self.lookahead
 
     def wants_work(self) -> bool:
-        return not self.closed and not self.exhausted and len(self.context) - self.committed < self.window
+        if self.closed:
+            return False
+        if not self.started:
+            return self._needs_warmup()
+        return not self.exhausted and len(self.context) - self.committed < self.window
 
     def commit(self, start: int, tokens: list[int], gamma: int = 0) -> None:
         """Apply a target verdict: context[:start] + tokens is now verified."""
         with self.lock:
+            self.started = True
             if gamma:
                 self.gamma = gamma
             end = start + len(tokens)
@@ -83,7 +87,10 @@ class DraftSession:
                 self._rollback(keep)
                 self._pending.clear()
                 self.sent = len(self.context)
-
+            else:  # unsent drafts the target has now verified need not be sent
+                covered = min(len(self._pending), max(0, end - self.sent))
+                del self._pending[:covered]
+                self.sent += covered
             self.committed = max(self.committed, end)
             self.sent = max(self.sent, self.committed)
             self.exhausted = False  # the context grew: the method may propose again
@@ -91,13 +98,18 @@ class DraftSession:
     def step(self) -> BlockOut | None:
         """Draft one token (if the window allows); return a block when one is due."""
         with self.lock:
+            if not self.started:
+                if self._needs_warmup():
+                    self._warmup()
+                return None
             if not self.wants_work():
                 return self._flush(force=True)
             t0 = time.perf_counter()
             draft = self._next_token()
             if draft is None:
                 self.exhausted = True
-                return self._flush(force=True)
+                # an empty block tells the verifier not to wait for drafts at this position
+                return self._flush(force=True) or BlockOut(self.sent, [], 0.0)
             if not self._pending:
                 self._pending_since = t0
                 self._pending_ms = 0.0
@@ -110,7 +122,7 @@ class DraftSession:
         if not self._pending:
             return None
         waited_ms = (time.perf_counter() - self._pending_since) * 1e3
-        if not force and len(self._pending) < self.gamma + 1 and waited_ms < self.flush_ms:
+        if not force and len(self._pending) < self.gamma and waited_ms < self.flush_ms:
             return None
         block = BlockOut(self.sent, self._pending, self._pending_ms)
         self.sent += len(self._pending)
@@ -119,6 +131,13 @@ class DraftSession:
 
     def _next_token(self) -> Draft | None:
         raise NotImplementedError
+
+    def _needs_warmup(self) -> bool:
+        """Whether there is work to do before the first commit (e.g. the prompt's KV cache)."""
+        return False
+
+    def _warmup(self) -> None:
+        """Do that work while the target runs its prefill."""
 
     def _rollback(self, keep: int) -> None:
         """Forget model state past the first `keep` tokens of the context."""
@@ -161,17 +180,30 @@ class ModelDraftSession(DraftSession):
         self.forward_tokens = 0  # tokens run through the draft model (work counter)
 
     @torch.inference_mode()
-    def _next_token(self) -> Draft | None:
-        new = self.context[self.cached :]
+    def _forward(self, upto: int) -> torch.Tensor:
+        """Feed context[cached:upto] through the model; return the last position's logits [vocab]."""
+        new = self.context[self.cached : upto]
         # [1, len(new)] -> logits [1, len(new), vocab]
         out = self.model(
             input_ids=torch.tensor([new], dtype=torch.long),
             past_key_values=self.cache,
             use_cache=True,
+            logits_to_keep=1,
         )
-        self.cached = len(self.context)
+        self.cached = upto
         self.forward_tokens += len(new)
-        logits = out.logits[0, -1]  # [vocab]
+        return out.logits[0, -1]
+
+    def _needs_warmup(self) -> bool:
+        return self.cached < len(self.context) - 1
+
+    def _warmup(self) -> None:
+        # the prompt's KV cache, all but the last token (fed with the first drafted step)
+        self._forward(len(self.context) - 1)
+
+    @torch.inference_mode()
+    def _next_token(self) -> Draft | None:
+        logits = self._forward(len(self.context))  # [vocab]
         if self.temperature == 0:
             return Draft(int(logits.argmax()), 1.0, None)
         probs = target_distribution(logits, self.temperature, self.top_k, self.top_p)

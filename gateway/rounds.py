@@ -92,7 +92,9 @@ class Stats:
 class Round:
     """Runs one generation between a VerifierService and a DrafterService stub.
 
-    Iterate `verdicts()`; `stats` is complete when the iteration ends.
+    Iterate `verdicts()` (previews are consumed here, not yielded); `stats` is complete
+    when the iteration ends. All writes to the verifier go through one queue and task,
+    all writes to the drafter through another, so neither stream has two writers.
     """
 
     def __init__(self, plan: Plan, verifier_stub: object, drafter_stub: object, open_timeout_s: float) -> None:
@@ -103,103 +105,118 @@ class Round:
         use_drafter = plan.gamma > 0 and plan.drafter != "none"
         self.stats = Stats(plan.gamma if use_drafter else 0, plan.drafter if use_drafter else "none")
         self._finished = False
-        self._commits: asyncio.Queue["pb.DraftRequest | None"] = asyncio.Queue()
+        self._to_verifier: asyncio.Queue["pb.VerifyRequest | None"] = asyncio.Queue()
+        self._to_drafter: asyncio.Queue["pb.DraftRequest | None"] = asyncio.Queue()
+        self._committed = len(plan.prompt_token_ids)  # the drafter has been told up to here
+        self._dcall: grpc.aio.StreamStreamCall | None = None
 
     def _fallback(self, reason: str) -> None:
-        if not self.stats.fallback_reason and not self._finished:
-            self.stats.fallback_reason = reason
-            log.warning("request %s: drafter fallback: %s", self.plan.request_id, reason)
+        """The drafter is gone: tell the verifier to stop waiting for it and go on plainly."""
+        if self.stats.fallback_reason or self._finished:
+            return
+        self.stats.fallback_reason = reason
+        log.warning("request %s: drafter fallback: %s", self.plan.request_id, reason)
+        self._to_verifier.put_nowait(pb.VerifyRequest(end=pb.DraftEnd(reason=reason)))
+        self._to_drafter.put_nowait(None)
+        if self._dcall is not None:
+            self._dcall.cancel()
 
-    async def _relay_blocks(self, dcall: grpc.aio.StreamStreamCall, vcall: grpc.aio.StreamStreamCall) -> None:
-        """drafter -> verifier: forward each block as it arrives."""
-        p = self.plan
+    async def _write_all(self, call: grpc.aio.StreamStreamCall, q: asyncio.Queue) -> None:
+        while (msg := await q.get()) is not None:
+            await call.write(msg)
+
+    async def _verifier_writer(self, vcall: grpc.aio.StreamStreamCall) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError):
+            await self._write_all(vcall, self._to_verifier)  # errors surface on the read side
+
+    async def _drafter_writer(self, dcall: grpc.aio.StreamStreamCall) -> None:
         try:
-            await dcall.write(
-                pb.DraftRequest(
-                    open=pb.DraftOpen(
-                        request_id=p.request_id,
-                        prompt_token_ids=p.prompt_token_ids,
-                        sampling=p.sampling,
-                        gamma=p.gamma,
-                        method=p.drafter,
-                    )
-                )
-            )
-            first = True
+            await self._write_all(dcall, self._to_drafter)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError) as err:
+            self._fallback(f"drafter write failed: {err}")
+
+    async def _relay_blocks(self, dcall: grpc.aio.StreamStreamCall) -> None:
+        """drafter -> verifier: forward each block as it arrives."""
+        first = self.plan.drafter == "model"
+        try:
             while True:
-                if first and p.drafter == "model":
-                    resp = await asyncio.wait_for(dcall.read(), self.open_timeout_s)
-                else:
-                    resp = await dcall.read()
+                read = dcall.read()
+                resp = await (asyncio.wait_for(read, self.open_timeout_s) if first else read)
                 first = False
                 if resp is grpc.aio.EOF:
                     self._fallback("drafter ended its stream")
                     return
                 self.stats.blocks += 1
                 self.stats.block_tokens += len(resp.block.token_ids)
-                await vcall.write(pb.VerifyRequest(block=resp.block))
+                self._to_verifier.put_nowait(pb.VerifyRequest(block=resp.block))
         except TimeoutError:
             self._fallback(f"drafter missed its {self.open_timeout_s:g} s deadline for the first block")
         except grpc.aio.AioRpcError as err:
             self._fallback(f"drafter {err.code().name}: {err.details()}")
-        except (grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError) as err:
-            if not self._finished:
-                self._fallback(f"relay failed: {err}")
-        finally:
-            dcall.cancel()
 
-    async def _send_commits(self, dcall: grpc.aio.StreamStreamCall) -> None:
-        """gateway -> drafter: one commit per verdict, in order, off the verdict path."""
-        try:
-            while (msg := await self._commits.get()) is not None:
-                await dcall.write(msg)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError) as err:
-            self._fallback(f"drafter commit failed: {err}")
+    def _commit(self, v: "pb.VerifyResponse") -> None:
+        """Tell the drafter what the target produced (only what it was not told yet)."""
+        end = v.start_position + len(v.token_ids)
+        if self._dcall is None or self.stats.fallback_reason or end <= self._committed:
+            return
+        skip = max(0, self._committed - v.start_position)
+        self._to_drafter.put_nowait(
+            pb.DraftRequest(
+                commit=pb.DraftCommit(
+                    start_position=v.start_position + skip, token_ids=v.token_ids[skip:], accepted=v.accepted
+                )
+            )
+        )
+        self._committed = end
 
     async def verdicts(self) -> AsyncIterator["pb.VerifyResponse"]:
         p = self.plan
         vcall = self.verifier_stub.Verify()
-        tasks: list[asyncio.Task] = []
-        dcall = None
-        try:
-            await vcall.write(
-                pb.VerifyRequest(
-                    open=pb.VerifyOpen(
-                        request_id=p.request_id,
-                        prompt_token_ids=p.prompt_token_ids,
-                        sampling=p.sampling,
-                        gamma=self.stats.gamma,
-                    )
+        tasks = [asyncio.create_task(self._verifier_writer(vcall))]
+        self._to_verifier.put_nowait(
+            pb.VerifyRequest(
+                open=pb.VerifyOpen(
+                    request_id=p.request_id, prompt_token_ids=p.prompt_token_ids, sampling=p.sampling, gamma=self.stats.gamma
                 )
             )
+        )
+        try:
             if self.stats.gamma:
-                dcall = self.drafter_stub.Draft()
-                tasks.append(asyncio.create_task(self._relay_blocks(dcall, vcall)))
-                tasks.append(asyncio.create_task(self._send_commits(dcall)))
+                self._dcall = self.drafter_stub.Draft()
+                self._to_drafter.put_nowait(
+                    pb.DraftRequest(
+                        open=pb.DraftOpen(
+                            request_id=p.request_id,
+                            prompt_token_ids=p.prompt_token_ids,
+                            sampling=p.sampling,
+                            gamma=p.gamma,
+                            method=p.drafter,
+                        )
+                    )
+                )
+                tasks.append(asyncio.create_task(self._drafter_writer(self._dcall)))
+                tasks.append(asyncio.create_task(self._relay_blocks(self._dcall)))
             while True:
                 v = await vcall.read()
                 if v is grpc.aio.EOF:
                     raise RuntimeError("verifier ended the stream without a finish reason")
+                self._commit(v)
+                if v.preview:
+                    continue
                 self.stats.add_verdict(v)
-                if v.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    self._finished = True
-                if dcall is not None and not self._finished:
-                    self._commits.put_nowait(
-                        pb.DraftRequest(
-                            commit=pb.DraftCommit(start_position=v.start_position, token_ids=v.token_ids, accepted=v.accepted)
-                        )
-                    )
+                self._finished = v.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                 yield v
                 if self._finished:
                     return
         finally:
             self._finished = True
-            self._commits.put_nowait(None)
+            self._to_verifier.put_nowait(None)
+            self._to_drafter.put_nowait(None)
             for t in tasks:
                 t.cancel()
             for t in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
-            if dcall is not None:
-                dcall.cancel()
+            if self._dcall is not None:
+                self._dcall.cancel()
             vcall.cancel()

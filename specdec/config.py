@@ -76,8 +76,10 @@ class DrafterConfig:
     # Torch threads for drafting (a separate drafter host gives it its cores).
     threads: int = 1
     dtype: str = "float32"
-    # Tokens past the committed context the drafter may run ahead (0: gamma per round).
+    # Tokens past gamma the drafter may run ahead of the committed context (0: one block per round).
     lookahead: int = 0
+    # A partial block is sent when its first token waited this long.
+    flush_ms: float = 50.0
     # Size of the sparse support of q sent with sampled drafts (top-k of the draft).
     q_top_k: int = 16
     # n-gram drafter: longest/shortest suffix to look up in the context.
@@ -103,6 +105,9 @@ class VerifierConfig:
     # Replace vLLM's CPU expand_batch_to_tokens (vLLM issue #55005); never disable in production.
     cpu_sampler_fix: bool = True
     enforce_eager: bool = True
+    # Most a target step waits for the drafts of its speculative requests, milliseconds;
+    # past it the step decodes those requests plainly.
+    draft_wait_ms: float = 2000.0
 
 
 @dataclass

@@ -38,6 +38,7 @@ class Verdict:
     computed_tokens: int
     batch_size: int
     step_ms: float
+    preview: bool = False  # tokens sampled in a step still running (see VerifyResponse.preview)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class TargetEngine:
         self.engine = LLMEngine.from_engine_args(args)
         self.board = BOARD
         self.board.max_model_len = cfg.max_model_len
+        self.board.wait_s = cfg.draft_wait_ms / 1e3
         hf = self.engine.model_config.hf_config
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
         eos = getattr(hf, "eos_token_id", None)
@@ -140,6 +142,11 @@ class TargetEngine:
         if live is not None:
             self.board.offer(live.engine_id, start, tokens)
 
+    def end_drafts(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            self.board.end(live.engine_id)
+
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -170,7 +177,10 @@ class TargetEngine:
                 # the engine id gets a random suffix; register drafts under it before any step
                 engine_id = self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids}, params)
                 live.engine_id = engine_id
-                self.board.register(engine_id, req.gamma, len(req.prompt_token_ids), req.max_tokens)
+                self.board.register(
+                    engine_id, req.gamma, len(req.prompt_token_ids), req.max_tokens,
+                    lambda start, tokens, cb=cb: cb(Verdict(start, tokens, 0, 0, None, 0, 0, 0.0, preview=True)),
+                )
                 self._live[req.request_id] = live
             elif kind == "abort":
                 live = self._live.pop(arg, None)

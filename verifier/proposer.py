@@ -1,10 +1,15 @@
 """External drafts into vLLM: the draft board and the `custom_class` proposer.
 
-vLLM's V1 engine calls `ExternalDraftProposer.propose` at the end of every step, for
-the next step. It must never wait: it returns, for each row of the batch, the draft
-tokens that are already on the board and consistent with that row's current context,
-else []. vLLM then verifies them in its next step with its own scheduler, KV cache
-(no recompute of verified tokens) and rejection sampler (one-hot q, which is exact).
+vLLM's V1 engine calls `ExternalDraftProposer.propose` at the end of every step,
+after sampling, for the next step. For each speculative request the proposer:
+  1. previews the tokens just sampled (the callback sends them to the gateway, which
+     commits them to the drafter), so the drafter can draft from the exact context
+     while the engine finishes the step;
+  2. waits, at most `wait_s` for the whole batch, for a block that continues that
+     context, and returns its first gamma tokens; a request with no block in time
+     (or whose drafter has ended) gets [] and decodes plainly this step.
+vLLM then verifies the drafts in its next step with its own scheduler, KV cache (no
+recompute of verified tokens) and rejection sampler (one-hot q, which is exact).
 
 Terms:
     chain      per request, the draft tokens received so far: chain[i] is the drafter's
@@ -17,10 +22,15 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+# (start_position, tokens) of a preview
+PreviewCallback = Callable[[int, list[int]], None]
 
 
 @dataclass
@@ -28,6 +38,9 @@ class _Entry:
     gamma: int
     prompt_len: int
     max_tokens: int
+    on_preview: PreviewCallback | None
+    drafting: bool = True  # False once the drafter ended: stop waiting for it
+    no_drafts_at: int = -1  # the drafter said it has nothing for a context of this length
     chain_start: int = 0
     chain: list[int] = field(default_factory=list)
     # context length -> tokens proposed for it (read back when the verdict arrives)
@@ -38,23 +51,39 @@ class DraftBoard:
     """Thread-safe drafts by engine request id, shared by the gRPC side and the proposer."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._entries: dict[str, _Entry] = {}
         self.max_model_len = 1 << 30
+        self.wait_s = 0.0
+        self.waited_s = 0.0  # total time steps spent waiting for drafts
 
-    def register(self, req_id: str, gamma: int, prompt_len: int, max_tokens: int) -> None:
-        with self._lock:
-            self._entries[req_id] = _Entry(gamma, prompt_len, max_tokens)
+    def register(
+        self, req_id: str, gamma: int, prompt_len: int, max_tokens: int, on_preview: PreviewCallback | None = None
+    ) -> None:
+        with self._cond:
+            self._entries[req_id] = _Entry(gamma, prompt_len, max_tokens, on_preview, drafting=gamma > 0)
 
     def unregister(self, req_id: str) -> None:
-        with self._lock:
+        with self._cond:
             self._entries.pop(req_id, None)
+
+    def end(self, req_id: str) -> None:
+        """The drafter of this request is gone: never wait for it again."""
+        with self._cond:
+            e = self._entries.get(req_id)
+            if e is not None:
+                e.drafting = False
+            self._cond.notify_all()
 
     def offer(self, req_id: str, start: int, tokens: list[int]) -> None:
         """Add a block: it extends the chain when contiguous, else replaces it (a re-draft)."""
-        with self._lock:
+        with self._cond:
             e = self._entries.get(req_id)
             if e is None or e.gamma == 0:
+                return
+            if not tokens:
+                e.no_drafts_at = start
+                self._cond.notify_all()
                 return
             if e.chain and start == e.chain_start + len(e.chain):
                 e.chain.extend(tokens)
@@ -63,41 +92,66 @@ class DraftBoard:
                 e.chain.extend(tokens)
             else:
                 e.chain_start, e.chain = start, list(tokens)
+            self._cond.notify_all()
 
-    def propose(self, req_id: str, context: np.ndarray, k_max: int) -> list[int]:
-        """Drafts for a request whose context (prompt + generated) is `context` [L]."""
-        with self._lock:
+    def _budget(self, e: _Entry, length: int) -> int:
+        remaining = e.prompt_len + e.max_tokens - length - 1  # tokens still to come after the bonus
+        room = self.max_model_len - length - 1
+        return max(0, min(e.gamma, remaining, room))
+
+    def _propose(self, req_id: str, context: np.ndarray, k_max: int) -> list[int]:
+        e = self._entries.get(req_id)
+        if e is None or not e.chain:
+            return []
+        length = len(context)
+        offset = length - e.chain_start
+        if offset < 0:
+            return []
+        if offset > len(e.chain) or (offset and not np.array_equal(context[e.chain_start : length], e.chain[:offset])):
+            e.chain = []  # stale or disagreeing with the target: wait for the re-draft
+            return []
+        del e.chain[:offset]  # now verified context
+        e.chain_start = length
+        drafts = e.chain[: min(k_max, self._budget(e, length))]
+        if drafts:
+            e.proposals[length] = drafts
+        return drafts
+
+    def _expects(self, req_id: str, length: int) -> bool:
+        e = self._entries.get(req_id)
+        return e is not None and e.drafting and e.no_drafts_at != length and self._budget(e, length) > 0
+
+    def preview(self, req_id: str, start: int, tokens: list[int]) -> None:
+        with self._cond:
             e = self._entries.get(req_id)
-            if e is None or not e.chain:
-                return []
-            length = len(context)
-            offset = length - e.chain_start
-            if offset < 0 or offset >= len(e.chain):
-                if offset >= len(e.chain):
-                    e.chain = []
-                return []
-            if offset and not np.array_equal(context[e.chain_start : length], e.chain[:offset]):
-                e.chain = []  # the target disagreed: wait for the drafter's re-draft
-                return []
-            # drop what is now verified context
-            del e.chain[:offset]
-            e.chain_start = length
-            remaining = e.prompt_len + e.max_tokens - length - 1  # tokens still to come after the bonus
-            room = self.max_model_len - length - 1
-            n = max(0, min(e.gamma, k_max, remaining, room, len(e.chain)))
-            drafts = e.chain[:n]
-            if drafts:
-                e.proposals[length] = drafts
-            return drafts
+            callback = e.on_preview if e is not None and e.drafting else None
+        if callback is not None:
+            callback(start, tokens)
+
+    def propose_batch(self, rows: list[tuple[str, np.ndarray]], k_max: int) -> list[list[int]]:
+        """Drafts for each (request id, context [L]) row, waiting up to `wait_s` for missing ones."""
+        deadline = time.monotonic() + self.wait_s
+        t0 = time.monotonic()
+        with self._cond:
+            drafts = [self._propose(rid, ctx, k_max) for rid, ctx in rows]
+            while True:
+                missing = [i for i, (rid, ctx) in enumerate(rows) if not drafts[i] and self._expects(rid, len(ctx))]
+                left = deadline - time.monotonic()
+                if not missing or left <= 0:
+                    break
+                self._cond.wait(left)
+                for i in missing:
+                    drafts[i] = self._propose(rows[i][0], rows[i][1], k_max)
+        self.waited_s += time.monotonic() - t0
+        return drafts
 
     def take_proposal(self, req_id: str, length: int) -> list[int]:
         """The drafts proposed when the context had `length` tokens (forgotten after)."""
-        with self._lock:
+        with self._cond:
             e = self._entries.get(req_id)
             if e is None:
                 return []
-            stale = [k for k in e.proposals if k < length]
-            for k in stale:
+            for k in [k for k in e.proposals if k < length]:
                 del e.proposals[k]
             return e.proposals.pop(length, [])
 
@@ -117,7 +171,7 @@ def _find_runner() -> Any:
 
 
 class ExternalDraftProposer:
-    """vLLM `custom_class` proposer reading drafts from `BOARD` (engine must run in-process)."""
+    """vLLM `custom_class` proposer reading drafts from `BOARD` (the engine must run in-process)."""
 
     def __init__(self, vllm_config: Any) -> None:
         self.k_max = int(vllm_config.speculative_config.num_speculative_tokens)
@@ -131,7 +185,7 @@ class ExternalDraftProposer:
         self,
         # [batch_size][tokens sampled this step]; empty for a partial prefill chunk
         sampled_token_ids: list[list[int]],
-        # [max_num_reqs]: context length of each row
+        # [max_num_reqs]: context length of each row, this step's tokens included
         num_tokens_no_spec: np.ndarray,
         # [max_num_reqs, max_model_len]: each row's token ids
         token_ids_cpu: np.ndarray,
@@ -139,11 +193,16 @@ class ExternalDraftProposer:
         **kwargs: Any,
     ) -> list[list[int]]:
         req_ids = self.runner.input_batch.req_ids
-        drafts: list[list[int]] = []
+        rows: list[tuple[str, np.ndarray]] = []
+        index: list[int] = []
         for row, sampled in enumerate(sampled_token_ids):
             if not sampled:
-                drafts.append([])
                 continue
             length = int(num_tokens_no_spec[row])
-            drafts.append(self.board.propose(req_ids[row], token_ids_cpu[row, :length], self.k_max))
+            self.board.preview(req_ids[row], length - len(sampled), list(sampled))
+            rows.append((req_ids[row], token_ids_cpu[row, :length]))
+            index.append(row)
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        for row, d in zip(index, self.board.propose_batch(rows, self.k_max)):
+            drafts[row] = d
         return drafts

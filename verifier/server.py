@@ -38,6 +38,7 @@ def verdict_pb(v: Verdict) -> "pb.VerifyResponse":
         computed_tokens=v.computed_tokens,
         batch_size=v.batch_size,
         step_ms=v.step_ms,
+        preview=v.preview,
     )
 
 
@@ -91,12 +92,18 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                     msg = await context.read()
                     if msg is grpc.aio.EOF:
                         return
-                    if msg.WhichOneof("kind") != "block":
-                        raise InvalidField("block", "only blocks may follow `open`")
+                    kind = msg.WhichOneof("kind")
+                    if kind == "end":
+                        self.engine.end_drafts(req.request_id)
+                        continue
+                    if kind != "block":
+                        raise InvalidField("block", "only blocks or `end` may follow `open`")
                     check_token_ids("block.token_ids", msg.block.token_ids, vocab, allow_empty=True)
                     self.engine.offer(req.request_id, msg.block.start_position, list(msg.block.token_ids))
             except InvalidField as err:
                 verdicts.put_nowait(err)
+            finally:
+                self.engine.end_drafts(req.request_id)  # no more blocks can come
 
         reader = asyncio.create_task(read_blocks())
         finished = False
@@ -106,7 +113,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                 if isinstance(item, InvalidField):
                     await serving.abort_invalid(context, item)
                 await context.write(verdict_pb(item))
-                if item.finish_reason is not None:
+                if item.finish_reason is not None and not item.preview:
                     finished = True
                     return
         finally:

@@ -26,8 +26,8 @@ HIDDEN = 128
 LAYERS = 2
 HEADS = 2
 MAX_POSITIONS = 2048
-# Standard deviation of the target's lm_head weights: logits ~ N(0, (0.2 * sqrt(128))^2).
-LM_HEAD_STD = 0.2
+# Standard deviation of the target's lm_head weights: logits ~ N(0, (0.35 * sqrt(128))^2).
+LM_HEAD_STD = 0.35
 # Noise added to draft-mid's lm_head, relative to LM_HEAD_STD.
 MID_NOISE = 0.2
 EOS = "<|endoftext|>"

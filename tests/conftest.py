@@ -1,0 +1,114 @@
+"""Shared fixtures: the tiny model pair, real services on loopback, a vLLM reference.
+
+The end-to-end tests run the real services (separate processes, real vLLM on CPU)
+on the tiny pair. One verifier serves all gateways; each drafter serves one draft
+model and has its own gateway:
+    "mid"   draft-mid (agrees often, not always)   "same" draft-same (agrees always)
+    "far"   draft-far (agrees rarely)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from specdec.launch import Service, free_port, start_service
+from specdec.models import resolve
+
+TESTS = Path(__file__).resolve().parent
+DRAFTS = {"mid": "tiny/draft-mid", "same": "tiny/draft-same", "far": "tiny/draft-far"}
+MAX_GAMMA = 8
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> Path:
+    return resolve("tiny/target")
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("service-logs")
+
+
+class Services:
+    """Handles to the running services of the session."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[Service] = []
+        self.verifier: Service | None = None
+        self.gateways: dict[str, Service] = {}
+        self.drafters: dict[str, Service] = {}
+
+    def start_verifier(self) -> Service:
+        svc = start_service(
+            "verifier", free_port(),
+            ["--model", "tiny/target", "--max-gamma", str(MAX_GAMMA), "--threads", "1", "--max-num-seqs", "64"],
+            self.log_dir,
+        )
+        self.started.append(svc)
+        return svc
+
+    def start_pair(self, draft: str, verifier: Service) -> tuple[Service, Service]:
+        """A drafter serving `draft` and a gateway that uses it and `verifier`."""
+        drafter = start_service("drafter", free_port(), ["--model", draft, "--threads", "1"], self.log_dir)
+        gateway = self.start_gateway(drafter.address, verifier.address)
+        self.started.append(drafter)
+        return drafter, gateway
+
+    def start_gateway(self, drafter_address: str, verifier_address: str) -> Service:
+        gateway = start_service(
+            "gateway", free_port(),
+            ["--tokenizer", "tiny/target", "--drafter-address", drafter_address, "--verifier-address", verifier_address],
+            self.log_dir,
+        )
+        self.started.append(gateway)
+        return gateway
+
+    def stop(self) -> None:
+        for svc in reversed(self.started):
+            svc.stop()
+
+
+@pytest.fixture(scope="session")
+def services(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
+    s = Services(log_dir)
+    try:
+        s.verifier = s.start_verifier()
+        for name, draft in DRAFTS.items():
+            s.drafters[name], s.gateways[name] = s.start_pair(draft, s.verifier)
+        for svc in s.started:
+            svc.wait_ready(300)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway_address(services: Services) -> str:
+    return services.gateways["mid"].address
+
+
+@pytest.fixture
+def aio_channel_factory():
+    """Make grpc.aio channels inside a test's event loop."""
+    return lambda address: grpc.aio.insecure_channel(address)
+
+
+def vllm_reference(model: Path, requests: list[dict]) -> list[list[int]]:
+    """Token ids a plain vLLM engine (no speculation) generates for each request."""
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "e2e" / "vllm_reference.py"), str(model)],
+        input=json.dumps(requests), capture_output=True, text=True, timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"reference run failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

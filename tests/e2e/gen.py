@@ -1,0 +1,58 @@
+"""Client helpers for the end-to-end tests: many generations through a gateway at once."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from specdec.wire import pb, rpc
+
+TEXT_PROMPTS = [
+    "def add(a, b):\n    return",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n",
+    "for i in range(10):\n",
+    "while True:\n    line = input()\n",
+    "def fib(n):\n    if n < 2:\n        return n\n",
+    "# Copyright\n\"\"\"Module docstring.\"\"\"\n",
+    "try:\n    import json\nexcept ImportError:\n",
+    "x = [i * i for i in range(",
+    "with open(path) as f:\n    data = f.read()\n",
+]
+
+
+def prompts(tokenizer: Any, n: int = 20, seed: int = 0) -> list[list[int]]:
+    """n prompts as token ids: the text prompts, then seeded random ids of varied length."""
+    import random
+
+    out = [list(tokenizer.encode(t)) for t in TEXT_PROMPTS][:n]
+    rng = random.Random(seed)
+    while len(out) < n:
+        out.append([rng.randrange(1, tokenizer.vocab_size) for _ in range(rng.randrange(3, 60))])
+    return out
+
+
+def spec(prompt: list[int], max_tokens: int, gamma: int | None = None, drafter: str = "", **sampling: Any) -> "pb.GenerationSpec":
+    s = pb.GenerationSpec(prompt_token_ids=prompt, drafter=drafter, sampling=pb.SamplingParams(max_tokens=max_tokens, **sampling))
+    if gamma is not None:
+        s.gamma = gamma
+    return s
+
+
+async def _generate_all(address: str, specs: list["pb.GenerationSpec"], concurrency: int) -> list["pb.GenerateResponse"]:
+    sem = asyncio.Semaphore(concurrency)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = rpc.GatewayServiceStub(channel)
+
+        async def one(s: "pb.GenerationSpec") -> "pb.GenerateResponse":
+            async with sem:
+                return await stub.Generate(pb.GenerateRequest(spec=s), timeout=600, wait_for_ready=True)
+
+        return await asyncio.gather(*(one(s) for s in specs))
+
+
+def generate_all(address: str, specs: list["pb.GenerationSpec"], concurrency: int = 16) -> list["pb.GenerateResponse"]:
+    """Run every spec through the gateway, `concurrency` at a time; responses in spec order."""
+    return asyncio.run(_generate_all(address, specs, concurrency))
