@@ -110,7 +110,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             prompt,
             req.gamma,
             self.cfg.lookahead,
-            temperature=sp.temperature,
+            temperature=sp.temperature if self.cfg.sample_drafts else 0.0,
             top_k=sp.top_k if sp.top_k > 0 else 0,
             top_p=sp.top_p if sp.HasField("top_p") else 1.0,
             seed=sp.seed if sp.HasField("seed") else None,

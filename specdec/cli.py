@@ -47,6 +47,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     d = kinds.add_parser("drafter", parents=[common], help="the draft model service")
     d.add_argument("--model", help="draft model: registry name (qwen-coder/draft) or folder")
     d.add_argument("--threads", type=int, help="torch threads")
+    d.add_argument("--sample-drafts", action="store_true", default=None, help="sample drafts from q (default: argmax)")
     d.add_argument("--lookahead", type=int, help="tokens to draft past gamma while a block is verified")
     v = kinds.add_parser("verifier", parents=[common], help="the vLLM target service")
     v.add_argument("--model", help="target model: registry name (qwen-coder/target) or folder")

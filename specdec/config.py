@@ -80,6 +80,10 @@ class DrafterConfig:
     lookahead: int = 0
     # A partial block is sent when its first token waited this long.
     flush_ms: float = 50.0
+    # Sampled requests: draft by sampling q (True, q sent as a sparse top-k support) or by
+    # taking q's argmax (False). vLLM verifies drafts as one-hot, accepting x with
+    # probability p(x): argmax drafts maximise that, so False is the default.
+    sample_drafts: bool = False
     # Size of the sparse support of q sent with sampled drafts (top-k of the draft).
     q_top_k: int = 16
     # n-gram drafter: longest/shortest suffix to look up in the context.

@@ -1,0 +1,20 @@
+"""16 concurrent requests through one gateway all finish with exact outputs."""
+
+from __future__ import annotations
+
+from conftest import vllm_reference
+from gen import generate_all, prompts, spec
+from transformers import AutoTokenizer
+
+from specdec.wire import pb
+
+
+def test_sixteen_concurrent_requests_exact(services, tiny_target) -> None:
+    ps = prompts(AutoTokenizer.from_pretrained(tiny_target), 16, seed=7)
+    max_tokens = [32 + 8 * (i % 5) for i in range(16)]
+    reference = vllm_reference(tiny_target, [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(ps, max_tokens)])
+    specs = [spec(p, m, gamma=1 + i % 8, drafter=("model", "ngram")[i % 2]) for i, (p, m) in enumerate(zip(ps, max_tokens))]
+    responses = generate_all(services.gateways["mid"].address, specs, concurrency=16)
+    assert [list(r.token_ids) for r in responses] == reference
+    assert all(r.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP) for r in responses)
+    assert sum(r.stats.accepted_tokens for r in responses) > 0

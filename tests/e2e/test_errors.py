@@ -1,0 +1,112 @@
+"""Bad input gets INVALID_ARGUMENT naming the field, and every service keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from gen import spec
+
+from specdec.wire import pb, rpc
+
+GOOD = [5, 6, 7, 8]
+
+
+def _gateway_error(address: str, s: "pb.GenerationSpec") -> grpc.RpcError:
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            rpc.GatewayServiceStub(channel).Generate(pb.GenerateRequest(spec=s), timeout=60)
+    return info.value
+
+
+BAD_REQUESTS = {
+    "empty prompt": (pb.GenerationSpec(sampling=pb.SamplingParams(max_tokens=4)), "spec.prompt_text"),
+    "token id past vocab": (spec([5, 512], 4), "spec.prompt_token_ids"),
+    "negative token id": (spec([-1, 5], 4), "spec.prompt_token_ids"),
+    "max_tokens zero": (spec(GOOD, 0), "spec.sampling.max_tokens"),
+    "max_tokens negative": (spec(GOOD, -3), "spec.sampling.max_tokens"),
+    "max_tokens past context": (spec(GOOD, 4096), "spec.sampling.max_tokens"),
+    "gamma too large": (spec(GOOD, 4, gamma=99), "spec.gamma"),
+    "negative temperature": (spec(GOOD, 4, temperature=-0.5), "spec.sampling.temperature"),
+    "top_p zero": (spec(GOOD, 4, top_p=0.0), "spec.sampling.top_p"),
+    "top_p above one": (spec(GOOD, 4, top_p=1.5), "spec.sampling.top_p"),
+    "unknown drafter": (spec(GOOD, 4, drafter="eagle9"), "spec.drafter"),
+    "both prompts": (pb.GenerationSpec(prompt_text="x", prompt_token_ids=GOOD, sampling=pb.SamplingParams(max_tokens=4)), "spec.prompt_token_ids"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_gateway_rejects_bad_input(services, gateway_address: str, case: str) -> None:
+    bad, field = BAD_REQUESTS[case]
+    err = _gateway_error(gateway_address, bad)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith(field + ":"), err.details()
+
+
+def test_gateway_still_serves_after_bad_input(services, gateway_address: str) -> None:
+    for bad, _ in BAD_REQUESTS.values():
+        _gateway_error(gateway_address, bad)
+    with grpc.insecure_channel(gateway_address) as channel:
+        r = rpc.GatewayServiceStub(channel).Generate(pb.GenerateRequest(spec=spec(GOOD, 8, gamma=4)), timeout=60)
+    assert len(r.token_ids) == 8
+
+
+async def _verify_session(address: str, messages: list["pb.VerifyRequest"]) -> tuple[grpc.StatusCode, str, int]:
+    """Send messages on one Verify stream; return (status, details, verdicts read)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = rpc.VerifierServiceStub(channel).Verify()
+        for m in messages:
+            await call.write(m)
+        n = 0
+        try:
+            while (v := await call.read()) is not grpc.aio.EOF:
+                n += 1
+                if v.finish_reason:
+                    break
+        except grpc.aio.AioRpcError as err:
+            return err.code(), err.details(), n
+        call.cancel()
+        return grpc.StatusCode.OK, "", n
+
+
+def _open(**kw) -> "pb.VerifyRequest":
+    args = {"request_id": "x", "prompt_token_ids": GOOD, "sampling": pb.SamplingParams(max_tokens=300), "gamma": 2}
+    args.update(kw)
+    return pb.VerifyRequest(open=pb.VerifyOpen(**args))
+
+
+@pytest.mark.parametrize(
+    "messages,field",
+    [
+        ([pb.VerifyRequest(block=pb.DraftBlock(start_position=4, token_ids=[1]))], "open"),
+        ([_open(request_id="")], "open.request_id"),
+        ([_open(prompt_token_ids=[9999])], "open.prompt_token_ids"),
+        ([_open(gamma=64)], "open.gamma"),
+        ([_open(request_id="bad-block"), pb.VerifyRequest(block=pb.DraftBlock(start_position=5, token_ids=[4, 70000]))], "block.token_ids"),
+    ],
+)
+def test_verifier_rejects_bad_input(services, messages, field: str) -> None:
+    code, details, _ = asyncio.run(_verify_session(services.verifier.address, messages))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith(field + ":"), details
+
+
+def test_verifier_still_serves_after_bad_input(services) -> None:
+    code, _, n = asyncio.run(
+        _verify_session(services.verifier.address, [_open(request_id="ok-after-bad", sampling=pb.SamplingParams(max_tokens=5), gamma=0)])
+    )
+    assert code == grpc.StatusCode.OK and n == 5
+
+
+def test_drafter_rejects_unknown_method(services) -> None:
+    async def run() -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(services.drafters["mid"].address) as channel:
+            call = rpc.DrafterServiceStub(channel).Draft()
+            await call.write(pb.DraftRequest(open=pb.DraftOpen(prompt_token_ids=GOOD, gamma=2, method="magic", sampling=pb.SamplingParams(max_tokens=4))))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.read()
+            return info.value
+
+    err = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("open.method:")
