@@ -174,6 +174,7 @@ def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":
         probs=[d.prob for d in block.drafts],
         sequence=sequence,
         draft_ms=block.draft_ms,
+        final=block.final,
     )
     if any(d.support is not None for d in block.drafts):
         for d in block.drafts:

@@ -40,6 +40,7 @@ class BlockOut:
     start_position: int
     drafts: list[Draft]
     draft_ms: float
+    final: bool = False  # nothing more is drafted until the next commit
 
 
 class DraftSession:
@@ -109,7 +110,7 @@ class DraftSession:
             if draft is None:
                 self.exhausted = True
                 # an empty block tells the verifier not to wait for drafts at this position
-                return self._flush(force=True) or BlockOut(self.sent, [], 0.0)
+                return self._flush(force=True) or BlockOut(self.sent, [], 0.0, final=True)
             if not self._pending:
                 self._pending_since = t0
                 self._pending_ms = 0.0
@@ -119,12 +120,14 @@ class DraftSession:
             return self._flush(force=not self.wants_work())
 
     def _flush(self, force: bool) -> BlockOut | None:
+        """Send pending drafts when forced (nothing more to draft), at gamma of them, or
+        when the first has waited flush_ms (a slow drafter streams token by token)."""
         if not self._pending:
             return None
         waited_ms = (time.perf_counter() - self._pending_since) * 1e3
         if not force and len(self._pending) < self.gamma and waited_ms < self.flush_ms:
             return None
-        block = BlockOut(self.sent, self._pending, self._pending_ms)
+        block = BlockOut(self.sent, self._pending, self._pending_ms, final=force)
         self.sent += len(self._pending)
         self._pending = []
         return block

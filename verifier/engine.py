@@ -137,10 +137,10 @@ class TargetEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    def offer(self, request_id: str, start: int, tokens: list[int]) -> None:
+    def offer(self, request_id: str, start: int, tokens: list[int], final: bool = True) -> None:
         live = self._live.get(request_id)
         if live is not None:
-            self.board.offer(live.engine_id, start, tokens)
+            self.board.offer(live.engine_id, start, tokens, final)
 
     def end_drafts(self, request_id: str) -> None:
         live = self._live.get(request_id)

@@ -40,7 +40,7 @@ class _Entry:
     max_tokens: int
     on_preview: PreviewCallback | None
     drafting: bool = True  # False once the drafter ended: stop waiting for it
-    no_drafts_at: int = -1  # the drafter said it has nothing for a context of this length
+    final_end: int = -1  # the drafter drafts nothing past this position until the next commit
     chain_start: int = 0
     chain: list[int] = field(default_factory=list)
     # context length -> tokens proposed for it (read back when the verdict arrives)
@@ -75,14 +75,17 @@ class DraftBoard:
                 e.drafting = False
             self._cond.notify_all()
 
-    def offer(self, req_id: str, start: int, tokens: list[int]) -> None:
-        """Add a block: it extends the chain when contiguous, else replaces it (a re-draft)."""
+    def offer(self, req_id: str, start: int, tokens: list[int], final: bool = True) -> None:
+        """Add a block: it extends the chain when contiguous, else replaces it (a re-draft).
+
+        `final`: the drafter drafts no further past this block until the next commit.
+        """
         with self._cond:
             e = self._entries.get(req_id)
             if e is None or e.gamma == 0:
                 return
+            e.final_end = start + len(tokens) if final else -1
             if not tokens:
-                e.no_drafts_at = start
                 self._cond.notify_all()
                 return
             if e.chain and start == e.chain_start + len(e.chain):
@@ -117,9 +120,14 @@ class DraftBoard:
             e.proposals[length] = drafts
         return drafts
 
-    def _expects(self, req_id: str, length: int) -> bool:
+    def _wants_more(self, req_id: str, length: int, have: int, k_max: int) -> bool:
+        """Whether a row with `have` drafts should wait for more: its drafter is alive, still
+        drafting for this context, and the row could use more."""
         e = self._entries.get(req_id)
-        return e is not None and e.drafting and e.no_drafts_at != length and self._budget(e, length) > 0
+        if e is None or not e.drafting or have >= min(k_max, self._budget(e, length)):
+            return False
+        chain_end = e.chain_start + len(e.chain) if e.chain else length
+        return e.final_end != max(chain_end, length)
 
     def preview(self, req_id: str, start: int, tokens: list[int]) -> None:
         with self._cond:
@@ -135,7 +143,7 @@ class DraftBoard:
         with self._cond:
             drafts = [self._propose(rid, ctx, k_max) for rid, ctx in rows]
             while True:
-                missing = [i for i, (rid, ctx) in enumerate(rows) if not drafts[i] and self._expects(rid, len(ctx))]
+                missing = [i for i, (rid, ctx) in enumerate(rows) if self._wants_more(rid, len(ctx), len(drafts[i]), k_max)]
                 left = deadline - time.monotonic()
                 if not missing or left <= 0:
                     break

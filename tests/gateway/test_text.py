@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from gateway.text import TextStream
+
+
+class CharTokenizer:
+    """token id = a character's code point."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def _ids(s: str) -> list[int]:
+    return [ord(c) for c in s]
+
+
+def test_plain_deltas() -> None:
+    t = TextStream(CharTokenizer(), [])
+    assert t.add(_ids("ab")) + t.add(_ids("c")) == "abc"
+
+
+def test_stop_sequence_cuts_and_holds_back_prefixes() -> None:
+    t = TextStream(CharTokenizer(), ["\n\n"])
+    assert t.add(_ids("x = 1\n")) == "x = 1"  # "\n" could start the stop: held back
+    assert not t.stopped
+    assert t.add(_ids("\ny")) == ""
+    assert t.stopped and t.emitted == "x = 1"
+
+
+def test_held_back_prefix_is_released() -> None:
+    t = TextStream(CharTokenizer(), ["END"])
+    assert t.add(_ids("aE")) == "a"
+    assert t.add(_ids("x")) == "Ex"
+    assert t.add(_ids("EN"), final=True) == "EN"
