@@ -175,6 +175,7 @@ def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":
         sequence=sequence,
         draft_ms=block.draft_ms,
         final=block.final,
+        committed_length=block.committed_length,
     )
     if any(d.support is not None for d in block.drafts):
         for d in block.drafts:

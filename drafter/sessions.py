@@ -41,6 +41,7 @@ class BlockOut:
     drafts: list[Draft]
     draft_ms: float
     final: bool = False  # nothing more is drafted until the next commit
+    committed_length: int = 0  # the committed context it was drafted from
 
 
 class DraftSession:
@@ -110,7 +111,7 @@ class DraftSession:
             if draft is None:
                 self.exhausted = True
                 # an empty block tells the verifier not to wait for drafts at this position
-                return self._flush(force=True) or BlockOut(self.sent, [], 0.0, final=True)
+                return self._flush(force=True) or BlockOut(self.sent, [], 0.0, True, self.committed)
             if not self._pending:
                 self._pending_since = t0
                 self._pending_ms = 0.0
@@ -127,7 +128,7 @@ class DraftSession:
         waited_ms = (time.perf_counter() - self._pending_since) * 1e3
         if not force and len(self._pending) < self.gamma and waited_ms < self.flush_ms:
             return None
-        block = BlockOut(self.sent, self._pending, self._pending_ms, final=force)
+        block = BlockOut(self.sent, self._pending, self._pending_ms, final=force, committed_length=self.committed)
         self.sent += len(self._pending)
         self._pending = []
         return block

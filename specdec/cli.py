@@ -5,6 +5,7 @@
     specdec generate "text" [--json] ...          a completion and its speculation stats
     specdec demo [--models qwen-coder|tiny]       up + one generation with stats + down
     specdec models list | pull NAME | path REF    the model registry
+    specdec eval-draft [--target T --draft D]     draft agreement, step costs, predicted speedups
 """
 
 from __future__ import annotations
@@ -265,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("action", choices=["list", "pull", "path"])
     models.add_argument("name", nargs="?", default="qwen-coder", help="pair (pull) or PAIR/ROLE (path)")
     models.set_defaults(func=_models)
+
+    from specdec.evaldraft import add_parser as add_eval_draft
+
+    add_eval_draft(sub)
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -137,10 +137,11 @@ class TargetEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    def offer(self, request_id: str, start: int, tokens: list[int], final: bool = True) -> None:
+    def offer(self, request_id: str, start: int, tokens: list[int], final: bool = True, committed: int = -1) -> None:
+        """Put a block on the board (see DraftBoard.offer); committed -1 means start."""
         live = self._live.get(request_id)
         if live is not None:
-            self.board.offer(live.engine_id, start, tokens, final)
+            self.board.offer(live.engine_id, start, tokens, final, start if committed < 0 else committed)
 
     def end_drafts(self, request_id: str) -> None:
         live = self._live.get(request_id)

@@ -75,9 +75,12 @@ class DraftBoard:
                 e.drafting = False
             self._cond.notify_all()
 
-    def offer(self, req_id: str, start: int, tokens: list[int], final: bool = True) -> None:
-        """Add a block: it extends the chain when contiguous, else replaces it (a re-draft).
+    def offer(self, req_id: str, start: int, tokens: list[int], final: bool = True, committed: int | None = None) -> None:
+        """Add a block of drafts for positions start, start + 1, ...
 
+        `committed`: the committed context length the drafter drafted from. A block that
+        starts there (or says nothing: None) was drafted from verified context and replaces
+        older drafts; one that starts later continues the chain when contiguous.
         `final`: the drafter drafts no further past this block until the next commit.
         """
         with self._cond:
@@ -85,15 +88,10 @@ class DraftBoard:
             if e is None or e.gamma == 0:
                 return
             e.final_end = start + len(tokens) if final else -1
-            if not tokens:
-                self._cond.notify_all()
-                return
-            if e.chain and start == e.chain_start + len(e.chain):
+            fresh = committed is None or start == committed
+            if not fresh and e.chain and start == e.chain_start + len(e.chain):
                 e.chain.extend(tokens)
-            elif e.chain and e.chain_start <= start < e.chain_start + len(e.chain):
-                del e.chain[start - e.chain_start :]
-                e.chain.extend(tokens)
-            else:
+            elif tokens:
                 e.chain_start, e.chain = start, list(tokens)
             self._cond.notify_all()
 
@@ -102,23 +100,21 @@ class DraftBoard:
         room = self.max_model_len - length - 1
         return max(0, min(e.gamma, remaining, room))
 
-    def _propose(self, req_id: str, context: np.ndarray, k_max: int) -> list[int]:
+    def _peek(self, req_id: str, context: np.ndarray, k_max: int) -> list[int]:
+        """The drafts usable after `context` [L]; drops the chain when it disagrees with the context."""
         e = self._entries.get(req_id)
         if e is None or not e.chain:
             return []
         length = len(context)
         offset = length - e.chain_start
-        if offset < 0:
-            return []
-        if offset > len(e.chain) or (offset and not np.array_equal(context[e.chain_start : length], e.chain[:offset])):
-            e.chain = []  # stale or disagreeing with the target: wait for the re-draft
+        if offset < 0 or offset > len(e.chain) or (
+            offset and not np.array_equal(context[e.chain_start : length], e.chain[:offset])
+        ):
+            e.chain = []  # stale or rejected by the target: wait for the re-draft
             return []
         del e.chain[:offset]  # now verified context
         e.chain_start = length
-        drafts = e.chain[: min(k_max, self._budget(e, length))]
-        if drafts:
-            e.proposals[length] = drafts
-        return drafts
+        return e.chain[: min(k_max, self._budget(e, length))]
 
     def _wants_more(self, req_id: str, length: int, have: int, k_max: int) -> bool:
         """Whether a row with `have` drafts should wait for more: its drafter is alive, still
@@ -141,7 +137,7 @@ class DraftBoard:
         deadline = time.monotonic() + self.wait_s
         t0 = time.monotonic()
         with self._cond:
-            drafts = [self._propose(rid, ctx, k_max) for rid, ctx in rows]
+            drafts = [self._peek(rid, ctx, k_max) for rid, ctx in rows]
             while True:
                 missing = [i for i, (rid, ctx) in enumerate(rows) if self._wants_more(rid, len(ctx), len(drafts[i]), k_max)]
                 left = deadline - time.monotonic()
@@ -149,7 +145,10 @@ class DraftBoard:
                     break
                 self._cond.wait(left)
                 for i in missing:
-                    drafts[i] = self._propose(rows[i][0], rows[i][1], k_max)
+                    drafts[i] = self._peek(rows[i][0], rows[i][1], k_max)
+            for (rid, ctx), d in zip(rows, drafts):
+                if d:
+                    self._entries[rid].proposals[len(ctx)] = d
         self.waited_s += time.monotonic() - t0
         return drafts
 

@@ -99,9 +99,8 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                     if kind != "block":
                         raise InvalidField("block", "only blocks or `end` may follow `open`")
                     check_token_ids("block.token_ids", msg.block.token_ids, vocab, allow_empty=True)
-                    self.engine.offer(
-                        req.request_id, msg.block.start_position, list(msg.block.token_ids), msg.block.final
-                    )
+                    b = msg.block
+                    self.engine.offer(req.request_id, b.start_position, list(b.token_ids), b.final, b.committed_length)
             except InvalidField as err:
                 verdicts.put_nowait(err)
             finally:

@@ -31,6 +31,18 @@ def _drain(session) -> list:
     return blocks
 
 
+def _drafted(session) -> tuple[int, list[int]]:
+    """Draft until the window is full; (start position, tokens) of the contiguous blocks sent."""
+    blocks = _drain(session)
+    tokens = [d.token_id for b in blocks for d in b.drafts]
+    pos = blocks[0].start_position
+    for b in blocks:  # each block continues the previous one
+        assert b.start_position == pos
+        pos += len(b.drafts)
+    assert blocks[-1].final and all(b.committed_length == blocks[0].start_position for b in blocks)
+    return blocks[0].start_position, tokens
+
+
 def _session(model, prompt, gamma=4):
     return ModelDraftSession(model, prompt, gamma, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8)
 
@@ -41,18 +53,17 @@ def test_drafts_after_commits_equal_fresh_greedy(model) -> None:
     _drain(s)  # warm-up: the prompt's KV cache before the first commit
     assert s.cached == len(prompt) - 1 and not s.started
     s.commit(len(prompt), [35])  # the target's first token
-    (block,) = _drain(s)
+    start, drafts = _drafted(s)
     context = prompt + [35]
-    assert block.start_position == len(context)
-    assert [d.token_id for d in block.drafts] == _greedy(model, context, 4)
+    assert start == len(context)
+    assert drafts == _greedy(model, context, 4)
     # the target accepts two drafts, then corrects the third
-    drafts = [d.token_id for d in block.drafts]
     correction = (drafts[2] + 1) % 512
     s.commit(len(context), drafts[:2] + [correction])
     context = context + drafts[:2] + [correction]
-    (block,) = _drain(s)
-    assert block.start_position == len(context)
-    assert [d.token_id for d in block.drafts] == _greedy(model, context, 4)
+    start, drafts = _drafted(s)
+    assert start == len(context)
+    assert drafts == _greedy(model, context, 4)
     # work: each context token went through the model once, plus each draft once
     assert s.forward_tokens <= len(context) + 8
 
@@ -61,20 +72,18 @@ def test_all_accepted_keeps_cache_and_goes_on(model) -> None:
     prompt = [1, 2, 3]
     s = _session(model, prompt, gamma=3)
     s.commit(3, [7])
-    (block,) = _drain(s)
-    drafts = [d.token_id for d in block.drafts]
+    _, drafts = _drafted(s)
     before = s.forward_tokens
     s.commit(4, drafts + [9])  # all accepted + bonus
-    (block,) = _drain(s)
-    assert block.start_position == 4 + 3 + 1
+    start, _ = _drafted(s)
+    assert start == 4 + 3 + 1
     assert s.forward_tokens - before == 3 + 1  # the bonus and the last draft, then 2 new drafts
 
 
 def test_sampled_drafts_carry_q(model) -> None:
     s = ModelDraftSession(model, [1, 2, 3], 2, 0, temperature=1.0, top_k=0, top_p=1.0, seed=5, q_top_k=8)
     s.commit(3, [4])
-    (block,) = _drain(s)
-    for d in block.drafts:
+    for d in [d for b in _drain(s) for d in b.drafts]:
         ids, q = d.support
         assert len(ids) == 8 and abs(sum(q) - 1) < 1e-5 and d.token_id in ids
         assert d.prob == pytest.approx(q[ids.index(d.token_id)])

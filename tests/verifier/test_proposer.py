@@ -30,7 +30,7 @@ def test_chain_is_proposed_when_consistent() -> None:
 def test_extension_and_redraft() -> None:
     b = _board()
     b.offer("r", 3, [7])
-    b.offer("r", 4, [8, 9])  # contiguous: extends
+    b.offer("r", 4, [8, 9], committed=3)  # contiguous, drafted before a commit: extends
     assert b.propose_batch([("r", np.array([1, 2, 5, 7]))], 8) == [[8, 9]]
     b.offer("r", 5, [6, 6])  # overlaps: replaces from its start
     assert b.propose_batch([("r", np.array([1, 2, 5, 7, 8]))], 8) == [[6, 6]]
@@ -82,13 +82,35 @@ def test_preview_reaches_the_session() -> None:
 
 def test_partial_blocks_are_awaited_until_gamma_or_final() -> None:
     b = _board(wait_s=5.0)
-    b.offer("r", 3, [4], final=False)  # a slow drafter streams token by token
-    threading.Timer(0.05, b.offer, args=("r", 4, [5], False)).start()
-    threading.Timer(0.10, b.offer, args=("r", 5, [6], False)).start()
+    b.offer("r", 3, [4], final=False, committed=3)  # a slow drafter streams token by token
+    threading.Timer(0.05, b.offer, args=("r", 4, [5], False, 3)).start()
+    threading.Timer(0.10, b.offer, args=("r", 5, [6], False, 3)).start()
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[4, 5, 6]]
     b.register("s", gamma=3, prompt_len=2, max_tokens=100)
-    b.offer("s", 3, [4], final=False)
-    threading.Timer(0.05, b.offer, args=("s", 4, [5], True)).start()  # the drafter stops at 2
+    b.offer("s", 3, [4], final=False, committed=3)
+    threading.Timer(0.05, b.offer, args=("s", 4, [5], True, 3)).start()  # the drafter stops at 2
     t0 = time.monotonic()
     assert b.propose_batch([("s", np.array([1, 2, 5]))], 8) == [[4, 5]]
     assert time.monotonic() - t0 < 2.0
+
+
+def test_redraft_replaces_stale_drafts_before_it() -> None:
+    b = _board(wait_s=0.5)
+    b.offer("r", 3, [7, 8, 9])
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[7, 8, 9]]
+    # the target rejected 7 and said 4; the re-draft for position 4 arrives before the next propose
+    b.offer("r", 4, [6, 6, 6], committed=4)
+    t0 = time.monotonic()
+    assert b.propose_batch([("r", np.array([1, 2, 5, 4]))], 8) == [[6, 6, 6]]
+    assert time.monotonic() - t0 < 0.2
+
+
+def test_redraft_at_the_end_of_the_chain_is_not_an_extension() -> None:
+    b = _board(wait_s=0.5)
+    b.offer("r", 3, [7, 8, 9])
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[7, 8, 9]]
+    # 7 and 8 accepted, 9 rejected for 4: the re-draft starts where the chain ended
+    b.offer("r", 6, [1, 1, 1], committed=6)
+    t0 = time.monotonic()
+    assert b.propose_batch([("r", np.array([1, 2, 5, 7, 8, 4]))], 8) == [[1, 1, 1]]
+    assert time.monotonic() - t0 < 0.2
