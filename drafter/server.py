@@ -16,7 +16,7 @@ import grpc
 import torch
 
 from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession
-from specdec import serving
+from specdec import serving, telemetry
 from specdec.config import MAX_GAMMA_LIMIT, DrafterConfig
 from specdec.validation import InvalidField, check_sampling, check_token_ids
 from specdec.wire import pb, rpc
@@ -89,6 +89,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype)).eval()
         self.model_name = cfg.model
         self.vocab_size = int(self.model.config.vocab_size)
+        self.tracer = telemetry.setup_tracing("drafter")
         self.worker = DraftWorker()
         self.worker.start()
         log.info("draft model %s loaded from %s (vocab %d)", cfg.model, path, self.vocab_size)
@@ -104,7 +105,17 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         check_sampling("open.sampling", sp)
         prompt = list(req.prompt_token_ids)
         if method == "ngram":
-            return NgramDraftSession(prompt, req.gamma, self.cfg.lookahead, self.cfg.ngram_max, self.cfg.ngram_min)
+            session: DraftSession = NgramDraftSession(
+                prompt, req.gamma, self.cfg.lookahead, self.cfg.ngram_max, self.cfg.ngram_min
+            )
+        else:
+            session = self._model_session(req, prompt)
+        session.flush_ms = self.cfg.flush_ms
+        session.inject_delay_ms, session.inject_every = self.cfg.inject_delay_ms, self.cfg.inject_every
+        return session
+
+    def _model_session(self, req: "pb.DraftOpen", prompt: list[int]) -> ModelDraftSession:
+        sp = req.sampling
         return ModelDraftSession(
             self.model,
             prompt,
@@ -127,6 +138,13 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             await serving.abort_invalid(context, err)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[BlockOut | BaseException | None] = asyncio.Queue()
+        span = self.tracer.start_span(
+            "specdec.draft_session",
+            context=telemetry.extract_context(first.open.trace_context or context.invocation_metadata()),
+            attributes={"specdec.request_id": first.open.request_id, "specdec.gamma": first.open.gamma,
+                        "specdec.method": first.open.method or "model"},
+        )
+        telemetry.DRAFTER_SESSIONS.inc()
         self.worker.add(session, lambda item: loop.call_soon_threadsafe(out.put_nowait, item))
 
         async def read_commits() -> None:
@@ -159,7 +177,13 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"drafting failed: {item}")
                 sequence += 1
                 await context.write(pb.DraftResponse(block=_block_pb(item, sequence)))
+                telemetry.DRAFTER_BLOCKS.inc()
+                telemetry.DRAFTER_TOKENS.inc(len(item.drafts))
+                span.add_event("block", {"specdec.start_position": item.start_position,
+                                         "specdec.tokens": len(item.drafts), "specdec.draft_ms": item.draft_ms})
         finally:
+            span.end()
+            telemetry.DRAFTER_SESSIONS.dec()
             reader.cancel()
             self.worker.remove(session)
 
@@ -192,6 +216,6 @@ async def main(cfg: DrafterConfig) -> None:
         return ["specdec.v1.DrafterService"]
 
     try:
-        await serving.serve("drafter", cfg.host, cfg.port, register)
+        await serving.serve("drafter", cfg.host, cfg.port, register, cfg.metrics_port)
     finally:
         servicer.worker.stop()

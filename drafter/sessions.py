@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec import telemetry
 from specdec.acceptance import sparse_q, target_distribution
 
 
@@ -61,6 +62,10 @@ class DraftSession:
         self._pending: list[Draft] = []
         self._pending_since = 0.0
         self._pending_ms = 0.0
+        self.steps = 0
+        # fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th step
+        self.inject_delay_ms = 0.0
+        self.inject_every = 0
 
     @property
     def window(self) -> int:
@@ -108,6 +113,9 @@ class DraftSession:
                 return self._flush(force=True)
             t0 = time.perf_counter()
             draft = self._next_token()
+            self.steps += 1
+            if self.inject_every and self.steps % self.inject_every == 0:
+                time.sleep(self.inject_delay_ms / 1e3)
             if draft is None:
                 self.exhausted = True
                 # an empty block tells the verifier not to wait for drafts at this position
@@ -117,7 +125,9 @@ class DraftSession:
                 self._pending_ms = 0.0
             self.context.append(draft.token_id)
             self._pending.append(draft)
-            self._pending_ms += (time.perf_counter() - t0) * 1e3
+            step_s = time.perf_counter() - t0
+            self._pending_ms += step_s * 1e3
+            telemetry.DRAFTER_STEP.observe(step_s)
             return self._flush(force=not self.wants_work())
 
     def _flush(self, force: bool) -> BlockOut | None:

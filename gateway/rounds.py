@@ -17,11 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
+from opentelemetry import trace
 
+from specdec import telemetry
 from specdec.wire import pb
 
 log = logging.getLogger("specdec.gateway")
@@ -97,13 +101,39 @@ class Round:
     all writes to the drafter through another, so neither stream has two writers.
     """
 
-    def __init__(self, plan: Plan, verifier_stub: object, drafter_stub: object, open_timeout_s: float) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        verifier_stub: object,
+        drafter_stub: object,
+        open_timeout_s: float,
+        spikes: telemetry.SpikeDetector,
+        model: str = "",
+        parent: Any = None,
+    ) -> None:
         self.plan = plan
         self.verifier_stub = verifier_stub
         self.drafter_stub = drafter_stub
         self.open_timeout_s = open_timeout_s
+        self.spikes = spikes
         use_drafter = plan.gamma > 0 and plan.drafter != "none"
         self.stats = Stats(plan.gamma if use_drafter else 0, plan.drafter if use_drafter else "none")
+        self.tracer = telemetry.tracer("gateway")
+        sp = plan.sampling
+        self.span = self.tracer.start_span("specdec.generate", context=parent, attributes={
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.request.model": model,
+            "gen_ai.request.max_tokens": sp.max_tokens,
+            "gen_ai.request.temperature": sp.temperature,
+            "gen_ai.request.top_p": sp.top_p if sp.HasField("top_p") else 1.0,
+            "gen_ai.usage.input_tokens": len(plan.prompt_token_ids),
+            "specdec.request_id": plan.request_id,
+            "specdec.gamma": self.stats.gamma,
+            "specdec.drafter": self.stats.drafter,
+        })
+        self._ctx = trace.set_span_in_context(self.span)
+        self._last_ns = time.time_ns()
+        self._draft_ms = 0.0  # drafter compute since the last verdict
         self._finished = False
         self._to_verifier: asyncio.Queue["pb.VerifyRequest | None"] = asyncio.Queue()
         self._to_drafter: asyncio.Queue["pb.DraftRequest | None"] = asyncio.Queue()
@@ -148,11 +178,72 @@ class Round:
                     return
                 self.stats.blocks += 1
                 self.stats.block_tokens += len(resp.block.token_ids)
+                self._draft_ms += resp.block.draft_ms
                 self._to_verifier.put_nowait(pb.VerifyRequest(block=resp.block))
         except TimeoutError:
             self._fallback(f"drafter missed its {self.open_timeout_s:g} s deadline for the first block")
         except grpc.aio.AioRpcError as err:
             self._fallback(f"drafter {err.code().name}: {err.details()}")
+
+    def _observe(self, v: "pb.VerifyResponse") -> None:
+        """One round: a span from the previous verdict to this one, metrics, spike check."""
+        now = time.time_ns()
+        round_ms = (now - self._last_ns) / 1e6
+        stages = {
+            "verify": v.step_ms,
+            "draft": self._draft_ms,
+            "draft_wait": v.draft_wait_ms,
+            "network": max(0.0, round_ms - v.step_ms - v.draft_wait_ms),
+        }
+        span = self.tracer.start_span("specdec.round", context=self._ctx, start_time=self._last_ns, attributes={
+            "specdec.round": self.stats.verdicts,
+            "specdec.gamma": self.stats.gamma,
+            "specdec.drafted": v.drafted,
+            "specdec.accepted": v.accepted,
+            "specdec.tokens": len(v.token_ids),
+            "specdec.batch_size": v.batch_size,
+            "specdec.computed_tokens": v.computed_tokens,
+            **{f"specdec.stage.{k}_ms": round(ms, 3) for k, ms in stages.items()},
+        })
+        if self.stats.verdicts > 1:  # the first round is queueing + prefill: time to first token
+            spiked = self.spikes.check(stages)
+            for stage, limit in spiked.items():
+                span.add_event("latency_spike", {"specdec.spike.stage": stage, "specdec.spike.ms": stages[stage],
+                                                 "specdec.spike.threshold_ms": limit})
+                telemetry.SPIKES.labels(stage).inc()
+            if spiked:
+                span.set_attribute("specdec.spike.stage", ",".join(spiked))
+                log.warning("latency spike in %s: request %s round %d trace %s stages %s",
+                            ",".join(spiked), self.plan.request_id, self.stats.verdicts,
+                            telemetry.trace_id_hex(span), {k: round(ms, 1) for k, ms in stages.items()})
+        span.end(end_time=now)
+        self._last_ns, self._draft_ms = now, 0.0
+        telemetry.ROUNDS.inc()
+        telemetry.GENERATION_TOKENS.inc(len(v.token_ids))
+        for stage, ms in stages.items():
+            telemetry.ROUND_STAGE.labels(stage).observe(ms / 1e3)
+        if v.drafted:
+            telemetry.NUM_DRAFTS.inc()
+            telemetry.NUM_DRAFT_TOKENS.inc(v.drafted)
+            telemetry.NUM_ACCEPTED_TOKENS.inc(v.accepted)
+            telemetry.ACCEPTED_LENGTH.observe(v.accepted + 1)
+            for i in range(v.accepted):
+                telemetry.ACCEPTED_PER_POS.labels(str(i)).inc()
+
+    def _finish_span(self) -> None:
+        s = self.stats
+        self.span.set_attributes({
+            "gen_ai.usage.output_tokens": s.completion_tokens,
+            "specdec.target_steps": max(0, s.verdicts - 1),
+            "specdec.drafted_tokens": s.drafted,
+            "specdec.accepted_tokens": s.accepted,
+            "specdec.acceptance_rate": s.accepted / s.drafted if s.drafted else 0.0,
+            "specdec.drafter_fallback": bool(s.fallback_reason),
+        })
+        if s.fallback_reason:
+            self.span.set_attribute("specdec.fallback_reason", s.fallback_reason)
+            telemetry.FALLBACKS.inc()
+        self.span.end()
 
     def _commit(self, v: "pb.VerifyResponse") -> None:
         """Tell the drafter what the target produced (only what it was not told yet)."""
@@ -171,18 +262,24 @@ class Round:
 
     async def verdicts(self) -> AsyncIterator["pb.VerifyResponse"]:
         p = self.plan
-        vcall = self.verifier_stub.Verify()
+        carrier = telemetry.inject_context_of(self._ctx)
+        metadata = tuple(carrier.items())
+        vcall = self.verifier_stub.Verify(metadata=metadata)
         tasks = [asyncio.create_task(self._verifier_writer(vcall))]
         self._to_verifier.put_nowait(
             pb.VerifyRequest(
                 open=pb.VerifyOpen(
-                    request_id=p.request_id, prompt_token_ids=p.prompt_token_ids, sampling=p.sampling, gamma=self.stats.gamma
+                    request_id=p.request_id,
+                    prompt_token_ids=p.prompt_token_ids,
+                    sampling=p.sampling,
+                    gamma=self.stats.gamma,
+                    trace_context=carrier,
                 )
             )
         )
         try:
             if self.stats.gamma:
-                self._dcall = self.drafter_stub.Draft()
+                self._dcall = self.drafter_stub.Draft(metadata=metadata)
                 self._to_drafter.put_nowait(
                     pb.DraftRequest(
                         open=pb.DraftOpen(
@@ -191,6 +288,7 @@ class Round:
                             sampling=p.sampling,
                             gamma=p.gamma,
                             method=p.drafter,
+                            trace_context=carrier,
                         )
                     )
                 )
@@ -204,12 +302,14 @@ class Round:
                 if v.preview:
                     continue
                 self.stats.add_verdict(v)
+                self._observe(v)
                 self._finished = v.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                 yield v
                 if self._finished:
                     return
         finally:
             self._finished = True
+            self._finish_span()
             self._to_verifier.put_nowait(None)
             self._to_drafter.put_nowait(None)
             for t in tasks:

@@ -13,7 +13,7 @@ import grpc
 
 from gateway.rounds import Plan, Round
 from gateway.text import TextStream
-from specdec import serving
+from specdec import serving, telemetry
 from specdec.config import GatewayConfig
 from specdec.validation import InvalidField, check_gamma, check_sampling, check_token_ids
 from specdec.wire import pb, rpc
@@ -48,6 +48,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         from specdec.models import resolve
 
         self.cfg = cfg
+        self.tracer = telemetry.setup_tracing("gateway")
+        self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer))
         self._verifier_channel = grpc.aio.insecure_channel(cfg.verifier_address)
         self._drafter_channel = grpc.aio.insecure_channel(cfg.drafter_address)
@@ -88,20 +90,29 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         check_sampling("spec.sampling", sampling, len(prompt), target.max_model_len)
         return Plan(spec.request_id or uuid.uuid4().hex, prompt, sampling, gamma, drafter)
 
-    def _round(self, plan: Plan) -> Round:
-        return Round(plan, self.verifier, self.drafter, self.cfg.drafter_open_timeout_s)
+    def _round(self, plan: Plan, context: grpc.aio.ServicerContext) -> Round:
+        parent = telemetry.extract_context(context.invocation_metadata())  # a caller's trace, if any
+        return Round(plan, self.verifier, self.drafter, self.cfg.drafter_open_timeout_s, self.spikes,
+                     model=self.cfg.tokenizer, parent=parent)
 
     async def _chunks(self, round_: Round) -> AsyncIterator[Chunk]:
         """The round's verdicts as text chunks; ends at the finish reason or a stop sequence."""
         text = TextStream(self.tokenizer, list(round_.plan.sampling.stop))
-        async for v in round_.verdicts():
-            finish = v.finish_reason
-            delta = text.add(list(v.token_ids), final=finish != pb.FINISH_REASON_UNSPECIFIED)
-            if text.stopped:
-                finish = pb.FINISH_REASON_STOP
-            yield Chunk(delta, list(v.token_ids), v.drafted, v.accepted, finish)
-            if text.stopped:
-                return  # leaving the loop cancels the verifier's request
+        finish = pb.FINISH_REASON_ABORT
+        telemetry.REQUESTS_RUNNING.inc()
+        telemetry.PROMPT_TOKENS.inc(len(round_.plan.prompt_token_ids))
+        try:
+            async for v in round_.verdicts():
+                finish = v.finish_reason
+                delta = text.add(list(v.token_ids), final=finish != pb.FINISH_REASON_UNSPECIFIED)
+                if text.stopped:
+                    finish = pb.FINISH_REASON_STOP
+                yield Chunk(delta, list(v.token_ids), v.drafted, v.accepted, finish)
+                if text.stopped:
+                    return  # leaving the loop cancels the verifier's request
+        finally:
+            telemetry.REQUESTS_RUNNING.dec()
+            telemetry.REQUESTS.labels(pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()).inc()
 
     async def _checked_plan(self, spec: "pb.GenerationSpec", context: grpc.aio.ServicerContext) -> Plan:
         try:
@@ -114,7 +125,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         plan = await self._checked_plan(request.spec, context)
         t0 = time.perf_counter()
         first_ms = 0.0
-        round_ = self._round(plan)
+        round_ = self._round(plan, context)
         text, ids, finish = [], [], pb.FINISH_REASON_UNSPECIFIED
         async for chunk in self._chunks(round_):
             if not first_ms:
@@ -135,7 +146,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
 
     async def GenerateStream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:  # noqa: N802
         plan = await self._checked_plan(request.spec, context)
-        round_ = self._round(plan)
+        round_ = self._round(plan, context)
         n = 0
         async for chunk in self._chunks(round_):
             n += len(chunk.token_ids)
@@ -163,6 +174,6 @@ async def main(cfg: GatewayConfig) -> None:
         return ["specdec.v1.GatewayService"]
 
     try:
-        await serving.serve("gateway", cfg.host, cfg.port, register)
+        await serving.serve("gateway", cfg.host, cfg.port, register, cfg.metrics_port)
     finally:
         await servicer.close()

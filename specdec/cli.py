@@ -6,6 +6,7 @@
     specdec demo [--models qwen-coder|tiny]       up + one generation with stats + down
     specdec models list | pull NAME | path REF    the model registry
     specdec eval-draft [--target T --draft D]     draft agreement, step costs, predicted speedups
+    specdec traces FILE... [--request ID]         slowest rounds, spikes by stage, one request's timeline
 """
 
 from __future__ import annotations
@@ -45,12 +46,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--host", help="bind address (env SPECDEC_HOST)")
     common.add_argument("--port", type=int, help="port (env SPECDEC_PORT)")
-    d = kinds.add_parser("drafter", parents=[common], help="the draft model service")
+    common.add_argument("--metrics-port", type=int, help="Prometheus /metrics port, 0: off (env SPECDEC_METRICS_PORT)")
+    faults = argparse.ArgumentParser(add_help=False)
+    faults.add_argument("--inject-delay-ms", type=float, help="fault injection: sleep this long ...")
+    faults.add_argument("--inject-every", type=int, help="... in every N-th step (drafter: draft step; verifier: engine step)")
+    d = kinds.add_parser("drafter", parents=[common, faults], help="the draft model service")
     d.add_argument("--model", help="draft model: registry name (qwen-coder/draft) or folder")
     d.add_argument("--threads", type=int, help="torch threads")
     d.add_argument("--sample-drafts", action="store_true", default=None, help="sample drafts from q (default: argmax)")
     d.add_argument("--lookahead", type=int, help="tokens to draft past gamma while a block is verified")
-    v = kinds.add_parser("verifier", parents=[common], help="the vLLM target service")
+    v = kinds.add_parser("verifier", parents=[common, faults], help="the vLLM target service")
     v.add_argument("--model", help="target model: registry name (qwen-coder/target) or folder")
     v.add_argument("--threads", type=int, help="engine CPU threads (0: environment)")
     v.add_argument("--max-gamma", type=int, help="largest gamma a request may use")
@@ -65,6 +70,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--tokenizer", help="tokenizer (the target's): registry name or folder")
     g.add_argument("--default-gamma", type=int, help="gamma when a request does not say")
     g.add_argument("--default-drafter", choices=["model", "ngram", "none"])
+    g.add_argument("--spike-factor", type=float, help="a stage spikes above this x its rolling p95")
+    g.add_argument("--spike-min-ms", type=float, help="... and above this floor")
+    g.add_argument("--spike-ms", type=float, help="fixed spike threshold instead (0: relative)")
     p.set_defaults(func=_serve)
 
 
@@ -267,9 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("name", nargs="?", default="qwen-coder", help="pair (pull) or PAIR/ROLE (path)")
     models.set_defaults(func=_models)
 
-    from specdec.evaldraft import add_parser as add_eval_draft
+    from specdec import evaldraft, traces
 
-    add_eval_draft(sub)
+    evaldraft.add_parser(sub)
+    traces.add_parser(sub)
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

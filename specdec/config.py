@@ -89,6 +89,11 @@ class DrafterConfig:
     # n-gram drafter: longest/shortest suffix to look up in the context.
     ngram_max: int = 4
     ngram_min: int = 1
+    # Prometheus /metrics port (0: off).
+    metrics_port: int = 9092
+    # Fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th draft step.
+    inject_delay_ms: float = 0.0
+    inject_every: int = 0
 
 
 @dataclass
@@ -112,6 +117,11 @@ class VerifierConfig:
     # Most a target step waits for the drafts of its speculative requests, milliseconds;
     # past it the step decodes those requests plainly.
     draft_wait_ms: float = 2000.0
+    # Prometheus /metrics port (0: off).
+    metrics_port: int = 9093
+    # Fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th engine step.
+    inject_delay_ms: float = 0.0
+    inject_every: int = 0
 
 
 @dataclass
@@ -129,6 +139,10 @@ class GatewayConfig:
     default_max_tokens: int = 128
     # Seconds the drafter may take to open a session before the request goes on without it.
     drafter_open_timeout_s: float = 10.0
-    # Seconds without any block after a commit before the drafter counts as stalled
-    # (the request goes on as plain target decoding).
-    drafter_stall_timeout_s: float = 30.0
+    # Prometheus /metrics port (0: off); the REST bridge serves /metrics too.
+    metrics_port: int = 9091
+    # Latency spikes: a stage spikes above max(spike_min_ms, spike_factor x its rolling p95),
+    # or above spike_ms when that is > 0.
+    spike_factor: float = 3.0
+    spike_min_ms: float = 5.0
+    spike_ms: float = 0.0

@@ -39,6 +39,7 @@ class Service:
     port: int
     proc: subprocess.Popen
     log_path: Path | None = None
+    metrics_port: int = 0
 
     @property
     def address(self) -> str:
@@ -78,9 +79,15 @@ def start_service(
     log_dir: Path | None = None,
     cpus: set[int] | None = None,
     env: dict[str, str] | None = None,
+    metrics_port: int | None = None,
 ) -> Service:
-    """Start `specdec serve KIND --port PORT ARGS...`, optionally pinned to `cpus`."""
+    """Start `specdec serve KIND --port PORT ARGS...`, optionally pinned to `cpus`.
+
+    metrics_port None keeps the service's configured /metrics port; 0 turns it off.
+    """
     cmd = [sys.executable, "-m", "specdec.cli", "serve", kind, "--port", str(port), *args]
+    if metrics_port is not None:
+        cmd += ["--metrics-port", str(metrics_port)]
     out = None
     log_path = None
     if log_dir is not None:
@@ -95,7 +102,7 @@ def start_service(
         env={**os.environ, **(env or {})},
         preexec_fn=preexec,
     )
-    return Service(kind, port, proc, log_path)
+    return Service(kind, port, proc, log_path, metrics_port or 0)
 
 
 def split_cpus() -> tuple[set[int] | None, set[int] | None]:

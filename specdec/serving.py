@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
 from specdec.validation import InvalidField
 
@@ -32,9 +33,11 @@ async def serve(
     host: str,
     port: int,
     register: Callable[[grpc.aio.Server], Awaitable[list[str]] | list[str]],
+    metrics_port: int = 0,
 ) -> None:
     """Start an aio server, register services (register returns their full names),
-    mark them SERVING, and run until SIGINT/SIGTERM, then stop gracefully."""
+    mark them SERVING, serve Prometheus /metrics on metrics_port (0: off), and run until
+    SIGINT/SIGTERM, then stop gracefully."""
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
     )
@@ -48,6 +51,9 @@ async def serve(
     if bound == 0:
         raise OSError(f"{name}: cannot bind {host}:{port}")
     await server.start()
+    if metrics_port:
+        start_http_server(metrics_port, addr=host)
+        log.info("%s metrics on http://%s:%d/metrics", name, host, metrics_port)
     for service in ["", *names]:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s serving on %s:%d", name, host, bound)

@@ -40,37 +40,36 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Services:
     """Handles to the running services of the session."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.log_dir = log_dir
+        self.env = env or {}
         self.started: list[Service] = []
         self.verifier: Service | None = None
         self.gateways: dict[str, Service] = {}
         self.drafters: dict[str, Service] = {}
 
-    def start_verifier(self) -> Service:
-        svc = start_service(
-            "verifier", free_port(),
-            ["--model", "tiny/target", "--max-gamma", str(MAX_GAMMA), "--threads", "1", "--max-num-seqs", "64"],
-            self.log_dir,
-        )
+    def _start(self, kind: str, args: list[str]) -> Service:
+        svc = start_service(kind, free_port(), args, self.log_dir, env=self.env, metrics_port=free_port())
         self.started.append(svc)
         return svc
 
+    def start_verifier(self) -> Service:
+        return self._start(
+            "verifier",
+            ["--model", "tiny/target", "--max-gamma", str(MAX_GAMMA), "--threads", "1", "--max-num-seqs", "64"],
+        )
+
     def start_pair(self, draft: str, verifier: Service) -> tuple[Service, Service]:
         """A drafter serving `draft` and a gateway that uses it and `verifier`."""
-        drafter = start_service("drafter", free_port(), ["--model", draft, "--threads", "1"], self.log_dir)
-        gateway = self.start_gateway(drafter.address, verifier.address)
-        self.started.append(drafter)
-        return drafter, gateway
+        drafter = self._start("drafter", ["--model", draft, "--threads", "1"])
+        return drafter, self.start_gateway(drafter.address, verifier.address)
 
-    def start_gateway(self, drafter_address: str, verifier_address: str) -> Service:
-        gateway = start_service(
-            "gateway", free_port(),
-            ["--tokenizer", "tiny/target", "--drafter-address", drafter_address, "--verifier-address", verifier_address],
-            self.log_dir,
+    def start_gateway(self, drafter_address: str, verifier_address: str, extra: tuple[str, ...] = ()) -> Service:
+        return self._start(
+            "gateway",
+            ["--tokenizer", "tiny/target", "--drafter-address", drafter_address, "--verifier-address", verifier_address,
+             *extra],
         )
-        self.started.append(gateway)
-        return gateway
 
     def stop(self) -> None:
         for svc in reversed(self.started):

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from specdec import telemetry
 from specdec.config import VerifierConfig
 
 log = logging.getLogger("specdec.verifier")
@@ -38,6 +39,7 @@ class Verdict:
     computed_tokens: int
     batch_size: int
     step_ms: float
+    draft_wait_ms: float = 0.0
     preview: bool = False  # tokens sampled in a step still running (see VerifyResponse.preview)
 
 
@@ -119,8 +121,11 @@ class TargetEngine:
         """Record how many tokens each request was scheduled (= computed) per step."""
         scheduler = self.engine.engine_core.engine_core.scheduler
         original = scheduler.schedule
+        every, delay_s = self.cfg.inject_every, self.cfg.inject_delay_ms / 1e3
 
         def schedule(*args: Any, **kwargs: Any) -> Any:
+            if every and (self.steps + 1) % every == 0:
+                time.sleep(delay_s)  # fault injection: a slow step
             out = original(*args, **kwargs)
             for rid, n in out.num_scheduled_tokens.items():
                 self._scheduled[rid] = self._scheduled.get(rid, 0) + n
@@ -198,6 +203,7 @@ class TargetEngine:
                 self._wake.clear()
                 continue
             t0 = time.perf_counter()
+            waited0 = self.board.waited_s
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # the engine is broken: fail every live session
@@ -206,15 +212,20 @@ class TargetEngine:
                     live.callback(Verdict(live.position, [], 0, 0, "abort", 0, 0, 0.0))
                 self._live.clear()
                 raise SystemExit(f"engine step failed: {exc}") from exc
-            step_ms = (time.perf_counter() - t0) * 1e3
+            wait_ms = (self.board.waited_s - waited0) * 1e3
+            step_ms = (time.perf_counter() - t0) * 1e3 - wait_ms
             self.steps += 1
+            telemetry.VERIFIER_STEPS.inc()
+            telemetry.VERIFIER_STEP.observe(step_ms / 1e3)
+            telemetry.VERIFIER_DRAFT_WAIT.inc(wait_ms / 1e3)
+            telemetry.VERIFIER_BATCH.observe(len(outputs))
             for out in outputs:
                 live = self._live.get(out.request_id)  # RequestOutput carries our (external) id
                 if live is None:
                     continue
-                self._emit(live, out, len(outputs), step_ms)
+                self._emit(live, out, len(outputs), step_ms, wait_ms)
 
-    def _emit(self, live: "_Live", out: Any, batch_size: int, step_ms: float) -> None:
+    def _emit(self, live: "_Live", out: Any, batch_size: int, step_ms: float, wait_ms: float) -> None:
         completion = out.outputs[0]
         tokens = list(completion.token_ids)
         finish = completion.finish_reason
@@ -231,8 +242,9 @@ class TargetEngine:
             accepted += 1
         computed = self._scheduled.pop(live.engine_id, 0)
         self.computed_tokens_total += computed
+        telemetry.VERIFIER_COMPUTED.inc(computed)
         live.generated += len(tokens)
-        verdict = Verdict(start, tokens, len(proposal), accepted, finish, computed, batch_size, step_ms)
+        verdict = Verdict(start, tokens, len(proposal), accepted, finish, computed, batch_size, step_ms, wait_ms)
         if finish is not None:
             self._live.pop(live.req.request_id, None)
             self.board.unregister(live.engine_id)

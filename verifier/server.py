@@ -12,7 +12,7 @@ import logging
 
 import grpc
 
-from specdec import serving
+from specdec import serving, telemetry
 from specdec.config import VerifierConfig
 from specdec.validation import InvalidField, check_gamma, check_sampling, check_token_ids
 from specdec.wire import pb, rpc
@@ -38,6 +38,7 @@ def verdict_pb(v: Verdict) -> "pb.VerifyResponse":
         computed_tokens=v.computed_tokens,
         batch_size=v.batch_size,
         step_ms=v.step_ms,
+        draft_wait_ms=v.draft_wait_ms,
         preview=v.preview,
     )
 
@@ -48,6 +49,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
 
         self.cfg = cfg
         self.model_name = cfg.model
+        self.tracer = telemetry.setup_tracing("verifier")
         self.engine = TargetEngine(cfg, str(resolve(cfg.model)))
         self._ids: set[str] = set()
 
@@ -82,6 +84,13 @@ class VerifierServicer(rpc.VerifierServiceServicer):
             await serving.abort_invalid(context, err)
         loop = asyncio.get_running_loop()
         verdicts: asyncio.Queue[Verdict | InvalidField] = asyncio.Queue()
+        span = self.tracer.start_span(
+            "specdec.verify_session",
+            context=telemetry.extract_context(first.open.trace_context or context.invocation_metadata()),
+            attributes={"specdec.request_id": req.request_id, "specdec.gamma": req.gamma,
+                        "gen_ai.usage.input_tokens": len(req.prompt_token_ids)},
+        )
+        telemetry.VERIFIER_SESSIONS.inc()
         self._ids.add(req.request_id)
         self.engine.submit(req, lambda v: loop.call_soon_threadsafe(verdicts.put_nowait, v))
         vocab = self.engine.vocab_size
@@ -114,10 +123,20 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                 if isinstance(item, InvalidField):
                     await serving.abort_invalid(context, item)
                 await context.write(verdict_pb(item))
+                if not item.preview:
+                    span.add_event("step", {
+                        "specdec.tokens": len(item.token_ids), "specdec.drafted": item.drafted,
+                        "specdec.accepted": item.accepted, "specdec.computed_tokens": item.computed_tokens,
+                        "specdec.batch_size": item.batch_size, "specdec.step_ms": item.step_ms,
+                        "specdec.draft_wait_ms": item.draft_wait_ms,
+                    })
                 if item.finish_reason is not None and not item.preview:
                     finished = True
+                    span.set_attribute("specdec.finish_reason", item.finish_reason)
                     return
         finally:
+            span.end()
+            telemetry.VERIFIER_SESSIONS.dec()
             reader.cancel()
             self._ids.discard(req.request_id)
             if not finished:  # cancelled, failed or invalid: free the engine's slot
@@ -141,6 +160,6 @@ async def main(cfg: VerifierConfig) -> None:
         return ["specdec.v1.VerifierService"]
 
     try:
-        await serving.serve("verifier", cfg.host, cfg.port, register)
+        await serving.serve("verifier", cfg.host, cfg.port, register, cfg.metrics_port)
     finally:
         servicer.engine.stop()

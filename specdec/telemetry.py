@@ -1,0 +1,222 @@
+"""One place for telemetry: OpenTelemetry tracing, latency-spike detection, Prometheus metrics.
+
+Tracing
+    `setup_tracing(service)` installs a tracer provider. Exporters come from the standard
+    OTEL_* variables (`OTEL_TRACES_EXPORTER=otlp|console|none`, `OTEL_EXPORTER_OTLP_ENDPOINT`,
+    `OTEL_EXPORTER_OTLP_PROTOCOL=grpc|http/protobuf`, ...); `SPECDEC_TRACE_FILE=path`
+    adds a JSON-lines file exporter (one span per line) that `specdec traces` reads.
+    W3C trace context travels in gRPC metadata and in the sessions' open/commit messages
+    (`trace_context` maps), so one trace links gateway, drafter and verifier.
+
+Spans (names and attributes)
+    specdec.generate        gateway, one per request; GenAI semantic-convention attributes
+                            (gen_ai.operation.name, gen_ai.request.model, gen_ai.usage.*)
+                            and specdec.* totals
+    specdec.round           gateway, one per target step; specdec.gamma, .drafted,
+                            .accepted, .batch_size, .stage.{verify,draft,draft_wait,network}_ms;
+                            a `latency_spike` event and specdec.spike.stage when a stage spikes
+    specdec.draft_session   drafter, one per request; a `block` event per block sent
+    specdec.verify_session  verifier, one per request; a `step` event per target step
+
+Latency spikes
+    Every stage keeps a rolling window of its latencies. A round whose stage exceeds
+    max(`spike_min_ms`, `spike_factor` x the window's p95) (after `SPIKE_WARMUP` rounds),
+    or the absolute `spike_ms` when set, is a spike: span event, attribute, counter, log line
+    with the trace id.
+
+Metrics (Prometheus, `/metrics` on each service; names follow vLLM's spec-decode metrics)
+    Acceptance rate over 5 minutes:
+        rate(specdec:spec_decode_num_accepted_tokens_total[5m])
+          / rate(specdec:spec_decode_num_draft_tokens_total[5m])
+    Mean accepted length (tokens per speculative step):
+        1 + rate(specdec:spec_decode_num_accepted_tokens_total[5m])
+          / rate(specdec:spec_decode_num_drafts_total[5m])
+    Acceptance at draft position p:
+        rate(specdec:spec_decode_num_accepted_tokens_per_pos_total{position="p"}[5m])
+          / rate(specdec:spec_decode_num_drafts_total[5m])
+    p99 round latency by stage:
+        histogram_quantile(0.99, sum by (le, stage) (rate(specdec:round_stage_seconds_bucket[5m])))
+    Generated tokens/s:       rate(specdec:generation_tokens_total[1m])
+    Spikes by stage:          rate(specdec:latency_spikes_total[5m])
+    Queue depth:              specdec:requests_running (gateway), specdec:verifier_sessions (verifier)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
+from prometheus_client import Counter, Gauge, Histogram
+
+log = logging.getLogger("specdec.telemetry")
+
+SPIKE_WARMUP = 20
+STAGES = ("verify", "draft", "draft_wait", "network")
+
+# ---- tracing ---------------------------------------------------------------------------
+
+
+class JsonLinesExporter(SpanExporter):
+    """Appends each finished span to a file as one JSON object per line."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = [json.dumps(span_record(s)) for s in spans]
+        with self._lock, open(self.path, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        """Nothing held open."""
+
+
+def span_record(s: ReadableSpan) -> dict[str, Any]:
+    """A span as a plain dict (ids in hex, times in ns since the epoch)."""
+    ctx = s.get_span_context()
+    return {
+        "name": s.name,
+        "service": s.resource.attributes.get("service.name", ""),
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_id": f"{s.parent.span_id:016x}" if s.parent else None,
+        "start_ns": s.start_time,
+        "end_ns": s.end_time,
+        "attributes": dict(s.attributes or {}),
+        "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in s.events],
+    }
+
+
+def setup_tracing(service: str) -> trace.Tracer:
+    """Install the tracer provider for this process (exporters from the environment)."""
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    exporters = [e.strip() for e in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
+    if "otlp" in exporters:
+        if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc") == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if "console" in exporters:
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    path = os.environ.get("SPECDEC_TRACE_FILE")
+    if path:
+        provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(path)))
+    trace.set_tracer_provider(provider)
+    return trace.get_tracer(f"specdec.{service}")
+
+
+def tracer(service: str) -> trace.Tracer:
+    return trace.get_tracer(f"specdec.{service}")
+
+
+def inject_context_of(context: Any) -> dict[str, str]:
+    """A context's W3C trace context (traceparent, tracestate) as a dict."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=context)
+    return carrier
+
+
+def extract_context(carrier: Mapping[str, str] | Sequence[tuple[str, str]] | None) -> Any:
+    """An OpenTelemetry context from a trace_context map or gRPC metadata."""
+    if carrier is None:
+        return None
+    items = carrier.items() if isinstance(carrier, Mapping) else carrier
+    return propagate.extract({k: v for k, v in items if isinstance(v, str)})
+
+
+def trace_id_hex(span: trace.Span) -> str:
+    return f"{span.get_span_context().trace_id:032x}"
+
+
+# ---- latency spikes ----------------------------------------------------------------------
+
+
+@dataclass
+class SpikeDetector:
+    """Rolling latency windows per stage; `check` names the stages of a round that spiked."""
+
+    window: int = 256
+    factor: float = 3.0
+    min_ms: float = 5.0
+    absolute_ms: float = 0.0  # > 0: a fixed threshold instead of the relative one
+    _samples: dict[str, deque[float]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def threshold(self, stage: str) -> float | None:
+        if self.absolute_ms > 0:
+            return self.absolute_ms
+        samples = self._samples.get(stage)
+        if samples is None or len(samples) < SPIKE_WARMUP:
+            return None
+        ordered = sorted(samples)
+        p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+        return max(self.min_ms, self.factor * p95)
+
+    def check(self, stages_ms: Mapping[str, float]) -> dict[str, float]:
+        """Record one round's stage latencies; return {stage: threshold} for those over it."""
+        spiked: dict[str, float] = {}
+        with self._lock:
+            for stage, ms in stages_ms.items():
+                limit = self.threshold(stage)
+                if limit is not None and ms > limit:
+                    spiked[stage] = limit
+                self._samples.setdefault(stage, deque(maxlen=self.window)).append(ms)
+        return spiked
+
+
+# ---- metrics -----------------------------------------------------------------------------
+# Gateway (per request and round)
+NUM_DRAFTS = Counter("specdec:spec_decode_num_drafts", "Target steps that verified a draft block")
+NUM_DRAFT_TOKENS = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens verified")
+NUM_ACCEPTED_TOKENS = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+ACCEPTED_PER_POS = Counter(
+    "specdec:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the block", ["position"]
+)
+ACCEPTED_LENGTH = Histogram(
+    "specdec:accepted_length", "Tokens emitted per speculative target step (accepted + 1)", buckets=range(1, 34)
+)
+ROUNDS = Counter("specdec:rounds", "Target steps seen by the gateway (all requests)")
+ROUND_STAGE = Histogram(
+    "specdec:round_stage_seconds",
+    "Round latency by stage: verify (engine step), draft (drafter compute), draft_wait "
+    "(verifier waiting for drafts), network (the rest of the round)",
+    ["stage"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+GENERATION_TOKENS = Counter("specdec:generation_tokens", "Generated tokens")
+PROMPT_TOKENS = Counter("specdec:prompt_tokens", "Prompt tokens")
+REQUESTS = Counter("specdec:requests", "Finished requests by finish reason", ["finish_reason"])
+REQUESTS_RUNNING = Gauge("specdec:requests_running", "Requests in flight at the gateway (queue depth)")
+SPIKES = Counter("specdec:latency_spikes", "Rounds with a latency spike, by stage", ["stage"])
+FALLBACKS = Counter("specdec:drafter_fallbacks", "Requests that went on without their drafter")
+# Drafter
+DRAFTER_SESSIONS = Gauge("specdec:drafter_sessions", "Open draft sessions")
+DRAFTER_BLOCKS = Counter("specdec:drafter_blocks", "Blocks sent")
+DRAFTER_TOKENS = Counter("specdec:drafter_tokens", "Draft tokens sent")
+DRAFTER_STEP = Histogram(
+    "specdec:drafter_step_seconds", "One draft token's compute", buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1)
+)
+# Verifier
+VERIFIER_SESSIONS = Gauge("specdec:verifier_sessions", "Open verify sessions (requests in the engine)")
+VERIFIER_STEPS = Counter("specdec:verifier_engine_steps", "Engine steps")
+VERIFIER_STEP = Histogram(
+    "specdec:verifier_step_seconds", "Engine step wall time", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+)
+VERIFIER_BATCH = Histogram("specdec:verifier_batch_size", "Requests per engine step", buckets=(1, 2, 4, 8, 16, 32, 64))
+VERIFIER_COMPUTED = Counter("specdec:verifier_computed_tokens", "Tokens the target computed (prefill + 1 + drafts)")
+VERIFIER_DRAFT_WAIT = Counter("specdec:verifier_draft_wait_seconds", "Engine time spent waiting for drafts")

@@ -1,0 +1,42 @@
+"""Prometheus /metrics on every service: scraped, parsed, and moving as requests run."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from gen import generate_all, spec
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(port: int) -> dict[str, float]:
+    """{sample name with labels: value} from a service's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def test_metrics_move(services) -> None:
+    gw, dr, ve = services.gateways["mid"], services.drafters["mid"], services.verifier
+    before = {name: scrape(s.metrics_port) for name, s in (("gw", gw), ("dr", dr), ("ve", ve))}
+    responses = generate_all(gw.address, [spec([5, 6, 7, 8], 40, gamma=4, ignore_eos=True) for _ in range(4)])
+    after = {name: scrape(s.metrics_port) for name, s in (("gw", gw), ("dr", dr), ("ve", ve))}
+
+    def moved(svc: str, name: str) -> float:
+        return after[svc].get(name, 0.0) - before[svc].get(name, 0.0)
+
+    drafted = sum(r.stats.drafted_tokens for r in responses)
+    accepted = sum(r.stats.accepted_tokens for r in responses)
+    assert moved("gw", "specdec:spec_decode_num_draft_tokens_total") == drafted
+    assert moved("gw", "specdec:spec_decode_num_accepted_tokens_total") == accepted
+    assert moved("gw", "specdec:generation_tokens_total") == 160
+    assert moved("gw", "specdec:requests_total{finish_reason=length}") == 4
+    assert moved("gw", "specdec:round_stage_seconds_count{stage=verify}") == sum(r.stats.target_steps + 1 for r in responses)
+    assert moved("gw", "specdec:spec_decode_num_accepted_tokens_per_pos_total{position=0}") > 0
+    assert after["gw"]["specdec:requests_running"] == 0
+    assert moved("dr", "specdec:drafter_blocks_total") > 0
+    assert moved("ve", "specdec:verifier_engine_steps_total") > 0
+    assert moved("ve", "specdec:verifier_computed_tokens_total") >= 160
