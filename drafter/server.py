@@ -187,6 +187,9 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             reader.cancel()
             self.worker.remove(session)
 
+    async def close(self) -> None:
+        self.worker.stop()
+
     async def GetDrafterInfo(self, request, context) -> "pb.GetDrafterInfoResponse":  # noqa: N802
         return pb.GetDrafterInfoResponse(model=self.model_name, vocab_size=self.vocab_size, methods=list(METHODS))
 
@@ -209,13 +212,6 @@ def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":
 
 
 async def main(cfg: DrafterConfig) -> None:
-    servicer = DrafterServicer(cfg)
-
-    def register(server: grpc.aio.Server) -> list[str]:
-        rpc.add_DrafterServiceServicer_to_server(servicer, server)
-        return ["specdec.v1.DrafterService"]
-
-    try:
-        await serving.serve("drafter", cfg.host, cfg.port, register, cfg.metrics_port)
-    finally:
-        servicer.worker.stop()
+    await serving.serve(
+        "drafter", cfg, DrafterServicer(cfg), rpc.add_DrafterServiceServicer_to_server, "specdec.v1.DrafterService"
+    )

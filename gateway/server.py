@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -166,14 +167,36 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         await asyncio.gather(self._verifier_channel.close(), self._drafter_channel.close())
 
 
+def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer) -> Callable[[asyncio.Event], Awaitable[None]] | None:
+    """The REST bridge as a task beside the gRPC server (None when rest_port is 0)."""
+    if not cfg.rest_port:
+        return None
+    import prometheus_client
+    import uvicorn
+
+    from gateway.rest import build_app
+
+    app = build_app(f"127.0.0.1:{cfg.port}", servicer.tokenizer, cfg.tokenizer)
+    app.mount("/metrics", prometheus_client.make_asgi_app())
+
+    class Server(uvicorn.Server):
+        def capture_signals(self):  # type: ignore[override]
+            return contextlib.nullcontext()  # serving.serve owns SIGINT/SIGTERM
+
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.rest_port, log_level="warning"))
+
+    async def run(stop: asyncio.Event) -> None:
+        task = asyncio.create_task(server.serve())
+        await stop.wait()
+        server.should_exit = True
+        await task
+
+    return run
+
+
 async def main(cfg: GatewayConfig) -> None:
     servicer = GatewayServicer(cfg)
-
-    def register(server: grpc.aio.Server) -> list[str]:
-        rpc.add_GatewayServiceServicer_to_server(servicer, server)
-        return ["specdec.v1.GatewayService"]
-
-    try:
-        await serving.serve("gateway", cfg.host, cfg.port, register, cfg.metrics_port)
-    finally:
-        await servicer.close()
+    await serving.serve(
+        "gateway", cfg, servicer, rpc.add_GatewayServiceServicer_to_server, "specdec.v1.GatewayService",
+        also=rest_bridge(cfg, servicer),
+    )

@@ -70,6 +70,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--tokenizer", help="tokenizer (the target's): registry name or folder")
     g.add_argument("--default-gamma", type=int, help="gamma when a request does not say")
     g.add_argument("--default-drafter", choices=["model", "ngram", "none"])
+    g.add_argument("--rest-port", type=int, help="OpenAI-compatible REST bridge port, 0: off (env SPECDEC_REST_PORT)")
     g.add_argument("--spike-factor", type=float, help="a stage spikes above this x its rolling p95")
     g.add_argument("--spike-min-ms", type=float, help="... and above this floor")
     g.add_argument("--spike-ms", type=float, help="fixed spike threshold instead (0: relative)")

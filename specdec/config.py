@@ -141,6 +141,9 @@ class GatewayConfig:
     drafter_open_timeout_s: float = 10.0
     # Prometheus /metrics port (0: off); the REST bridge serves /metrics too.
     metrics_port: int = 9091
+    # OpenAI-compatible REST bridge (/v1/completions, /v1/chat/completions, /v1/models,
+    # /health, /metrics) port (0: off).
+    rest_port: int = 8000
     # Latency spikes: a stage spikes above max(spike_min_ms, spike_factor x its rolling p95),
     # or above spike_ms when that is > 0.
     spike_factor: float = 3.0

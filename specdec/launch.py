@@ -40,6 +40,7 @@ class Service:
     proc: subprocess.Popen
     log_path: Path | None = None
     metrics_port: int = 0
+    rest_port: int = 0  # gateways: the REST bridge
 
     @property
     def address(self) -> str:

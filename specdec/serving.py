@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,41 +29,55 @@ async def abort_invalid(context: grpc.aio.ServicerContext, err: InvalidField) ->
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
 
+class Servicer(Protocol):
+    """What `serve` needs of a service implementation besides its RPCs."""
+
+    async def close(self) -> None: ...
+
+
 async def serve(
     name: str,
-    host: str,
-    port: int,
-    register: Callable[[grpc.aio.Server], Awaitable[list[str]] | list[str]],
-    metrics_port: int = 0,
+    cfg: Any,
+    servicer: Servicer,
+    add_to_server: Callable[[Any, grpc.aio.Server], None],
+    service: str,
+    also: Callable[[asyncio.Event], Awaitable[None]] | None = None,
 ) -> None:
-    """Start an aio server, register services (register returns their full names),
-    mark them SERVING, serve Prometheus /metrics on metrics_port (0: off), and run until
-    SIGINT/SIGTERM, then stop gracefully."""
+    """Run one gRPC service until SIGINT/SIGTERM, then stop gracefully.
+
+    cfg gives host, port and metrics_port (Prometheus /metrics, 0: off). `service` is the
+    full service name for health checks and reflection. `also(stop_event)` runs beside the
+    server in the same loop (the gateway's REST bridge) and must return once the event is set.
+    """
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
     )
-    names = register(server)
-    if asyncio.iscoroutine(names):
-        names = await names
+    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    reflection.enable_server_reflection([service, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     if bound == 0:
-        raise OSError(f"{name}: cannot bind {host}:{port}")
+        raise OSError(f"{name}: cannot bind {cfg.host}:{cfg.port}")
     await server.start()
-    if metrics_port:
-        start_http_server(metrics_port, addr=host)
-        log.info("%s metrics on http://%s:%d/metrics", name, host, metrics_port)
-    for service in ["", *names]:
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s serving on %s:%d", name, host, bound)
+    if cfg.metrics_port:
+        start_http_server(cfg.metrics_port, addr=cfg.host)
+        log.info("%s metrics on http://%s:%d/metrics", name, cfg.host, cfg.metrics_port)
+    for svc in ("", service):
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s serving on %s:%d", name, cfg.host, bound)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("%s stopping", name)
-    for service in ["", *names]:
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(GRACE_S)
+    side = asyncio.create_task(also(stop)) if also is not None else None
+    try:
+        await stop.wait()
+    finally:
+        log.info("%s stopping", name)
+        for svc in ("", service):
+            await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(GRACE_S)
+        if side is not None:
+            await side
+        await servicer.close()

@@ -65,11 +65,14 @@ class Services:
         return drafter, self.start_gateway(drafter.address, verifier.address)
 
     def start_gateway(self, drafter_address: str, verifier_address: str, extra: tuple[str, ...] = ()) -> Service:
-        return self._start(
+        rest_port = free_port()
+        svc = self._start(
             "gateway",
             ["--tokenizer", "tiny/target", "--drafter-address", drafter_address, "--verifier-address", verifier_address,
-             *extra],
+             "--rest-port", str(rest_port), *extra],
         )
+        svc.rest_port = rest_port
+        return svc
 
     def stop(self) -> None:
         for svc in reversed(self.started):

@@ -142,6 +142,9 @@ class VerifierServicer(rpc.VerifierServiceServicer):
             if not finished:  # cancelled, failed or invalid: free the engine's slot
                 self.engine.abort(req.request_id)
 
+    async def close(self) -> None:
+        self.engine.stop()
+
     async def GetVerifierInfo(self, request, context) -> "pb.GetVerifierInfoResponse":  # noqa: N802
         return pb.GetVerifierInfoResponse(
             model=self.model_name,
@@ -153,13 +156,6 @@ class VerifierServicer(rpc.VerifierServiceServicer):
 
 
 async def main(cfg: VerifierConfig) -> None:
-    servicer = VerifierServicer(cfg)
-
-    def register(server: grpc.aio.Server) -> list[str]:
-        rpc.add_VerifierServiceServicer_to_server(servicer, server)
-        return ["specdec.v1.VerifierService"]
-
-    try:
-        await serving.serve("verifier", cfg.host, cfg.port, register, cfg.metrics_port)
-    finally:
-        servicer.engine.stop()
+    await serving.serve(
+        "verifier", cfg, VerifierServicer(cfg), rpc.add_VerifierServiceServicer_to_server, "specdec.v1.VerifierService"
+    )

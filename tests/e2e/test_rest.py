@@ -1,0 +1,176 @@
+"""The OpenAI-compatible REST bridge (gateway/rest.py) in front of a real gateway,
+driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from transformers import AutoTokenizer
+
+from gateway.rest import build_app
+from specdec.launch import free_port
+from specdec.models import resolve
+
+MODEL = "tiny/target"
+PROMPT = "def add(a, b):\n    return"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+
+
+@contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free port in a background thread; yields the base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def tokenizer(chat_template: str | None = None) -> Any:
+    tok = AutoTokenizer.from_pretrained(resolve(MODEL))
+    tok.chat_template = chat_template  # the tiny tokenizer has none
+    return tok
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def base_url(services) -> Iterator[str]:
+    with serve(build_app(services.gateways["mid"].address, tokenizer(CHAT_TEMPLATE), MODEL)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def api(base_url: str) -> openai.OpenAI:
+    return client(base_url)
+
+
+def speculation(usage: Any) -> dict[str, Any]:
+    return usage.model_extra["speculation"]
+
+
+def test_completion_and_stream_agree(api: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"gamma": 4})
+    full = api.completions.create(**kw)
+    assert full.object == "text_completion" and full.model == MODEL and full.id
+    (choice,) = full.choices
+    assert choice.index == 0 and choice.finish_reason in ("length", "stop") and choice.logprobs is None
+    u = full.usage
+    assert 0 < u.completion_tokens <= 24 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    stats = speculation(u)
+    assert stats["gamma"] == 4 and stats["drafter"] == "model" and stats["target_steps"] > 0
+
+    chunks = list(api.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    *body, last = chunks
+    assert all(c.object == "text_completion" and len(c.choices) == 1 and c.usage is None for c in body)
+    assert "".join(c.choices[0].text for c in body) == choice.text  # greedy: token for token
+    assert [c.choices[0].finish_reason for c in body if c.choices[0].finish_reason] == [choice.finish_reason]
+    assert last.choices == [] and last.usage.completion_tokens == u.completion_tokens
+    assert speculation(last.usage)["gamma"] == 4
+
+
+def test_completion_token_id_prompt_and_stop(api: openai.OpenAI) -> None:
+    r = api.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+    first = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    stop = first.strip()[:1]
+    if stop:  # the output ends before the stop string
+        r = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].text == first[: first.index(stop)]
+
+
+def test_chat_and_stream_agree(api: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0)
+    full = api.chat.completions.create(**kw)
+    assert full.object == "chat.completion"
+    (choice,) = full.choices
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("length", "stop")
+    assert full.usage.completion_tokens > 0 and "gamma" in speculation(full.usage)
+
+    chunks = list(api.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *body, last = chunks
+    assert "".join(c.choices[0].delta.content or "" for c in body) == choice.message.content
+    assert body[-1].choices[0].finish_reason == choice.finish_reason
+    assert last.choices == [] and last.usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_models_and_health(api: openai.OpenAI, base_url: str) -> None:
+    assert [(m.id, m.owned_by) for m in api.models.list().data] == [(MODEL, "specdec")]
+    r = httpx.get(f"{base_url}/health", timeout=10)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_top_p_names_the_field(api: openai.OpenAI, stream: bool) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, top_p=1.5, stream=stream)
+    assert info.value.body["param"] == "top_p" and info.value.body["type"] == "invalid_request_error"
+    assert "top_p" in info.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"n": 2}, "n"),
+        ({"extra_body": {"drafter": "bogus"}}, "drafter"),
+        ({"extra_body": {"gamma": 99}}, "gamma"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_bad_requests_are_400(api: openai.OpenAI, kw: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(**{"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **kw})
+    assert info.value.body["param"] == param, info.value.body
+
+
+def test_chat_without_template_is_400(services) -> None:
+    with serve(build_app(services.gateways["mid"].address, tokenizer(), MODEL)) as url:
+        with pytest.raises(openai.BadRequestError, match="chat template"):
+            client(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+
+
+def test_gateway_down_is_503() -> None:
+    with serve(build_app(f"127.0.0.1:{free_port()}", tokenizer(), MODEL)) as url:
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        with pytest.raises(openai.InternalServerError) as info:
+            client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    assert info.value.status_code == 503
+
+
+def test_the_gateway_serves_the_bridge_and_metrics(services) -> None:
+    """`specdec serve gateway` runs the bridge itself (port --rest-port), /metrics included."""
+    gw = services.gateways["mid"]
+    url = f"http://127.0.0.1:{gw.rest_port}"
+    c = client(url)
+    assert [m.id for m in c.models.list().data] == ["tiny/target"]
+    done = c.completions.create(model="tiny/target", prompt="def f(x):", max_tokens=8, temperature=0.0)
+    assert done.usage.completion_tokens == 8
+    text = httpx.get(f"{url}/metrics/", timeout=10).text
+    assert "specdec:spec_decode_num_drafts_total" in text
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
