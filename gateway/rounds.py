@@ -304,6 +304,11 @@ class Round:
                 self.stats.add_verdict(v)
                 self._observe(v)
                 self._finished = v.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                if self._finished:  # stop writing, then half-close: the verifier ends the call after that
+                    self._to_verifier.put_nowait(None)
+                    await asyncio.wait({tasks[0]}, timeout=5.0)
+                    with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
+                        await vcall.done_writing()
                 yield v
                 if self._finished:
                     return

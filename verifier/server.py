@@ -20,6 +20,9 @@ from verifier.engine import GenerationRequest, TargetEngine, Verdict
 
 log = logging.getLogger("specdec.verifier")
 
+# After the last verdict, how long the caller has to half-close its side of the stream.
+CLOSE_GRACE_S = 10.0
+
 FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
     "length": pb.FINISH_REASON_LENGTH,
@@ -112,6 +115,8 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                     self.engine.offer(req.request_id, b.start_position, list(b.token_ids), b.final, b.committed_length)
             except InvalidField as err:
                 verdicts.put_nowait(err)
+            except grpc.aio.AioRpcError:
+                pass  # the caller went away
             finally:
                 self.engine.end_drafts(req.request_id)  # no more blocks can come
 
@@ -133,6 +138,8 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                 if item.finish_reason is not None and not item.preview:
                     finished = True
                     span.set_attribute("specdec.finish_reason", item.finish_reason)
+                    # let the caller half-close first, so no block it has in flight hits a closed stream
+                    await asyncio.wait({reader}, timeout=CLOSE_GRACE_S)
                     return
         finally:
             span.end()
