@@ -63,6 +63,8 @@ class DraftWorker(threading.Thread):
                 if not active:
                     self._cond.wait(timeout=1.0)
                     continue
+                # drafts a verifier is waiting for come before drafting ahead
+                active = [(s, e) for s, e in active if s.urgent()] or active
             for session, emit in active:
                 try:
                     block = session.step()
@@ -104,23 +106,22 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         sp = req.sampling
         check_sampling("open.sampling", sp)
         prompt = list(req.prompt_token_ids)
+        lookahead = req.gamma + 1 if self.cfg.lookahead < 0 else self.cfg.lookahead
         if method == "ngram":
-            session: DraftSession = NgramDraftSession(
-                prompt, req.gamma, self.cfg.lookahead, self.cfg.ngram_max, self.cfg.ngram_min
-            )
+            session: DraftSession = NgramDraftSession(prompt, req.gamma, lookahead, self.cfg.ngram_max, self.cfg.ngram_min)
         else:
-            session = self._model_session(req, prompt)
+            session = self._model_session(req, prompt, lookahead)
         session.flush_ms = self.cfg.flush_ms
         session.inject_delay_ms, session.inject_every = self.cfg.inject_delay_ms, self.cfg.inject_every
         return session
 
-    def _model_session(self, req: "pb.DraftOpen", prompt: list[int]) -> ModelDraftSession:
+    def _model_session(self, req: "pb.DraftOpen", prompt: list[int], lookahead: int) -> ModelDraftSession:
         sp = req.sampling
         return ModelDraftSession(
             self.model,
             prompt,
             req.gamma,
-            self.cfg.lookahead,
+            lookahead,
             temperature=sp.temperature if self.cfg.sample_drafts else 0.0,
             top_k=sp.top_k if sp.top_k > 0 else 0,
             top_p=sp.top_p if sp.HasField("top_p") else 1.0,

@@ -78,6 +78,13 @@ class DraftSession:
             return self._needs_warmup()
         return not self.exhausted and len(self.context) - self.committed < self.window
 
+    def urgent(self) -> bool:
+        """Whether the verifier is (about to be) waiting for this session's drafts: fewer than
+        gamma drafted past the committed context, or the prompt not yet in the cache."""
+        if not self.started:
+            return self.wants_work()
+        return self.wants_work() and len(self.context) - self.committed < self.gamma
+
     def commit(self, start: int, tokens: list[int], gamma: int = 0) -> None:
         """Apply a target verdict: context[:start] + tokens is now verified."""
         with self.lock:

@@ -76,8 +76,10 @@ class DrafterConfig:
     # Torch threads for drafting (a separate drafter host gives it its cores).
     threads: int = 1
     dtype: str = "float32"
-    # Tokens past gamma the drafter may run ahead of the committed context (0: one block per round).
-    lookahead: int = 0
+    # Tokens past gamma the drafter may draft ahead of the committed context while a block is
+    # being verified (overlap): -1 is gamma + 1 (the next block and a guess of the bonus
+    # token); 0 is lock-step (one block per round).
+    lookahead: int = -1
     # A partial block is sent when its first token waited this long.
     flush_ms: float = 50.0
     # Sampled requests: draft by sampling q (True, q sent as a sparse top-k support) or by
