@@ -203,8 +203,11 @@ class Round:
             "specdec.tokens": len(v.token_ids),
             "specdec.batch_size": v.batch_size,
             "specdec.computed_tokens": v.computed_tokens,
+            "specdec.queue_ms": round(v.queue_ms, 3),
             **{f"specdec.stage.{k}_ms": round(ms, 3) for k, ms in stages.items()},
         })
+        if self.stats.verdicts == 1:
+            self.span.set_attribute("specdec.queue_ms", round(v.queue_ms, 3))
         if self.stats.verdicts > 1:  # the first round is queueing + prefill: time to first token
             spiked = self.spikes.check(stages)
             for stage, limit in spiked.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -100,6 +101,7 @@ def _up(args: argparse.Namespace) -> None:
     print(f"starting verifier, drafter and gateway ({args.models}); logs in {args.log_dir}", file=sys.stderr)
     cluster.start()
     print(f"ready: gateway on 127.0.0.1:{args.port} (Ctrl-C stops)", file=sys.stderr)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the services on SIGTERM too
     try:
         while all(s.proc.poll() is None for s in cluster.services):
             time.sleep(1.0)
@@ -215,8 +217,10 @@ def _demo(args: argparse.Namespace) -> int:
 
     _pull_pair(args.models)
     ports = [free_port() for _ in range(3)]
+    off = ["--metrics-port", "0"]  # a one-shot run needs no metrics or REST ports
     cluster = Cluster(pair=args.models, gateway_port=ports[0], drafter_port=ports[1], verifier_port=ports[2],
-                      log_dir=Path(args.log_dir))
+                      log_dir=Path(args.log_dir),
+                      extra_args={"verifier": off, "drafter": off, "gateway": [*off, "--rest-port", "0"]})
     print(f"starting verifier, drafter and gateway ({args.models}); logs in {args.log_dir}", file=sys.stderr)
     cluster.start()
     try:

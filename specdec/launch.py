@@ -125,7 +125,8 @@ class Cluster:
     verifier_port: int = 50053
     log_dir: Path | None = None
     pin: bool = True
-    verifier_args: list[str] = field(default_factory=list)
+    # extra flags per service kind, e.g. {"gateway": ["--rest-port", "0"]}
+    extra_args: dict[str, list[str]] = field(default_factory=dict)
     services: list[Service] = field(default_factory=list)
 
     def start(self, timeout_s: float = 900.0) -> None:
@@ -133,16 +134,18 @@ class Cluster:
         target_cpus, draft_cpus = split_cpus() if self.pin else (None, None)
         threads = str(len(target_cpus)) if target_cpus else "0"
         verifier = start_service(
-            "verifier", self.verifier_port, ["--model", target, "--threads", threads, *self.verifier_args],
+            "verifier", self.verifier_port, ["--model", target, "--threads", threads, *self.extra_args.get("verifier", [])],
             self.log_dir, target_cpus,
         )
         drafter = start_service(
-            "drafter", self.drafter_port, ["--model", self.draft or default_draft, "--threads", "1"],
+            "drafter", self.drafter_port,
+            ["--model", self.draft or default_draft, "--threads", "1", *self.extra_args.get("drafter", [])],
             self.log_dir, draft_cpus,
         )
         gateway = start_service(
             "gateway", self.gateway_port,
-            ["--tokenizer", tokenizer, "--drafter-address", drafter.address, "--verifier-address", verifier.address],
+            ["--tokenizer", tokenizer, "--drafter-address", drafter.address, "--verifier-address", verifier.address,
+             *self.extra_args.get("gateway", [])],
             self.log_dir, draft_cpus,
         )
         self.services = [verifier, drafter, gateway]

@@ -13,7 +13,8 @@ Spans (names and attributes)
                             (gen_ai.operation.name, gen_ai.request.model, gen_ai.usage.*)
                             and specdec.* totals
     specdec.round           gateway, one per target step; specdec.gamma, .drafted,
-                            .accepted, .batch_size, .stage.{verify,draft,draft_wait,network}_ms;
+                            .accepted, .batch_size, .queue_ms (engine queue time, first
+                            round), .stage.{verify,draft,draft_wait,network}_ms;
                             a `latency_spike` event and specdec.spike.stage when a stage spikes
     specdec.draft_session   drafter, one per request; a `block` event per block sent
     specdec.verify_session  verifier, one per request; a `step` event per target step

@@ -40,6 +40,7 @@ class Verdict:
     batch_size: int
     step_ms: float
     draft_wait_ms: float = 0.0
+    queue_ms: float = 0.0  # first verdict: submitted -> first scheduled
     preview: bool = False  # tokens sampled in a step still running (see VerifyResponse.preview)
 
 
@@ -107,6 +108,8 @@ class TargetEngine:
         eos = getattr(hf, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self._scheduled: dict[str, int] = {}
+        self._queued: set[str] = set()  # engine ids not yet scheduled
+        self._first_scheduled: dict[str, float] = {}
         self._hook_scheduler()
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -127,8 +130,12 @@ class TargetEngine:
             if every and (self.steps + 1) % every == 0:
                 time.sleep(delay_s)  # fault injection: a slow step
             out = original(*args, **kwargs)
+            now = time.perf_counter()
             for rid, n in out.num_scheduled_tokens.items():
                 self._scheduled[rid] = self._scheduled.get(rid, 0) + n
+                if rid in self._queued:  # first time this request is scheduled
+                    self._queued.discard(rid)
+                    self._first_scheduled[rid] = now
             return out
 
         scheduler.schedule = schedule
@@ -179,10 +186,11 @@ class TargetEngine:
                     detokenize=False,
                     output_kind=RequestOutputKind.DELTA,
                 )
-                live = _Live(req, cb, engine_id="")
+                live = _Live(req, cb, engine_id="", submitted=time.perf_counter())
                 # the engine id gets a random suffix; register drafts under it before any step
                 engine_id = self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids}, params)
                 live.engine_id = engine_id
+                self._queued.add(engine_id)
                 self.board.register(
                     engine_id, req.gamma, len(req.prompt_token_ids), req.max_tokens,
                     lambda start, tokens, cb=cb: cb(Verdict(start, tokens, 0, 0, None, 0, 0, 0.0, preview=True)),
@@ -194,6 +202,8 @@ class TargetEngine:
                     self.engine.abort_request([live.engine_id], internal=True)
                     self.board.unregister(live.engine_id)
                     self._scheduled.pop(live.engine_id, None)
+                    self._first_scheduled.pop(live.engine_id, None)
+                    self._queued.discard(live.engine_id)
 
     def _run(self) -> None:
         while not self._stopped:
@@ -241,10 +251,12 @@ class TargetEngine:
         while accepted < min(len(proposal), len(tokens)) and proposal[accepted] == tokens[accepted]:
             accepted += 1
         computed = self._scheduled.pop(live.engine_id, 0)
+        first = self._first_scheduled.pop(live.engine_id, None) if live.generated == 0 else None
+        queue_ms = (first - live.submitted) * 1e3 if first is not None else 0.0
         self.computed_tokens_total += computed
         telemetry.VERIFIER_COMPUTED.inc(computed)
         live.generated += len(tokens)
-        verdict = Verdict(start, tokens, len(proposal), accepted, finish, computed, batch_size, step_ms, wait_ms)
+        verdict = Verdict(start, tokens, len(proposal), accepted, finish, computed, batch_size, step_ms, wait_ms, queue_ms)
         if finish is not None:
             self._live.pop(live.req.request_id, None)
             self.board.unregister(live.engine_id)
@@ -258,6 +270,7 @@ class _Live:
     req: GenerationRequest
     callback: Callable[[Verdict], None]
     engine_id: str
+    submitted: float = 0.0  # perf_counter at submission
     generated: int = 0
 
     @property

@@ -42,6 +42,7 @@ def verdict_pb(v: Verdict) -> "pb.VerifyResponse":
         batch_size=v.batch_size,
         step_ms=v.step_ms,
         draft_wait_ms=v.draft_wait_ms,
+        queue_ms=v.queue_ms,
         preview=v.preview,
     )
 

@@ -60,6 +60,9 @@ def test_round_spans_carry_speculation_attributes(traced) -> None:
     assert sum(r["attributes"]["specdec.accepted"] for r in rounds) == sum(r.stats.accepted_tokens for r in responses)
     generate = [s for s in spans if s["name"] == "specdec.generate"]
     assert all(s["attributes"]["gen_ai.usage.output_tokens"] == 120 for s in generate)
+    assert all(s["attributes"]["specdec.queue_ms"] >= 0 for s in generate)
+    first = [r for r in rounds if r["attributes"]["specdec.round"] == 1]
+    assert len(first) == len(responses) and all("specdec.stage.verify_ms" in r["attributes"] for r in first)
 
 
 def test_spikes_name_the_slow_stage(traced) -> None:
