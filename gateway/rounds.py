@@ -1,15 +1,17 @@
 """One generation's rounds: the gateway's synchronisation of drafter and verifier.
 
-    client -> gateway : GenerateRequest
+    client -> gateway  : GenerateRequest
     gateway -> verifier: open (prompt, sampling, gamma)       gateway -> drafter: open
+    verifier -> gateway: preview (tokens sampled, from inside the step)
+    gateway -> drafter : commit (start, tokens)               (drafter keeps or rolls back)
     drafter -> gateway -> verifier: block (start, tokens)     (as soon as drafted)
     verifier -> gateway: verdict (tokens, drafted, accepted)  (one per target step)
     gateway -> client  : the verdict's tokens as text         (at once)
-    gateway -> drafter : commit (start, tokens)               (drafter rolls back / goes on)
 
-The verifier never waits for drafts: a target step without a usable block is a plain
-decode step. So when the drafter fails, stalls or is killed, the generation goes on
-as plain target decoding with the same output, and the stats say so.
+A target step waits for drafts at most the verifier's `draft_wait_ms`, and not at all
+once the gateway has told it (`end`) that the drafter is gone: a step without a usable
+block is a plain decode step. So when the drafter fails, stalls or is killed, the
+generation goes on as plain target decoding with the same output, and the stats say so.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ Terms:
                (also called "speculative tokens"); 0 means plain target decoding.
     max_gamma  the largest gamma a request may ask for; the verifier's vLLM engine
                is built with `num_speculative_tokens = max_gamma`.
-    lookahead  how many tokens past the committed context the drafter may run
-               ahead while a block is being verified.
+    lookahead  how many tokens past gamma the drafter may draft ahead of the committed
+               context while a block is being verified (overlap).
 """
 
 from __future__ import annotations

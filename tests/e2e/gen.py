@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.wire import pb, rpc
 
@@ -56,3 +58,14 @@ async def _generate_all(address: str, specs: list["pb.GenerationSpec"], concurre
 def generate_all(address: str, specs: list["pb.GenerationSpec"], concurrency: int = 16) -> list["pb.GenerateResponse"]:
     """Run every spec through the gateway, `concurrency` at a time; responses in spec order."""
     return asyncio.run(_generate_all(address, specs, concurrency))
+
+
+def scrape(port: int) -> dict[str, float]:
+    """{sample name with labels: value} from a service's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out

@@ -2,21 +2,7 @@
 
 from __future__ import annotations
 
-import urllib.request
-
-from gen import generate_all, spec
-from prometheus_client.parser import text_string_to_metric_families
-
-
-def scrape(port: int) -> dict[str, float]:
-    """{sample name with labels: value} from a service's /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
+from gen import generate_all, scrape, spec
 
 
 def test_metrics_move(services) -> None:
