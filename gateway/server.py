@@ -22,6 +22,8 @@ from specdec.wire import pb, rpc
 log = logging.getLogger("specdec.gateway")
 
 DRAFTERS = ("model", "ngram", "none")
+# How long a request waits for an unreachable verifier before failing with its status.
+VERIFIER_INFO_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -61,7 +63,9 @@ class GatewayServicer(rpc.GatewayServiceServicer):
     async def target_info(self) -> TargetInfo:
         """The verifier's limits, asked once (waits for the verifier to come up)."""
         if self._target is None:
-            info = await self.verifier.GetVerifierInfo(pb.GetVerifierInfoRequest(), wait_for_ready=True, timeout=600)
+            info = await self.verifier.GetVerifierInfo(
+                pb.GetVerifierInfoRequest(), wait_for_ready=True, timeout=VERIFIER_INFO_TIMEOUT_S
+            )
             self._target = TargetInfo(info.vocab_size, info.max_model_len, info.max_gamma)
         return self._target
 
@@ -96,14 +100,17 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         return Round(plan, self.verifier, self.drafter, self.cfg.drafter_open_timeout_s, self.spikes,
                      model=self.cfg.tokenizer, parent=parent)
 
-    async def _chunks(self, round_: Round) -> AsyncIterator[Chunk]:
-        """The round's verdicts as text chunks; ends at the finish reason or a stop sequence."""
+    async def _chunks(self, round_: Round, context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
+        """The round's verdicts as text chunks; ends at the finish reason or a stop sequence.
+
+        A verifier error ends the call with the verifier's status code ("verifier: ...").
+        """
         text = TextStream(self.tokenizer, list(round_.plan.sampling.stop))
         finish = pb.FINISH_REASON_ABORT
         telemetry.REQUESTS_RUNNING.inc()
         telemetry.PROMPT_TOKENS.inc(len(round_.plan.prompt_token_ids))
         try:
-            async for v in round_.verdicts():
+            async for v in _upstream(round_.verdicts(), context):
                 finish = v.finish_reason
                 delta = text.add(list(v.token_ids), final=finish != pb.FINISH_REASON_UNSPECIFIED)
                 if text.stopped:
@@ -121,6 +128,9 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         except InvalidField as err:
             await serving.abort_invalid(context, err)
             raise  # unreachable: abort raises
+        except grpc.aio.AioRpcError as err:
+            await context.abort(err.code(), f"verifier: {err.details()}")
+            raise
 
     async def Generate(self, request, context) -> "pb.GenerateResponse":  # noqa: N802
         plan = await self._checked_plan(request.spec, context)
@@ -128,7 +138,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         first_ms = 0.0
         round_ = self._round(plan, context)
         text, ids, finish = [], [], pb.FINISH_REASON_UNSPECIFIED
-        async for chunk in self._chunks(round_):
+        async for chunk in self._chunks(round_, context):
             if not first_ms:
                 first_ms = (time.perf_counter() - t0) * 1e3
             text.append(chunk.text)
@@ -149,7 +159,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         plan = await self._checked_plan(request.spec, context)
         round_ = self._round(plan, context)
         n = 0
-        async for chunk in self._chunks(round_):
+        async for chunk in self._chunks(round_, context):
             n += len(chunk.token_ids)
             last = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
             yield pb.GenerateStreamResponse(
@@ -165,6 +175,15 @@ class GatewayServicer(rpc.GatewayServiceServicer):
 
     async def close(self) -> None:
         await asyncio.gather(self._verifier_channel.close(), self._drafter_channel.close())
+
+
+async def _upstream(verdicts: AsyncIterator["pb.VerifyResponse"], context: grpc.aio.ServicerContext):
+    """Pass verdicts through; turn a verifier error into this call's status."""
+    try:
+        async for v in verdicts:
+            yield v
+    except grpc.aio.AioRpcError as err:
+        await context.abort(err.code(), f"verifier: {err.details()}")
 
 
 def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer) -> Callable[[asyncio.Event], Awaitable[None]] | None:

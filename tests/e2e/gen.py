@@ -36,8 +36,13 @@ def prompts(tokenizer: Any, n: int = 20, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def spec(prompt: list[int], max_tokens: int, gamma: int | None = None, drafter: str = "", **sampling: Any) -> "pb.GenerationSpec":
-    s = pb.GenerationSpec(prompt_token_ids=prompt, drafter=drafter, sampling=pb.SamplingParams(max_tokens=max_tokens, **sampling))
+def spec(
+    prompt: list[int], max_tokens: int, gamma: int | None = None, drafter: str = "", request_id: str = "", **sampling: Any
+) -> "pb.GenerationSpec":
+    s = pb.GenerationSpec(
+        prompt_token_ids=prompt, drafter=drafter, request_id=request_id,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, **sampling),
+    )
     if gamma is not None:
         s.gamma = gamma
     return s

@@ -110,3 +110,19 @@ def test_drafter_rejects_unknown_method(services) -> None:
 
     err = asyncio.run(run())
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("open.method:")
+
+
+def test_verifier_errors_keep_their_status(services, gateway_address: str) -> None:
+    """A request id already running in the verifier: the gateway passes INVALID_ARGUMENT on."""
+    async def run() -> tuple[object, object]:
+        async with grpc.aio.insecure_channel(gateway_address) as channel:
+            stub = rpc.GatewayServiceStub(channel)
+            long = stub.Generate(pb.GenerateRequest(spec=spec(GOOD, 600, gamma=2, ignore_eos=True, request_id="dup")))
+            await asyncio.sleep(0.5)
+            second = stub.Generate(pb.GenerateRequest(spec=spec(GOOD, 4, request_id="dup")), timeout=60)
+            return await asyncio.gather(long, second, return_exceptions=True)
+
+    first, second = asyncio.run(run())
+    assert len(first.token_ids) == 600
+    assert isinstance(second, grpc.aio.AioRpcError) and second.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert second.details().startswith("verifier: open.request_id:"), second.details()
