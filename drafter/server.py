@@ -130,20 +130,14 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         )
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
-        first = await context.read()
-        if first is grpc.aio.EOF or first.WhichOneof("kind") != "open":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must be `open`")
-        try:
-            session = self._open(first.open)
-        except InvalidField as err:
-            await serving.abort_invalid(context, err)
+        opened, session = await serving.open_session(context, self._open)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[BlockOut | BaseException | None] = asyncio.Queue()
         span = self.tracer.start_span(
             "specdec.draft_session",
-            context=telemetry.extract_context(first.open.trace_context or context.invocation_metadata()),
-            attributes={"specdec.request_id": first.open.request_id, "specdec.gamma": first.open.gamma,
-                        "specdec.method": first.open.method or "model"},
+            context=telemetry.extract_context(opened.trace_context or context.invocation_metadata()),
+            attributes={"specdec.request_id": opened.request_id, "specdec.gamma": opened.gamma,
+                        "specdec.method": opened.method or "model"},
         )
         telemetry.DRAFTER_SESSIONS.inc()
         self.worker.add(session, lambda item: loop.call_soon_threadsafe(out.put_nowait, item))

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -16,6 +16,7 @@ from prometheus_client import start_http_server
 from specdec.validation import InvalidField
 
 log = logging.getLogger("specdec")
+T = TypeVar("T")
 
 GRACE_S = 5.0
 
@@ -27,6 +28,19 @@ def setup_logging() -> None:
 async def abort_invalid(context: grpc.aio.ServicerContext, err: InvalidField) -> None:
     """End the call with INVALID_ARGUMENT naming the field."""
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+
+async def open_session(context: grpc.aio.ServicerContext, build: Callable[[Any], T]) -> tuple[Any, T]:
+    """Read a session stream's first message, which must be `open`, and build the session
+    from it; a bad one ends the call with INVALID_ARGUMENT naming the field."""
+    first = await context.read()
+    if first is grpc.aio.EOF or first.WhichOneof("kind") != "open":
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must be `open`")
+    try:
+        return first.open, build(first.open)
+    except InvalidField as err:
+        await abort_invalid(context, err)
+        raise  # unreachable: abort raises
 
 
 class Servicer(Protocol):

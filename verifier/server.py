@@ -79,18 +79,12 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         )
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
-        first = await context.read()
-        if first is grpc.aio.EOF or first.WhichOneof("kind") != "open":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must be `open`")
-        try:
-            req = self._request(first.open)
-        except InvalidField as err:
-            await serving.abort_invalid(context, err)
+        opened, req = await serving.open_session(context, self._request)
         loop = asyncio.get_running_loop()
         verdicts: asyncio.Queue[Verdict | InvalidField] = asyncio.Queue()
         span = self.tracer.start_span(
             "specdec.verify_session",
-            context=telemetry.extract_context(first.open.trace_context or context.invocation_metadata()),
+            context=telemetry.extract_context(opened.trace_context or context.invocation_metadata()),
             attributes={"specdec.request_id": req.request_id, "specdec.gamma": req.gamma,
                         "gen_ai.usage.input_tokens": len(req.prompt_token_ids)},
         )
