@@ -51,7 +51,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         from specdec.models import resolve
 
         self.cfg = cfg
-        self.tracer = telemetry.setup_tracing("gateway")
+        telemetry.setup_tracing("gateway")  # Round takes its tracer from the provider
         self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer))
         self._verifier_channel = grpc.aio.insecure_channel(cfg.verifier_address)

@@ -73,15 +73,18 @@ class JsonLinesExporter(SpanExporter):
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
+        self._file = open(path, "a")  # noqa: SIM115 (closed in shutdown)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = [json.dumps(span_record(s)) for s in spans]
-        with self._lock, open(self.path, "a") as f:
-            f.write("".join(line + "\n" for line in lines))
+        text = "".join(json.dumps(span_record(s)) + "\n" for s in spans)
+        with self._lock:
+            self._file.write(text)
+            self._file.flush()  # one append per export: services may share the file
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
-        """Nothing held open."""
+        with self._lock:
+            self._file.close()
 
 
 def span_record(s: ReadableSpan) -> dict[str, Any]:
@@ -118,7 +121,7 @@ def setup_tracing(service: str) -> trace.Tracer:
     if path:
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(path)))
     trace.set_tracer_provider(provider)
-    return trace.get_tracer(f"specdec.{service}")
+    return tracer(service)
 
 
 def tracer(service: str) -> trace.Tracer:

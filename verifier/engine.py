@@ -107,15 +107,12 @@ class TargetEngine:
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
         eos = getattr(hf, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        self._scheduled: dict[str, int] = {}
-        self._queued: set[str] = set()  # engine ids not yet scheduled
-        self._first_scheduled: dict[str, float] = {}
         self._hook_scheduler()
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, _Live] = {}  # by our request id
+        self._by_engine_id: dict[str, _Live] = {}  # the same, by vLLM's internal id
         self.steps = 0
-        self.computed_tokens_total = 0
         self._thread = threading.Thread(target=self._run, name="target-engine", daemon=True)
         self._stopped = False
         self._thread.start()
@@ -132,10 +129,10 @@ class TargetEngine:
             out = original(*args, **kwargs)
             now = time.perf_counter()
             for rid, n in out.num_scheduled_tokens.items():
-                self._scheduled[rid] = self._scheduled.get(rid, 0) + n
-                if rid in self._queued:  # first time this request is scheduled
-                    self._queued.discard(rid)
-                    self._first_scheduled[rid] = now
+                live = self._by_engine_id.get(rid)
+                if live is not None:
+                    live.computed += n
+                    live.first_scheduled = live.first_scheduled or now
             return out
 
         scheduler.schedule = schedule
@@ -190,7 +187,7 @@ class TargetEngine:
                 # the engine id gets a random suffix; register drafts under it before any step
                 engine_id = self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids}, params)
                 live.engine_id = engine_id
-                self._queued.add(engine_id)
+                self._by_engine_id[engine_id] = live
                 self.board.register(
                     engine_id, req.gamma, len(req.prompt_token_ids), req.max_tokens,
                     lambda start, tokens, cb=cb: cb(Verdict(start, tokens, 0, 0, None, 0, 0, 0.0, preview=True)),
@@ -201,9 +198,7 @@ class TargetEngine:
                 if live is not None:
                     self.engine.abort_request([live.engine_id], internal=True)
                     self.board.unregister(live.engine_id)
-                    self._scheduled.pop(live.engine_id, None)
-                    self._first_scheduled.pop(live.engine_id, None)
-                    self._queued.discard(live.engine_id)
+                    self._by_engine_id.pop(live.engine_id, None)
 
     def _run(self) -> None:
         while not self._stopped:
@@ -221,6 +216,7 @@ class TargetEngine:
                 for live in list(self._live.values()):
                     live.callback(Verdict(live.position, [], 0, 0, "abort", 0, 0, 0.0))
                 self._live.clear()
+                self._by_engine_id.clear()
                 raise SystemExit(f"engine step failed: {exc}") from exc
             wait_ms = (self.board.waited_s - waited0) * 1e3
             step_ms = (time.perf_counter() - t0) * 1e3 - wait_ms
@@ -250,15 +246,14 @@ class TargetEngine:
         accepted = 0
         while accepted < min(len(proposal), len(tokens)) and proposal[accepted] == tokens[accepted]:
             accepted += 1
-        computed = self._scheduled.pop(live.engine_id, 0)
-        first = self._first_scheduled.pop(live.engine_id, None) if live.generated == 0 else None
-        queue_ms = (first - live.submitted) * 1e3 if first is not None else 0.0
-        self.computed_tokens_total += computed
+        computed, live.computed = live.computed, 0
+        queue_ms = (live.first_scheduled - live.submitted) * 1e3 if live.generated == 0 and live.first_scheduled else 0.0
         telemetry.VERIFIER_COMPUTED.inc(computed)
         live.generated += len(tokens)
         verdict = Verdict(start, tokens, len(proposal), accepted, finish, computed, batch_size, step_ms, wait_ms, queue_ms)
         if finish is not None:
             self._live.pop(live.req.request_id, None)
+            self._by_engine_id.pop(live.engine_id, None)
             self.board.unregister(live.engine_id)
             if not out.finished:
                 self.engine.abort_request([live.engine_id], internal=True)
@@ -271,6 +266,8 @@ class _Live:
     callback: Callable[[Verdict], None]
     engine_id: str
     submitted: float = 0.0  # perf_counter at submission
+    first_scheduled: float = 0.0  # perf_counter when the engine first scheduled it (0: not yet)
+    computed: int = 0  # tokens the engine computed for it since the last verdict
     generated: int = 0
 
     @property
