@@ -6,7 +6,7 @@
     gateway -> drafter : commit (start, tokens)               (drafter keeps or rolls back)
     drafter -> gateway -> verifier: block (start, tokens)     (as soon as drafted)
     verifier -> gateway: verdict (tokens, drafted, accepted)  (one per target step)
-    gateway -> client  : the verdict's tokens as text         (at once)
+    gateway -> client  : the preview's tokens as text, then what the verdict adds (at once)
 
 A target step waits for drafts at most the verifier's `draft_wait_ms`, and not at all
 once the gateway has told it (`end`) that the drafter is gone: a step without a usable
@@ -60,9 +60,14 @@ class Stats:
     block_tokens: int = 0
     fallback_reason: str = ""
     per_position: list[int] = field(default_factory=list)
+    verify_ms: float = 0.0  # engine step time over target steps after prefill
+    draft_wait_ms: float = 0.0
 
     def add_verdict(self, v: "pb.VerifyResponse") -> None:
         self.verdicts += 1
+        if self.verdicts > 1:  # the first verdict is the prefill step
+            self.verify_ms += v.step_ms
+            self.draft_wait_ms += v.draft_wait_ms
         self.completion_tokens += len(v.token_ids)
         self.computed += v.computed_tokens
         if v.drafted:
@@ -92,13 +97,16 @@ class Stats:
             drafter_fallback=bool(self.fallback_reason),
             fallback_reason=self.fallback_reason,
             target_computed_tokens=self.computed,
+            verify_ms=self.verify_ms,
+            draft_wait_ms=self.draft_wait_ms,
         )
 
 
 class Round:
     """Runs one generation between a VerifierService and a DrafterService stub.
 
-    Iterate `verdicts()` (previews are consumed here, not yielded); `stats` is complete
+    Iterate `verdicts()`: previews (v.preview, tokens certain to be in the next verdict,
+    sent from inside the target step) and verdicts; `stats` (verdicts only) is complete
     when the iteration ends. All writes to the verifier go through one queue and task,
     all writes to the drafter through another, so neither stream has two writers.
     """
@@ -305,6 +313,7 @@ class Round:
                     raise RuntimeError("verifier ended the stream without a finish reason")
                 self._commit(v)
                 if v.preview:
+                    yield v  # the client gets the tokens now, not after the next block's wait
                     continue
                 self.stats.add_verdict(v)
                 self._observe(v)

@@ -35,7 +35,7 @@ class TargetInfo:
 
 @dataclass
 class Chunk:
-    """What one verdict gives the client."""
+    """What one preview or verdict gives the client."""
 
     text: str
     token_ids: list[int]
@@ -101,21 +101,36 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                      model=self.cfg.tokenizer, parent=parent)
 
     async def _chunks(self, round_: Round, context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
-        """The round's verdicts as text chunks; ends at the finish reason or a stop sequence.
+        """The round's tokens as text chunks, as early as they are certain; ends at the finish
+        reason or a stop sequence.
 
-        A verifier error ends the call with the verifier's status code ("verifier: ...").
+        A preview's tokens are streamed at once; its verdict then adds only what the preview
+        did not carry (with the step's drafted/accepted counts). A verifier error ends the
+        call with the verifier's status code ("verifier: ...").
         """
         text = TextStream(self.tokenizer, list(round_.plan.sampling.stop))
         finish = pb.FINISH_REASON_ABORT
+        sent = len(round_.plan.prompt_token_ids)  # position up to which tokens reached the client
         telemetry.REQUESTS_RUNNING.inc()
         telemetry.PROMPT_TOKENS.inc(len(round_.plan.prompt_token_ids))
         try:
             async for v in _upstream(round_.verdicts(), context):
+                new = list(v.token_ids[max(0, sent - v.start_position):])
+                sent = max(sent, v.start_position + len(v.token_ids))
+                if v.preview:
+                    if new:
+                        delta = text.add(new, final=False)
+                        yield Chunk(delta, new, 0, 0, pb.FINISH_REASON_STOP if text.stopped else pb.FINISH_REASON_UNSPECIFIED)
+                        if text.stopped:
+                            finish = pb.FINISH_REASON_STOP
+                            return
+                    continue
                 finish = v.finish_reason
-                delta = text.add(list(v.token_ids), final=finish != pb.FINISH_REASON_UNSPECIFIED)
+                delta = text.add(new, final=finish != pb.FINISH_REASON_UNSPECIFIED)
                 if text.stopped:
                     finish = pb.FINISH_REASON_STOP
-                yield Chunk(delta, list(v.token_ids), v.drafted, v.accepted, finish)
+                if new or v.drafted or finish != pb.FINISH_REASON_UNSPECIFIED:
+                    yield Chunk(delta, new, v.drafted, v.accepted, finish)
                 if text.stopped:
                     return  # leaving the loop cancels the verifier's request
         finally:

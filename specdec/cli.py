@@ -7,6 +7,7 @@
     specdec models list | pull NAME | path REF    the model registry
     specdec eval-draft [--target T --draft D]     draft agreement, step costs, predicted speedups
     specdec traces FILE... [--request ID]         slowest rounds, spikes by stage, one request's timeline
+    specdec bench [--quick]                       specdec vs vLLM and transformers, side by side
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     d = kinds.add_parser("drafter", parents=[common, faults], help="the draft model service")
     d.add_argument("--model", help="draft model: registry name (qwen-coder/draft) or folder")
     d.add_argument("--threads", type=int, help="torch threads")
+    d.add_argument("--dtype", help="float32 or bfloat16")
     d.add_argument("--sample-drafts", action="store_true", default=None, help="sample drafts from q (default: argmax)")
     d.add_argument("--lookahead", type=int, help="tokens to draft past gamma while a block is verified")
     v = kinds.add_parser("verifier", parents=[common, faults], help="the vLLM target service")
@@ -65,6 +67,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--dtype", help="float32 or bfloat16")
     v.add_argument("--kv-cache-gib", type=float, help="KV cache size")
     v.add_argument("--draft-wait-ms", type=float, help="most a target step waits for drafts")
+    v.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM prefix caching (default on)")
+    v.add_argument("--adaptive-gamma", action=argparse.BooleanOptionalAction, default=None,
+                   help="verify only the drafts worth their cost; back off under load (default on)")
     g = kinds.add_parser("gateway", parents=[common], help="the round-running entry point")
     g.add_argument("--drafter-address", help="host:port of the drafter")
     g.add_argument("--verifier-address", help="host:port of the verifier")
@@ -280,10 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("name", nargs="?", default="qwen-coder", help="pair (pull) or PAIR/ROLE (path)")
     models.set_defaults(func=_models)
 
+    from benchmarks import bench
     from specdec import evaldraft, traces
 
     evaldraft.add_parser(sub)
     traces.add_parser(sub)
+    bench.add_parser(sub)
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

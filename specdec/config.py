@@ -116,9 +116,16 @@ class VerifierConfig:
     # Replace vLLM's CPU expand_batch_to_tokens (vLLM issue #55005); never disable in production.
     cpu_sampler_fix: bool = True
     enforce_eager: bool = True
+    # vLLM's prefix cache (benchmarks turn it off so repeated prompts cost the same each time).
+    prefix_caching: bool = True
     # Most a target step waits for the drafts of its speculative requests, milliseconds;
     # past it the step decodes those requests plainly.
     draft_wait_ms: float = 2000.0
+    # Adaptive gamma (verifier.budget): each step verifies only the drafts that raise its
+    # expected tokens per ms under the measured step cost and each request's recent
+    # acceptance; under saturation this backs off to plain decoding. False: always a
+    # request's full gamma.
+    adaptive_gamma: bool = True
     # Prometheus /metrics port (0: off).
     metrics_port: int = 9093
     # Fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th engine step.

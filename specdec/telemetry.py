@@ -40,6 +40,9 @@ Metrics (Prometheus, `/metrics` on each service; names follow vLLM's spec-decode
     Generated tokens/s:       rate(specdec:generation_tokens_total[1m])
     Spikes by stage:          rate(specdec:latency_spikes_total[5m])
     Queue depth:              specdec:requests_running (gateway), specdec:verifier_sessions (verifier)
+    Adaptive gamma back-off:  rate(specdec:verifier_withheld_draft_tokens_total[5m]) (drafts left
+                              unverified because they would cost throughput), with the fitted step
+                              cost specdec:verifier_step_cost_ms{term="base"|"per_token"}
 """
 
 from __future__ import annotations
@@ -223,4 +226,10 @@ VERIFIER_STEP = Histogram(
 )
 VERIFIER_BATCH = Histogram("specdec:verifier_batch_size", "Requests per engine step", buckets=(1, 2, 4, 8, 16, 32, 64))
 VERIFIER_COMPUTED = Counter("specdec:verifier_computed_tokens", "Tokens the target computed (prefill + 1 + drafts)")
+VERIFIER_WITHHELD = Counter(
+    "specdec:verifier_withheld_draft_tokens", "Drafts that arrived but adaptive gamma left unverified (saturation back-off)"
+)
+VERIFIER_STEP_COST = Gauge(
+    "specdec:verifier_step_cost_ms", "Fitted engine step cost T(n) = base + per_token * n, milliseconds", ["term"]
+)
 VERIFIER_DRAFT_WAIT = Counter("specdec:verifier_draft_wait_seconds", "Engine time spent waiting for drafts")

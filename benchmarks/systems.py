@@ -1,0 +1,231 @@
+"""The systems `specdec bench` compares, each measured the same way.
+
+Each in-process baseline runs in its own child process (pinned to its cores by the parent):
+
+    python -m benchmarks.systems '<job JSON>'
+
+and prints JSON lines on stdout: {"event": "request"} after each finished request (for the
+progress bar) and {"event": "result", ...} per workload. specdec itself is measured from a
+gRPC client in the parent (`run_specdec`), against the three services.
+
+Terms:
+    workload    (concurrency c, prompts): c = 1 runs the prompts one after another; c > 1
+                submits c requests at once (prompts cycled) and waits for all of them.
+    chunk       the tokens that reach the caller together: one engine step's output for
+                vLLM and specdec, one assisted-generation step for transformers. Chunks
+                are recorded as (seconds since the request was submitted, token count).
+
+A request record: {"ttft": s, "e2e": s, "chunks": [[t, n], ...], "tokens": [ids...]}.
+Speculation counters (drafts, draft_tokens, accepted, steps) come from the engine where
+it reports them (vLLM's spec-decode metrics; specdec's per-request stats), else null.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+def _emit_stdout(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _batches(prompts: list[list[int]], concurrency: int) -> list[list[list[int]]]:
+    """c = 1: each prompt alone; c > 1: one batch of c requests, prompts cycled."""
+    if concurrency == 1:
+        return [[p] for p in prompts]
+    return [[prompts[i % len(prompts)] for i in range(concurrency)]]
+
+
+# ---- vLLM in-engine (target-only, draft_model, ngram) -----------------------------------
+def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
+    """job: target, speculative_config (None: target-only), threads, prompts, max_tokens,
+    concurrency (list), kv_cache_gib, dtype."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    os.environ["OMP_NUM_THREADS"] = str(job["threads"])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(job["kv_cache_gib"]))))
+    from vllm import EngineArgs, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=job["target"], tokenizer=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"],
+        max_num_seqs=32, enforce_eager=True, enable_prefix_caching=False,
+        kv_cache_memory_bytes=int(job["kv_cache_gib"] * (1 << 30)),
+        speculative_config=job["speculative_config"], disable_log_stats=False,
+    ))
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.DELTA)
+    counter = [0]
+
+    def run(batch: list[list[int]], max_tokens: int | None = None, report: bool = True) -> list[dict[str, Any]]:
+        p = params if max_tokens is None else params.clone()
+        if max_tokens is not None:
+            p.max_tokens = max_tokens
+        records: dict[str, dict[str, Any]] = {}
+        t0 = time.perf_counter()
+        for ids in batch:
+            counter[0] += 1
+            rid = f"r{counter[0]}"
+            engine.add_request(rid, {"prompt_token_ids": ids}, p)
+            records[rid] = {"chunks": [], "tokens": []}
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter() - t0
+            for out in outs:
+                rec = records.get(out.request_id)
+                if rec is None:
+                    continue
+                new = list(out.outputs[0].token_ids)
+                if new:
+                    rec["chunks"].append([now, len(new)])
+                    rec["tokens"].extend(new)
+                if out.finished:
+                    rec["e2e"] = now
+                    if report:
+                        emit({"event": "request"})
+        for rec in records.values():
+            rec["ttft"] = rec["chunks"][0][0]
+        return list(records.values())
+
+    def spec_counters() -> dict[str, float] | None:
+        if job["speculative_config"] is None:
+            return None
+        names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted"}
+        found = {names[m.name]: float(m.value) for m in engine.get_metrics() if m.name in names and hasattr(m, "value")}
+        return found if len(found) == 3 else None
+
+    run([job["warmup_prompt"]], max_tokens=8, report=False)
+    for c in job["concurrency"]:
+        before = spec_counters()
+        t0 = time.perf_counter()
+        requests = [r for batch in _batches(job["prompts"], c) for r in run(batch)]
+        wall = time.perf_counter() - t0
+        after = spec_counters()
+        spec = {k: after[k] - before[k] for k in after} if before and after else None
+        emit({"event": "result", "concurrency": c, "wall_s": wall, "requests": requests, "spec": spec})
+
+
+# ---- transformers assisted generation -------------------------------------------------------
+def run_hf_assisted(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
+    """job: target, draft, gamma, threads, prompts, max_tokens, dtype (batch 1 only)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    torch.set_num_threads(int(job["threads"]))
+    dtype = getattr(torch, job["dtype"])
+    target = AutoModelForCausalLM.from_pretrained(job["target"], dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(job["draft"], dtype=dtype).eval()
+    # a fixed gamma (transformers reads these from the assistant's generation config)
+    draft.generation_config.num_assistant_tokens = int(job["gamma"])
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+
+    class Clock(BaseStreamer):
+        """Timestamps each step's new tokens (the first put is the prompt)."""
+
+        def __init__(self, t0: float) -> None:
+            self.t0, self.prompt_seen, self.chunks, self.tokens = t0, False, [], []
+
+        def put(self, value: Any) -> None:
+            if not self.prompt_seen:
+                self.prompt_seen = True
+                return
+            ids = value.reshape(-1).tolist()
+            self.chunks.append([time.perf_counter() - self.t0, len(ids)])
+            self.tokens.extend(ids)
+
+        def end(self) -> None:
+            pass
+
+    def generate(ids: list[int], max_tokens: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        clock = Clock(t0)
+        with torch.inference_mode():
+            target.generate(
+                input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                assistant_model=draft, do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                streamer=clock, pad_token_id=0,
+            )
+        return {"chunks": clock.chunks, "tokens": clock.tokens, "ttft": clock.chunks[0][0],
+                "e2e": time.perf_counter() - t0}
+
+    generate(job["warmup_prompt"], 8)
+    t0 = time.perf_counter()
+    requests = []
+    for ids in job["prompts"]:
+        requests.append(generate(ids, job["max_tokens"]))
+        emit({"event": "request"})
+    emit({"event": "result", "concurrency": 1, "wall_s": time.perf_counter() - t0, "requests": requests, "spec": None})
+
+
+# ---- specdec, over gRPC ----------------------------------------------------------------------
+def run_specdec(
+    gateway: str, prompts: list[list[int]], max_tokens: int, gamma: int, concurrency: int,
+    on_request: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """One workload through a running gateway; per-request chunks and speculation stats."""
+    import grpc
+
+    from specdec.wire import pb, rpc
+
+    def one(ids: list[int], out: dict[str, Any]) -> None:
+        spec = pb.GenerationSpec(
+            prompt_token_ids=ids, gamma=gamma, drafter="model" if gamma else "none",
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        )
+        chunks, tokens, last = [], [], None
+        with grpc.insecure_channel(gateway) as channel:
+            stub = rpc.GatewayServiceStub(channel)
+            t0 = time.perf_counter()
+            for msg in stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), wait_for_ready=True, timeout=3600):
+                if msg.token_ids:
+                    chunks.append([time.perf_counter() - t0, len(msg.token_ids)])
+                    tokens.extend(msg.token_ids)
+                last = msg
+            e2e = time.perf_counter() - t0
+        s = last.stats
+        out.update(chunks=chunks, tokens=tokens, ttft=chunks[0][0], e2e=e2e, stats={
+            "drafts": s.speculative_steps, "draft_tokens": s.drafted_tokens, "accepted": s.accepted_tokens,
+            "steps": s.target_steps, "verify_ms": s.verify_ms, "draft_wait_ms": s.draft_wait_ms,
+            "fallback": s.fallback_reason,
+        })
+        on_request()
+
+    t0 = time.perf_counter()
+    requests: list[dict[str, Any]] = []
+    for batch in _batches(prompts, concurrency):
+        outs: list[dict[str, Any]] = [{} for _ in batch]
+        threads = [threading.Thread(target=one, args=(ids, o)) for ids, o in zip(batch, outs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if any("tokens" not in o for o in outs):
+            raise RuntimeError("a specdec request failed (see the service logs)")
+        requests.extend(outs)
+    wall = time.perf_counter() - t0
+    keys = ("drafts", "draft_tokens", "accepted", "steps", "verify_ms", "draft_wait_ms")
+    spec = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
+    return {"event": "result", "concurrency": concurrency, "wall_s": wall, "requests": requests, "spec": spec}
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    {"vllm": run_vllm, "hf-assisted": run_hf_assisted}[job["kind"]](job)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""`specdec bench`: the summary arithmetic on known records, and the --quick smoke run's JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench
+
+
+def _record(ttft: float, step: float, sizes: list[int], tokens: list[int] | None = None) -> dict:
+    chunks, t = [], ttft
+    for i, n in enumerate(sizes):
+        chunks.append([t, n])
+        t += step
+    n_tokens = sum(sizes)
+    return {"ttft": ttft, "e2e": chunks[-1][0], "chunks": chunks, "tokens": tokens or list(range(n_tokens))}
+
+
+def test_summary_of_known_records() -> None:
+    run = {"system": "specdec", "kind": "specdec", "gamma": 4, "cores": [0]}
+    # first token at 1 s, then 4 steps of 0.5 s delivering 4 tokens each: 17 tokens
+    result = {"concurrency": 1, "wall_s": 3.0, "requests": [_record(1.0, 0.5, [1, 4, 4, 4, 4])],
+              "spec": {"drafts": 4, "draft_tokens": 16, "accepted": 12, "steps": 4, "verify_ms": 1600.0,
+                       "draft_wait_ms": 100.0}}
+    row = bench.summarise(run, result)
+    assert row["decode_tok_s"] == pytest.approx(16 / 2.0)
+    assert row["throughput_tok_s"] == pytest.approx(17 / 3.0)
+    assert row["ttft_ms"] == pytest.approx(1000.0)
+    assert row["itl_p50_ms"] == pytest.approx(500.0)
+    assert row["tpot_ms"] == pytest.approx(2000.0 / 16)
+    assert row["alpha"] == pytest.approx(0.75)
+    assert row["mean_accepted_length"] == pytest.approx(4.0)
+    assert row["tokens_per_step"] == pytest.approx(4.0)
+    assert row["verify_step_ms"] == pytest.approx(400.0)
+    assert row["round_ms"] == pytest.approx(500.0)
+    assert row["overhead_ms"] == pytest.approx(100.0)
+
+
+def test_speedup_bound_and_exactness_against_target_only() -> None:
+    base_run = {"system": "target-only", "kind": "vllm", "gamma": 0, "cores": [0]}
+    spec_run = {"system": "specdec", "kind": "specdec", "gamma": 4, "cores": [0]}
+    tokens = list(range(17))
+    base = bench.summarise(base_run, {"concurrency": 1, "wall_s": 9.0, "requests": [_record(1.0, 0.5, [1] * 17, tokens)]})
+    spec = bench.summarise(spec_run, {
+        "concurrency": 1, "wall_s": 3.0, "requests": [_record(1.0, 0.5, [1, 4, 4, 4, 4], tokens)],
+        "spec": {"drafts": 4, "draft_tokens": 16, "accepted": 12, "steps": 4, "verify_ms": 2000.0, "draft_wait_ms": 0.0}})
+    rows = [base, spec]
+    bench.relate(rows, [[1, 2, 3]])
+    assert spec["speedup"] == pytest.approx(4.0)  # 0.5 s per token vs 0.5 s per 4 tokens
+    # E(0.75, 4) tokens per 500 ms verify step, against 500 ms per target-only token
+    assert spec["bound"] == pytest.approx(bench.expected_tokens(0.75, 4))
+    assert spec["bound_fraction"] == pytest.approx(4.0 / bench.expected_tokens(0.75, 4))
+    assert spec["exact"] == 1.0
+    g = bench.goals(rows)
+    assert g["batch1_speedup_vs_target_only"]["met"] is True
+    assert g["batch1_speedup_vs_vllm_draft_model"]["value"] is None  # no vllm-draft rows in this run
+
+
+def test_expected_tokens_closed_form() -> None:
+    for a in (0.1, 0.5, 0.9):
+        assert bench.expected_tokens(a, 4) == pytest.approx((1 - a**5) / (1 - a))
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| system |" in proc.stdout
+    return out
+
+
+def test_quick_run_writes_every_field(quick: Path) -> None:
+    report = json.loads((quick / "bench.json").read_text())
+    for key in ("command", "models", "prompts", "prompt_tokens", "max_tokens", "gammas", "concurrency", "cores",
+                "cpu", "versions", "started", "duration_s"):
+        assert key in report["meta"], key
+    rows = report["rows"]
+    fields = {k for k, _, _ in bench.COLUMNS} | {"requests", "tokens", "tokens_per_step", "verify_step_ms", "round_ms",
+                                                 "draft_wait_ms", "bound"}
+    for row in rows:
+        assert fields <= set(row), fields - set(row)
+    seen = {(r["system"], r["gamma"], r["concurrency"], r["cores"]) for r in rows}
+    for g in (1, 2, 4, 8):
+        assert ("specdec", g, 1, 1) in seen and ("vllm-draft", g, 1, 1) in seen
+    for c in (1, 4, 16):
+        assert ("target-only", 0, c, 1) in seen and ("specdec", 4, c, 1) in seen
+    for system in ("vllm-ngram", "hf-assisted"):
+        assert any(s == system for s, *_ in seen)
+    assert ("vllm-draft", 4, 1, 2) in seen
+    for row in rows:  # greedy: every system's output is the target's (batch 1)
+        if row["concurrency"] == 1 and row["system"] != "hf-assisted":
+            assert row["exact"] == 1.0, row
+        assert row["tokens"] == row["requests"] * report["meta"]["max_tokens"]
+    spec1 = [r for r in rows if r["system"] == "specdec" and r["gamma"] and r["concurrency"] == 1]
+    assert all(r["alpha"] is not None and r["bound_fraction"] is not None and r["overhead_ms"] is not None for r in spec1)
+    assert set(report["goals"]) == set(bench.GOALS)
+    assert (quick / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,121 @@
+"""Adaptive gamma: the step-cost fit, acceptance tracking, budgets and wait limits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from verifier.budget import Acceptance, StepCost, allocate, expected_tokens, worth_waiting
+from verifier.proposer import DraftBoard
+
+
+def _cost(base: float, per_token: float, sizes: tuple[int, ...] = (1, 5, 16, 80, 300)) -> StepCost:
+    c = StepCost()
+    for n in sizes * 10:
+        c.observe(n, base + per_token * n)
+    return c
+
+
+def test_step_cost_recovers_a_linear_model() -> None:
+    c = _cost(800.0, 55.0)
+    assert c.base_ms == pytest.approx(800.0, rel=0.02)
+    assert c.per_token_ms == pytest.approx(55.0, rel=0.02)
+
+
+def test_step_cost_uses_the_prior_slope_when_n_never_varies() -> None:
+    c = StepCost()
+    for _ in range(20):
+        c.observe(5, 1000.0)
+    assert 0 < c.per_token_ms < 1000.0 / 5
+    assert c.predict_ms(5) == pytest.approx(1000.0)
+
+
+def test_acceptance_tracks_and_fades_back_to_the_prior() -> None:
+    a = Acceptance()
+    for _ in range(30):
+        a.record(4, 4)
+    assert a.alpha > 0.95
+    for _ in range(30):
+        a.record(4, 0)
+    assert a.alpha < 0.25
+    for _ in range(60):
+        a.record(0, 0)  # steps without drafts: history fades, the request gets re-tried
+    assert a.alpha == pytest.approx(0.7, abs=0.05)
+
+
+def test_batch_one_gets_its_whole_gamma() -> None:
+    c = _cost(800.0, 55.0)  # Qwen2.5-Coder 1.5B on one core, roughly
+    assert allocate([0.9], [8], c) == [8]
+    assert allocate([0.9], [4], c) == [4]
+
+
+def test_saturated_verifier_backs_off_to_plain_decoding() -> None:
+    c = _cost(10.0, 50.0)  # per-token cost dominates: compute-bound
+    assert allocate([0.8] * 16, [4] * 16, c) == [0] * 16
+
+
+def test_budgets_favour_the_requests_that_accept() -> None:
+    c = _cost(100.0, 10.0)
+    k = allocate([0.95, 0.1], [8, 8], c)
+    assert k[0] > k[1]
+    assert k[1] == 0
+
+
+def test_allocation_raises_expected_tokens_per_ms() -> None:
+    c = _cost(300.0, 20.0)
+    alphas, caps = [0.9, 0.6, 0.3, 0.8], [8, 8, 8, 8]
+    k = allocate(alphas, caps, c)
+
+    def rate(ks: list[int]) -> float:
+        return sum(expected_tokens(a, x) for a, x in zip(alphas, ks)) / c.predict_ms(sum(1 + x for x in ks))
+
+    assert rate(k) >= max(rate([0] * 4), rate(caps))
+    for i in range(4):  # no single draft more or less does better
+        for d in (-1, 1):
+            other = list(k)
+            other[i] += d
+            if 0 <= other[i] <= caps[i]:
+                assert rate(other) <= rate(k) + 1e-12
+
+
+def test_waits_for_the_whole_block_of_a_good_drafter_at_batch_one() -> None:
+    c = _cost(480.0, 30.0)  # Qwen2.5-Coder 1.5B on one core
+    for have in range(4):  # even after waiting for 3 drafts, the 4th is worth its 130 ms
+        assert worth_waiting([have], [4], [0.95], [130.0], c, waited_ms=130.0 * have)
+
+
+def test_does_not_wait_for_a_poor_or_slow_drafter() -> None:
+    c = _cost(480.0, 30.0)
+    assert not worth_waiting([1], [4], [0.3], [130.0], c, waited_ms=130.0)  # rarely accepted
+    assert not worth_waiting([1], [4], [0.95], [2000.0], c, waited_ms=0.0)  # drafts too slowly
+
+
+def test_does_not_hold_a_full_batch_for_one_row() -> None:
+    c = _cost(480.0, 30.0)
+    assert not worth_waiting([4] * 15 + [0], [4] * 16, [0.9] * 16, [130.0] * 16, c, waited_ms=0.0)
+    assert worth_waiting([0], [4], [0.9], [None], c, waited_ms=0.0)  # unmeasured drafter: wait
+
+
+def test_adaptive_board_does_not_wait_for_drafts_that_are_not_worth_it() -> None:
+    b = DraftBoard()
+    b.wait_s, b.adaptive = 5.0, True
+    for n in (1, 2, 3, 40) * 5:
+        b.cost.observe(n, 1.0 + 10.0 * n)  # 1 ms base, 10 ms per token: saturated at once
+    b.register("r", gamma=4, prompt_len=2, max_tokens=100)
+    threading.Timer(1.0, b.offer, args=("r", 3, [4, 4, 4, 4])).start()
+    t0 = time.monotonic()
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_adaptive_board_proposes_a_full_block_at_batch_one() -> None:
+    b = DraftBoard()
+    b.wait_s, b.adaptive = 5.0, True
+    for n in (1, 5, 9) * 5:
+        b.cost.observe(n, 800.0 + 55.0 * n)
+    b.register("r", gamma=4, prompt_len=2, max_tokens=100)
+    threading.Timer(0.05, b.offer, args=("r", 3, [4, 4, 4, 4])).start()
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[4, 4, 4, 4]]
