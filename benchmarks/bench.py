@@ -7,7 +7,9 @@ Same prompts (the built-in code set), greedy, every request generating exactly
     vllm-draft       vLLM in-engine speculation, method draft_model, the same draft model
     vllm-ngram       vLLM in-engine speculation, method ngram
     hf-assisted      transformers assisted generation, the same pair
-    specdec          the three services over gRPC (drafter on its own core)
+    specdec          the three services over gRPC (drafter on its own core), with the
+                     drafter's default int8 dynamic quantisation of the same draft model
+    specdec-fp32-draft  the same with the draft unquantised: the same draft as vllm-draft
 
 Hardware: every target gets the same single core (the first); vllm-draft and vllm-ngram
 run once more with both cores ("2 cores": the same total hardware as specdec); specdec's
@@ -22,14 +24,19 @@ Terms (per row of the table; a row is one system at one gamma and one concurrenc
     ITL            gaps between successive streamed chunks (vLLM's benchmark definition; a
                    chunk is one target step's tokens), p50 and p99 over all gaps
     TPOT           mean over requests of (end - first token) / (tokens - 1)
-    alpha          accepted / drafted tokens (engine counters; hf-assisted: estimated
-                   from tokens per step)
+    alpha          accepted / drafted tokens, vLLM's acceptance rate (engine counters;
+                   hf-assisted: estimated from tokens per step)
+    alpha_token    specdec: the per-token acceptance probability, accepted / (accepted +
+                   steps that rejected a draft); it does not fall with gamma as alpha does
     MAL            mean accepted length: tokens per target step that verified drafts
     speedup        decode tok/s (c = 1) or throughput (c > 1) over target-only's
-    bound          specdec's overlapped bound: E(alpha, gamma) x decode step / verify step,
-                   E = (1 - alpha^(gamma+1)) / (1 - alpha) tokens per step when drafting
-                   costs the target nothing; the decode step is target-only's TPOT, the
-                   verify step specdec's measured engine step. fraction = speedup / bound.
+    bound          specdec's overlapped bound: E(alpha, gamma) x decode step / round, with
+                   E = (1 - a^(gamma+1)) / (1 - a) tokens per target step (a = alpha_token) and a
+                   perfectly pipelined round = max(verify step, gamma x draft time per
+                   token): drafting is off the target's critical path, but a round cannot be
+                   shorter than drafting its block. The decode step is target-only's TPOT;
+                   verify step and draft time are specdec's measured ones (engine step,
+                   drafter compute per token). fraction = speedup / bound.
     overhead       specdec's per-round cost beyond the engine step (draft wait, gRPC, the
                    gateway): mean round time - mean verify step, against an in-process call
     exact          fraction of requests whose tokens equal target-only's for that prompt
@@ -55,6 +62,7 @@ DEFAULT_GAMMA = 4  # the gamma of the concurrency sweeps and the one-off baselin
 GOALS = {
     "batch1_speedup_vs_target_only": 2.5,
     "batch1_speedup_vs_vllm_draft_model": 1.5,
+    "batch1_speedup_vs_vllm_draft_model_fp32_draft": 1.5,  # specdec with the unquantised draft
     "bound_fraction": 0.85,
     "c16_throughput_vs_target_only": 0.95,
     "c16_p99_itl_vs_target_only": 1.0,  # at most
@@ -80,6 +88,8 @@ def plan(gammas: list[int], concurrency: list[int], cpus: list[int]) -> list[dic
     for g in gammas:
         runs.append({"system": "specdec", "kind": "specdec", "gamma": g, "concurrency": concurrency if g == g0 else [1],
                      "cores": one})
+    runs.append({"system": "specdec-fp32-draft", "kind": "specdec", "quantize": "none", "gamma": g0, "concurrency": [1],
+                 "cores": one})
     return runs
 
 
@@ -113,29 +123,36 @@ def _run_child(job: dict[str, Any], cores: list[int], on_request: Any, log: Path
 
 
 class SpecdecCluster:
-    """The three services for the specdec rows, started once, stopped at the end."""
+    """The three services for the specdec rows: started on first use, restarted when a row
+    needs another drafter setting, stopped at the end."""
 
     def __init__(self, pair: str, out: Path, dtype: str) -> None:
+        self.pair, self.out, self.dtype = pair, out, dtype
+        self.cluster: Any = None
+        self.quantize = ""
+
+    def address(self, quantize: str) -> str:
         from specdec.launch import Cluster, free_port
 
-        off = ["--metrics-port", "0"]
-        self.cluster = Cluster(
-            pair=pair, gateway_port=free_port(), drafter_port=free_port(), verifier_port=free_port(),
-            log_dir=out / "logs",
-            extra_args={"verifier": [*off, "--dtype", dtype, "--no-prefix-caching"], "drafter": [*off, "--dtype", dtype],
-                        "gateway": [*off, "--rest-port", "0"]},
-        )
-        self.started = False
-
-    def address(self) -> str:
-        if not self.started:
+        if self.cluster is not None and quantize != self.quantize:
+            self.stop()
+        if self.cluster is None:
+            off = ["--metrics-port", "0"]
+            self.cluster = Cluster(
+                pair=self.pair, gateway_port=free_port(), drafter_port=free_port(), verifier_port=free_port(),
+                log_dir=self.out / "logs",
+                extra_args={"verifier": [*off, "--dtype", self.dtype, "--no-prefix-caching"],
+                            "drafter": [*off, "--dtype", self.dtype, "--quantize", quantize],
+                            "gateway": [*off, "--rest-port", "0"]},
+            )
             self.cluster.start()
-            self.started = True
+            self.quantize = quantize
         return f"127.0.0.1:{self.cluster.gateway_port}"
 
     def stop(self) -> None:
-        if self.started:
+        if self.cluster is not None:
             self.cluster.stop()
+            self.cluster = None
 
 
 # ---- summarising ------------------------------------------------------------------------------
@@ -171,15 +188,19 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         "itl_p50_ms": 1e3 * float(np.percentile(gaps, 50)) if gaps else None,
         "itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)) if gaps else None,
         "tpot_ms": 1e3 * float(np.mean([(r["e2e"] - r["ttft"]) / max(1, len(r["tokens"]) - 1) for r in reqs])),
-        "alpha": alpha, "mean_accepted_length": mal, "tokens_per_step": tokens_per_step,
-        "verify_step_ms": None, "round_ms": None, "overhead_ms": None, "draft_wait_ms": None,
+        "alpha": alpha, "alpha_token": None, "mean_accepted_length": mal, "tokens_per_step": tokens_per_step,
+        "verify_step_ms": None, "draft_token_ms": None, "round_ms": None, "overhead_ms": None, "draft_wait_ms": None,
         "speedup": None, "bound": None, "bound_fraction": None, "exact": None,
     }
-    if run["kind"] == "specdec" and spec.get("steps"):
+    if run["kind"] == "specdec" and spec.get("steps"):  # specdec rows: the per-round breakdown
         row["verify_step_ms"] = spec["verify_ms"] / spec["steps"]
         row["round_ms"] = 1e3 * decode_s / spec["steps"]
         row["overhead_ms"] = row["round_ms"] - row["verify_step_ms"]
         row["draft_wait_ms"] = spec["draft_wait_ms"] / spec["steps"]
+        if spec.get("accepted", 0) + spec.get("rejections", 0):
+            row["alpha_token"] = spec["accepted"] / (spec["accepted"] + spec["rejections"])
+        if spec.get("draft_tokens_sent"):
+            row["draft_token_ms"] = spec["draft_ms"] / spec["draft_tokens_sent"]
     row["_tokens"] = [r["tokens"] for r in reqs]
     return row
 
@@ -197,8 +218,9 @@ def relate(rows: list[dict[str, Any]], prompts: list[list[int]]) -> None:
         if reference is not None:
             order = [i % len(prompts) for i in range(len(r["_tokens"]))]
             r["exact"] = float(np.mean([t == reference[i] for t, i in zip(r["_tokens"], order)]))
-        if r["system"] == "specdec" and r["gamma"] and r["alpha"] is not None and r["verify_step_ms"] and 1 in base:
-            r["bound"] = expected_tokens(r["alpha"], r["gamma"]) * base[1]["tpot_ms"] / r["verify_step_ms"]
+        if r["system"].startswith("specdec") and r["gamma"] and r["alpha_token"] is not None and r["verify_step_ms"] and 1 in base:
+            round_ms = max(r["verify_step_ms"], r["gamma"] * (r["draft_token_ms"] or 0.0))
+            r["bound"] = expected_tokens(r["alpha_token"], r["gamma"]) * base[1]["tpot_ms"] / round_ms
             if r["concurrency"] == 1 and r["speedup"]:
                 r["bound_fraction"] = r["speedup"] / r["bound"]
 
@@ -224,6 +246,11 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     goal("batch1_speedup_vs_vllm_draft_model",
          best["decode_tok_s"] / best_draft["decode_tok_s"] if best and best_draft else None,
          gamma=best and best["gamma"], vllm_gamma=best_draft and best_draft["gamma"])
+    same = [r for r in pick("specdec-fp32-draft", 1) if r["decode_tok_s"]]
+    vd = {r["gamma"]: r for r in draft1}
+    pairs = [(r, vd[r["gamma"]]) for r in same if r["gamma"] in vd]
+    goal("batch1_speedup_vs_vllm_draft_model_fp32_draft",
+         pairs[0][0]["decode_tok_s"] / pairs[0][1]["decode_tok_s"] if pairs else None, gamma=pairs and pairs[0][0]["gamma"])
     goal("bound_fraction", best["bound_fraction"] if best else None, gamma=best and best["gamma"])
     s16 = [r for r in pick("specdec", 16) if r["gamma"]]
     t16 = pick("target-only", 16)
@@ -241,7 +268,8 @@ COLUMNS = [
     ("system", "system", "{}"), ("gamma", "γ", "{}"), ("concurrency", "c", "{}"), ("cores", "cores", "{}"),
     ("decode_tok_s", "decode tok/s", "{:.2f}"), ("throughput_tok_s", "thr tok/s", "{:.2f}"),
     ("ttft_ms", "TTFT ms", "{:.0f}"), ("itl_p50_ms", "ITL p50", "{:.0f}"), ("itl_p99_ms", "ITL p99", "{:.0f}"),
-    ("tpot_ms", "TPOT ms", "{:.0f}"), ("alpha", "α", "{:.2f}"), ("mean_accepted_length", "MAL", "{:.2f}"),
+    ("tpot_ms", "TPOT ms", "{:.0f}"), ("alpha", "α", "{:.2f}"), ("alpha_token", "α tok", "{:.2f}"), ("mean_accepted_length", "MAL", "{:.2f}"),
+    ("verify_step_ms", "verify ms", "{:.0f}"), ("draft_token_ms", "draft ms/tok", "{:.0f}"),
     ("speedup", "speedup", "{:.2f}x"), ("bound_fraction", "of bound", "{:.0%}"), ("overhead_ms", "overhead ms", "{:.1f}"),
     ("exact", "exact", "{:.0%}"),
 ]
@@ -267,13 +295,13 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     ax = axes[0]
-    for system, style in (("specdec", "o-"), ("vllm-draft", "s--")):
+    for system, style in (("specdec", "o-"), ("vllm-draft", "s--")):  # specdec: int8 draft; vllm-draft: fp32
         pts = sorted((r["gamma"], r["speedup"]) for r in rows
                      if r["system"] == system and r["concurrency"] == 1 and r["cores"] == 1 and r["gamma"] and r["speedup"])
         if pts:
             ax.plot(*zip(*pts), style, label=f"{system} (1 target core)")
     for r in rows:
-        if r["concurrency"] == 1 and r["system"] in ("vllm-ngram", "hf-assisted") or (r["system"] == "vllm-draft" and r["cores"] > 1):
+        if r["concurrency"] == 1 and r["system"] in ("vllm-ngram", "hf-assisted", "specdec-fp32-draft") or (r["system"] == "vllm-draft" and r["cores"] > 1):
             if r["speedup"]:
                 ax.plot([r["gamma"]], [r["speedup"]], "x", ms=9, label=f"{r['system']} γ={r['gamma']} ({r['cores']} core)")
     ax.axhline(1.0, color="grey", lw=0.8)
@@ -392,7 +420,7 @@ def main(args: argparse.Namespace) -> int:
             else:
                 from benchmarks.systems import run_specdec
 
-                address = cluster.address()
+                address = cluster.address(run.get("quantize", "int8"))
                 mine = os.sched_getaffinity(0)
                 os.sched_setaffinity(0, {cpus[-1]})  # the client lives on the drafter's host
                 try:

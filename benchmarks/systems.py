@@ -200,6 +200,7 @@ def run_specdec(
         out.update(chunks=chunks, tokens=tokens, ttft=chunks[0][0], e2e=e2e, stats={
             "drafts": s.speculative_steps, "draft_tokens": s.drafted_tokens, "accepted": s.accepted_tokens,
             "steps": s.target_steps, "verify_ms": s.verify_ms, "draft_wait_ms": s.draft_wait_ms,
+            "draft_ms": s.draft_ms, "draft_tokens_sent": s.tokens_received, "rejections": s.rejected_steps,
             "fallback": s.fallback_reason,
         })
         on_request()
@@ -217,7 +218,7 @@ def run_specdec(
             raise RuntimeError("a specdec request failed (see the service logs)")
         requests.extend(outs)
     wall = time.perf_counter() - t0
-    keys = ("drafts", "draft_tokens", "accepted", "steps", "verify_ms", "draft_wait_ms")
+    keys = ("drafts", "draft_tokens", "accepted", "steps", "verify_ms", "draft_wait_ms", "draft_ms", "draft_tokens_sent", "rejections")
     spec = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
     return {"event": "result", "concurrency": concurrency, "wall_s": wall, "requests": requests, "spec": spec}
 

@@ -81,20 +81,19 @@ class DrafterServicer(rpc.DrafterServiceServicer):
     """Serves a draft model (method "model") and the n-gram drafter (method "ngram")."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
-        from transformers import AutoModelForCausalLM
-
-        from specdec.models import resolve
+        from specdec.models import load_causal_lm, resolve
 
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         path = resolve(cfg.model)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype)).eval()
+        self.model = load_causal_lm(cfg.model, cfg.dtype, cfg.quantize)
         self.model_name = cfg.model
         self.vocab_size = int(self.model.config.vocab_size)
         self.tracer = telemetry.setup_tracing("drafter")
         self.worker = DraftWorker()
         self.worker.start()
-        log.info("draft model %s loaded from %s (vocab %d)", cfg.model, path, self.vocab_size)
+        log.info("draft model %s loaded from %s (vocab %d, %s, quantize %s)", cfg.model, path, self.vocab_size,
+                 cfg.dtype, cfg.quantize)
 
     def _open(self, req: "pb.DraftOpen") -> DraftSession:
         check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.vocab_size)

@@ -61,6 +61,8 @@ class Stats:
     fallback_reason: str = ""
     per_position: list[int] = field(default_factory=list)
     verify_ms: float = 0.0  # engine step time over target steps after prefill
+    draft_ms: float = 0.0  # drafter compute time for the blocks received
+    rejections: int = 0  # speculative steps that rejected one of their drafts
     draft_wait_ms: float = 0.0
 
     def add_verdict(self, v: "pb.VerifyResponse") -> None:
@@ -74,6 +76,7 @@ class Stats:
             self.speculative_steps += 1
             self.drafted += v.drafted
             self.accepted += v.accepted
+            self.rejections += v.accepted < v.drafted
             if len(self.per_position) < v.drafted:
                 self.per_position.extend([0] * (v.drafted - len(self.per_position)))
             for i in range(v.accepted):
@@ -99,6 +102,8 @@ class Stats:
             target_computed_tokens=self.computed,
             verify_ms=self.verify_ms,
             draft_wait_ms=self.draft_wait_ms,
+            draft_ms=self.draft_ms,
+            rejected_steps=self.rejections,
         )
 
 
@@ -189,6 +194,7 @@ class Round:
                 self.stats.blocks += 1
                 self.stats.block_tokens += len(resp.block.token_ids)
                 self._draft_ms += resp.block.draft_ms
+                self.stats.draft_ms += resp.block.draft_ms
                 self._to_verifier.put_nowait(pb.VerifyRequest(block=resp.block))
         except TimeoutError:
             self._fallback(f"drafter missed its {self.open_timeout_s:g} s deadline for the first block")

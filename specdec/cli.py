@@ -56,6 +56,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--model", help="draft model: registry name (qwen-coder/draft) or folder")
     d.add_argument("--threads", type=int, help="torch threads")
     d.add_argument("--dtype", help="float32 or bfloat16")
+    d.add_argument("--quantize", choices=["none", "int8"], help="int8: dynamic int8 Linear layers (default; CPU)")
     d.add_argument("--sample-drafts", action="store_true", default=None, help="sample drafts from q (default: argmax)")
     d.add_argument("--lookahead", type=int, help="tokens to draft past gamma while a block is verified")
     v = kinds.add_parser("verifier", parents=[common, faults], help="the vLLM target service")

@@ -165,16 +165,13 @@ def check_same_vocab(target_vocab: dict[str, int], draft_vocab: dict[str, int]) 
     )
 
 
-def load_model(ref: str) -> tuple[Any, Any]:
+def load_model(ref: str, quantize: str = "none") -> tuple[Any, Any]:
     """(model in eval mode, float32, and its tokenizer) for a model reference."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from specdec.models import resolve
+    from specdec.models import load_causal_lm, resolve
 
-    folder = resolve(ref)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder)
+    return load_causal_lm(ref, "float32", quantize), AutoTokenizer.from_pretrained(resolve(ref))
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -299,6 +296,7 @@ def evaluate(
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     timing_steps: int = DEFAULT_TIMING_STEPS,
     progress: bool = True,
+    quantize: str = "none",
 ) -> Report:
     """Load both models, measure agreement over the prompts and step costs, predict speedups."""
     from tqdm import tqdm
@@ -310,7 +308,7 @@ def evaluate(
     gammas = sorted(set(gammas))
     t0 = time.perf_counter()
     target, tokenizer = load_model(target_ref)
-    draft, draft_tokenizer = load_model(draft_ref)
+    draft, draft_tokenizer = load_model(draft_ref, quantize)
     check_same_vocab(tokenizer.get_vocab(), draft_tokenizer.get_vocab())
     stop = eos_ids(target, tokenizer)
     t1 = time.perf_counter()
@@ -394,6 +392,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="use only the first K prompts")
     p.add_argument("--timing-steps", type=int, default=DEFAULT_TIMING_STEPS, help="timed steps per cost (median)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none", help="the draft's quantisation (as the drafter's)")
     p.add_argument("--json", metavar="PATH", help="write every number as JSON to PATH ('-': stdout)")
     p.set_defaults(func=run)
     return p
@@ -407,7 +406,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         report = evaluate(args.target, args.draft, load_prompts(args.prompts, args.limit), args.gammas,
-                          args.max_new_tokens, args.timing_steps)
+                          args.max_new_tokens, args.timing_steps, quantize=args.quantize)
     except (EvalDraftError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -61,7 +61,8 @@ class Services:
 
     def start_pair(self, draft: str, verifier: Service) -> tuple[Service, Service]:
         """A drafter serving `draft` and a gateway that uses it and `verifier`."""
-        drafter = self._start("drafter", ["--model", draft, "--threads", "1"])
+        # unquantised: draft-same must stay the target's twin (alpha 1); int8 drafting runs in tests/benchmarks
+        drafter = self._start("drafter", ["--model", draft, "--threads", "1", "--quantize", "none"])
         return drafter, self.start_gateway(drafter.address, verifier.address)
 
     def start_gateway(self, drafter_address: str, verifier_address: str, extra: tuple[str, ...] = ()) -> Service:

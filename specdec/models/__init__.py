@@ -49,3 +49,29 @@ def resolve(ref: str, pull: bool = True) -> Path:
     if role not in folders:
         raise FileNotFoundError(f"model {ref!r}: pair {pair!r} has roles {sorted(folders)}")
     return folders[role]
+
+
+QUANTIZE = ("none", "int8")
+
+
+def load_causal_lm(ref: str, dtype: str = "float32", quantize: str = "none") -> object:
+    """A transformers causal LM for a model reference, in eval mode, on the CPU.
+
+    quantize "int8": dynamic int8 quantisation of every Linear layer (weights int8, activations
+    quantised per batch; torch's fbgemm kernels). A CPU drafter is memory-bound, so this makes
+    it about 3x faster (Qwen2.5-Coder 0.5B on one core: 191 -> 55-65 ms per token). It changes
+    only the draft's proposals, never the output: the target verifies every draft.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE}, not {quantize!r}")
+    model = AutoModelForCausalLM.from_pretrained(resolve(ref), dtype=getattr(torch, dtype)).eval()
+    if quantize == "int8":
+        import warnings
+
+        with warnings.catch_warnings():  # torch.ao marks dynamic quantisation as legacy; it is still its CPU path
+            warnings.simplefilter("ignore")
+            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    return model

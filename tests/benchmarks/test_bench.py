@@ -26,7 +26,7 @@ def test_summary_of_known_records() -> None:
     # first token at 1 s, then 4 steps of 0.5 s delivering 4 tokens each: 17 tokens
     result = {"concurrency": 1, "wall_s": 3.0, "requests": [_record(1.0, 0.5, [1, 4, 4, 4, 4])],
               "spec": {"drafts": 4, "draft_tokens": 16, "accepted": 12, "steps": 4, "verify_ms": 1600.0,
-                       "draft_wait_ms": 100.0}}
+                       "draft_wait_ms": 100.0, "draft_ms": 1000.0, "draft_tokens_sent": 20, "rejections": 4}}
     row = bench.summarise(run, result)
     assert row["decode_tok_s"] == pytest.approx(16 / 2.0)
     assert row["throughput_tok_s"] == pytest.approx(17 / 3.0)
@@ -34,11 +34,13 @@ def test_summary_of_known_records() -> None:
     assert row["itl_p50_ms"] == pytest.approx(500.0)
     assert row["tpot_ms"] == pytest.approx(2000.0 / 16)
     assert row["alpha"] == pytest.approx(0.75)
+    assert row["alpha_token"] == pytest.approx(12 / 16)
     assert row["mean_accepted_length"] == pytest.approx(4.0)
     assert row["tokens_per_step"] == pytest.approx(4.0)
     assert row["verify_step_ms"] == pytest.approx(400.0)
     assert row["round_ms"] == pytest.approx(500.0)
     assert row["overhead_ms"] == pytest.approx(100.0)
+    assert row["draft_token_ms"] == pytest.approx(50.0)
 
 
 def test_speedup_bound_and_exactness_against_target_only() -> None:
@@ -48,13 +50,17 @@ def test_speedup_bound_and_exactness_against_target_only() -> None:
     base = bench.summarise(base_run, {"concurrency": 1, "wall_s": 9.0, "requests": [_record(1.0, 0.5, [1] * 17, tokens)]})
     spec = bench.summarise(spec_run, {
         "concurrency": 1, "wall_s": 3.0, "requests": [_record(1.0, 0.5, [1, 4, 4, 4, 4], tokens)],
-        "spec": {"drafts": 4, "draft_tokens": 16, "accepted": 12, "steps": 4, "verify_ms": 2000.0, "draft_wait_ms": 0.0}})
+        "spec": {"drafts": 4, "draft_tokens": 16, "accepted": 12, "steps": 4, "verify_ms": 2000.0, "draft_wait_ms": 0.0,
+                 "draft_ms": 1600.0, "draft_tokens_sent": 16, "rejections": 4}})
     rows = [base, spec]
     bench.relate(rows, [[1, 2, 3]])
     assert spec["speedup"] == pytest.approx(4.0)  # 0.5 s per token vs 0.5 s per 4 tokens
-    # E(0.75, 4) tokens per 500 ms verify step, against 500 ms per target-only token
+    # E(0.75, 4) tokens per round of max(500 ms verify, 4 x 100 ms drafting), against 500 ms per token
     assert spec["bound"] == pytest.approx(bench.expected_tokens(0.75, 4))
     assert spec["bound_fraction"] == pytest.approx(4.0 / bench.expected_tokens(0.75, 4))
+    spec["draft_token_ms"] = 250.0  # a slow drafter: the round is 4 x 250 ms, twice the verify step
+    bench.relate(rows, [[1, 2, 3]])
+    assert spec["bound"] == pytest.approx(bench.expected_tokens(0.75, 4) / 2)
     assert spec["exact"] == 1.0
     g = bench.goals(rows)
     assert g["batch1_speedup_vs_target_only"]["met"] is True
@@ -83,7 +89,7 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
         assert key in report["meta"], key
     rows = report["rows"]
     fields = {k for k, _, _ in bench.COLUMNS} | {"requests", "tokens", "tokens_per_step", "verify_step_ms", "round_ms",
-                                                 "draft_wait_ms", "bound"}
+                                                 "draft_wait_ms", "bound", "draft_token_ms", "alpha_token"}
     for row in rows:
         assert fields <= set(row), fields - set(row)
     seen = {(r["system"], r["gamma"], r["concurrency"], r["cores"]) for r in rows}
@@ -93,12 +99,13 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
         assert ("target-only", 0, c, 1) in seen and ("specdec", 4, c, 1) in seen
     for system in ("vllm-ngram", "hf-assisted"):
         assert any(s == system for s, *_ in seen)
-    assert ("vllm-draft", 4, 1, 2) in seen
+    assert ("vllm-draft", 4, 1, 2) in seen and ("specdec-fp32-draft", 4, 1, 1) in seen
     for row in rows:  # greedy: every system's output is the target's (batch 1)
         if row["concurrency"] == 1 and row["system"] != "hf-assisted":
             assert row["exact"] == 1.0, row
         assert row["tokens"] == row["requests"] * report["meta"]["max_tokens"]
-    spec1 = [r for r in rows if r["system"] == "specdec" and r["gamma"] and r["concurrency"] == 1]
-    assert all(r["alpha"] is not None and r["bound_fraction"] is not None and r["overhead_ms"] is not None for r in spec1)
+    spec1 = [r for r in rows if r["system"].startswith("specdec") and r["gamma"] and r["concurrency"] == 1]
+    assert all(r[k] is not None for r in spec1 for k in ("alpha", "alpha_token", "bound_fraction", "overhead_ms",
+                                                         "verify_step_ms", "draft_token_ms"))
     assert set(report["goals"]) == set(bench.GOALS)
     assert (quick / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
