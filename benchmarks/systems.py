@@ -181,21 +181,22 @@ def run_specdec(
 
     from specdec.wire import pb, rpc
 
+    channel = grpc.insecure_channel(gateway)  # one channel for the workload, as a client service keeps
+    stub = rpc.GatewayServiceStub(channel)
+
     def one(ids: list[int], out: dict[str, Any]) -> None:
         spec = pb.GenerationSpec(
             prompt_token_ids=ids, gamma=gamma, drafter="model" if gamma else "none",
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
         )
         chunks, tokens, last = [], [], None
-        with grpc.insecure_channel(gateway) as channel:
-            stub = rpc.GatewayServiceStub(channel)
-            t0 = time.perf_counter()
-            for msg in stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), wait_for_ready=True, timeout=3600):
-                if msg.token_ids:
-                    chunks.append([time.perf_counter() - t0, len(msg.token_ids)])
-                    tokens.extend(msg.token_ids)
-                last = msg
-            e2e = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for msg in stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), wait_for_ready=True, timeout=3600):
+            if msg.token_ids:
+                chunks.append([time.perf_counter() - t0, len(msg.token_ids)])
+                tokens.extend(msg.token_ids)
+            last = msg
+        e2e = time.perf_counter() - t0
         s = last.stats
         out.update(chunks=chunks, tokens=tokens, ttft=chunks[0][0], e2e=e2e, stats={
             "drafts": s.speculative_steps, "draft_tokens": s.drafted_tokens, "accepted": s.accepted_tokens,
@@ -218,6 +219,7 @@ def run_specdec(
             raise RuntimeError("a specdec request failed (see the service logs)")
         requests.extend(outs)
     wall = time.perf_counter() - t0
+    channel.close()
     keys = ("drafts", "draft_tokens", "accepted", "steps", "verify_ms", "draft_wait_ms", "draft_ms", "draft_tokens_sent", "rejections")
     spec = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
     return {"event": "result", "concurrency": concurrency, "wall_s": wall, "requests": requests, "spec": spec}

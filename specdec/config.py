@@ -129,6 +129,10 @@ class VerifierConfig:
     # acceptance; under saturation this backs off to plain decoding. False: always a
     # request's full gamma.
     adaptive_gamma: bool = True
+    # When the engine is idle and a request arrives, wait until no other arrives for this
+    # long (ms; at most 10 times it) so a burst is prefilled in one step instead of one
+    # request ahead of the rest, whose prefill would then stall the first one's decoding.
+    batch_window_ms: float = 20.0
     # Prometheus /metrics port (0: off).
     metrics_port: int = 9093
     # Fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th engine step.

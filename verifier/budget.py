@@ -42,6 +42,7 @@ PRIOR_PER_TOKEN_FRACTION = 0.07
 PRIOR_WEIGHT = 4.0  # ridge weight of that prior, in units of n^2
 PRIOR_ALPHA = 0.7  # acceptance assumed for a request with no history
 PRIOR_ALPHA_WEIGHT = 2.0  # ... worth this many observed draft tokens
+UNMEASURED_DRAFT_FRACTION = 0.3  # a drafter's time per token before it is measured, x the step (c ~ 0.3)
 DECAY = 0.9  # per verdict: acceptance history fades, so a request that stopped drafting is re-tried
 
 
@@ -133,7 +134,8 @@ def worth_waiting(
     """Whether the step should wait for one more draft token (see the module docstring).
 
     have[i]: drafts row i has now; want[i]: its budget; draft_ms[i]: its drafter's measured
-    time per draft token (None: not measured yet, so wait). The step's rate so far, waits
+    time per draft token (None: not measured yet, assumed UNMEASURED_DRAFT_FRACTION of the
+    step's cost). The step's rate so far, waits
     included, is N / (T + waited); one more draft of row i adds alpha_i^(have_i + 1) expected
     tokens for draft_ms_i + per_token_ms. Waiting pays when some row's next draft beats that rate.
     """
@@ -144,9 +146,9 @@ def worth_waiting(
         return True
     n_now = sum(expected_tokens(a, h) for a, h in zip(alphas, have))
     rate_now = n_now / (cost.predict_ms(sum(1 + h for h in have)) + waited_ms)
+    step_ms = cost.predict_ms(sum(1 + h for h in have))
     for i in missing:
-        if draft_ms[i] is None:
-            return True
-        if alphas[i] ** (have[i] + 1) / (draft_ms[i] + cost.per_token_ms) > rate_now:
+        d = draft_ms[i] if draft_ms[i] is not None else UNMEASURED_DRAFT_FRACTION * step_ms
+        if alphas[i] ** (have[i] + 1) / (d + cost.per_token_ms) > rate_now:
             return True
     return False

@@ -105,6 +105,7 @@ class TargetEngine:
         self.board.wait_s = cfg.draft_wait_ms / 1e3
         self.board.adaptive = cfg.adaptive_gamma
         self._step_tokens = 0  # tokens the engine scheduled in the current step
+        self._decode_step = False  # ... and whether they were all decode/verify tokens
         hf = self.engine.model_config.hf_config
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
         eos = getattr(hf, "eos_token_id", None)
@@ -137,6 +138,13 @@ class TargetEngine:
             out = original(*args, **kwargs)
             now = time.perf_counter()
             self._step_tokens = int(out.total_num_scheduled_tokens)
+            # a decode/verify step: every request computes its next token and its drafts, no
+            # prompt (prompt tokens are cheaper per token, so they would bias the step cost fit)
+            spec = out.scheduled_spec_decode_tokens
+            self._decode_step = not out.scheduled_new_reqs and all(
+                n == 1 + len(spec.get(rid, ())) for rid, n in out.num_scheduled_tokens.items()
+            )
+            self.board.queued = len(scheduler.waiting)
             for rid, n in out.num_scheduled_tokens.items():
                 live = self._by_engine_id.get(rid)
                 if live is not None:
@@ -150,6 +158,7 @@ class TargetEngine:
     def submit(self, req: GenerationRequest, on_verdict: Callable[[Verdict], None]) -> None:
         self._commands.put(("add", (req, on_verdict)))
         self._wake.set()
+        self.board.arrival()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -212,6 +221,18 @@ class TargetEngine:
                     self.board.unregister(live.engine_id)
                     self._by_engine_id.pop(live.engine_id, None)
 
+    def _collect_burst(self) -> None:
+        """Idle engine, a request arrived: wait while more keep arriving (batch_window_ms of quiet,
+        at most 10 windows) so a burst is prefilled in one step, not one request ahead of the rest
+        (whose prefill would then stall the first one's decoding)."""
+        window = self.cfg.batch_window_ms / 1e3
+        deadline = time.monotonic() + 10 * window
+        while window > 0 and time.monotonic() < deadline:
+            before = self._commands.qsize()
+            time.sleep(window)
+            if self._commands.qsize() == before:
+                return
+
     def _preview(self, req: GenerationRequest, cb: Callable[[Verdict], None], start: int, tokens: list[int]) -> None:
         """Send the part of a step's sampled tokens that its verdict is sure to contain: up to
         max_tokens and before any stop id (the engine may cut there)."""
@@ -228,7 +249,8 @@ class TargetEngine:
         while not self._stopped:
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=1.0)
+                if self._wake.wait(timeout=1.0):
+                    self._collect_burst()
                 self._wake.clear()
                 continue
             t0 = time.perf_counter()
@@ -245,7 +267,8 @@ class TargetEngine:
             wait_ms = (self.board.waited_s - waited0) * 1e3
             step_ms = (time.perf_counter() - t0) * 1e3 - wait_ms
             self.steps += 1
-            self.board.cost.observe(self._step_tokens, step_ms)
+            if self._decode_step:
+                self.board.cost.observe(self._step_tokens, step_ms)
             telemetry.VERIFIER_STEP_COST.labels("base").set(self.board.cost.base_ms)
             telemetry.VERIFIER_STEP_COST.labels("per_token").set(self.board.cost.per_token_ms)
             telemetry.VERIFIER_STEPS.inc()

@@ -68,6 +68,8 @@ class DraftBoard:
         self.waited_s = 0.0  # total time steps spent waiting for drafts
         self.adaptive = False  # budgets from verifier.budget instead of each request's gamma
         self.cost = StepCost()  # the engine's measured step cost (fed by the engine thread)
+        self.queued = 0  # requests waiting for their first scheduling (set by the engine each step)
+        self._arrivals = 0  # requests submitted so far (a new one ends an adaptive wait)
 
     def register(
         self, req_id: str, gamma: int, prompt_len: int, max_tokens: int, on_preview: PreviewCallback | None = None
@@ -152,6 +154,13 @@ class DraftBoard:
         if callback is not None:
             callback(start, tokens)
 
+    def arrival(self) -> None:
+        """A request was submitted: a step waiting for drafts stops (adaptive), so it is not kept
+        from its prefill."""
+        with self._cond:
+            self._arrivals += 1
+            self._cond.notify_all()
+
     def record(self, req_id: str, drafted: int, accepted: int) -> None:
         """A verdict for the request: `accepted` of its `drafted` drafts (feeds its alpha)."""
         with self._cond:
@@ -173,6 +182,7 @@ class DraftBoard:
         `wait_s` (adaptive: and only while worth it) for missing ones."""
         t0 = time.monotonic()
         with self._cond:
+            arrivals = self._arrivals
             drafts = [self._peek(rid, ctx, k_max) for rid, ctx in rows]
             want, alphas = self._budgets(rows, k_max)
             while True:
@@ -181,6 +191,8 @@ class DraftBoard:
                 if not missing or left <= 0:
                     break
                 if self.adaptive:
+                    if self.queued or self._arrivals != arrivals:
+                        break  # requests are waiting for their prefill: do not hold the step
                     have = [min(len(d), w) for d, w in zip(drafts, want)]
                     wanted = [w if i in missing else h for i, (h, w) in enumerate(zip(have, want))]
                     speeds = [self._entries[rid].draft_ms_per_token if rid in self._entries else None for rid, _ in rows]

@@ -96,7 +96,22 @@ def test_does_not_wait_for_a_poor_or_slow_drafter() -> None:
 def test_does_not_hold_a_full_batch_for_one_row() -> None:
     c = _cost(480.0, 30.0)
     assert not worth_waiting([4] * 15 + [0], [4] * 16, [0.9] * 16, [130.0] * 16, c, waited_ms=0.0)
-    assert worth_waiting([0], [4], [0.9], [None], c, waited_ms=0.0)  # unmeasured drafter: wait
+    assert worth_waiting([0], [4], [0.9], [None], c, waited_ms=0.0)  # unmeasured drafter at batch 1: wait
+    assert not worth_waiting([0] * 16, [4] * 16, [0.9] * 16, [None] * 16, c, waited_ms=0.0)  # ... not at 16
+
+
+def test_a_new_request_ends_the_wait_for_drafts() -> None:
+    b = DraftBoard()
+    b.wait_s, b.adaptive = 5.0, True
+    b.register("r", gamma=4, prompt_len=2, max_tokens=100)
+    threading.Timer(0.1, b.arrival).start()
+    t0 = time.monotonic()
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
+    assert time.monotonic() - t0 < 2.0
+    b.queued = 1  # one waiting for its prefill: no wait at all
+    t0 = time.monotonic()
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
+    assert time.monotonic() - t0 < 0.05
 
 
 def test_adaptive_board_does_not_wait_for_drafts_that_are_not_worth_it() -> None:
