@@ -7,7 +7,7 @@ BUF := .tools/node_modules/.bin/buf
 # vLLM build: the CPU wheel here, the CUDA wheel of the same version where a GPU exists.
 ACCEL := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup protos lint-protos test test-slow demo clean
+.PHONY: setup protos lint-protos test test-slow demo bench clean
 
 setup: $(STAMP) protos
 
@@ -41,6 +41,10 @@ test-slow: setup
 # The main job: the three services on the real Qwen2.5-Coder pair, one generation with its stats.
 demo: setup
 	$(VENV)/bin/specdec demo --models qwen-coder
+
+# The side-by-side benchmark on the real pair (about 30 minutes on 2 cores; README "Performance").
+bench: setup
+	$(VENV)/bin/specdec bench --models qwen-coder --out bench-results
 
 clean:
 	rm -rf $(VENV) .tools specdec/v1 logs

@@ -62,6 +62,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     v = kinds.add_parser("verifier", parents=[common, faults], help="the vLLM target service")
     v.add_argument("--model", help="target model: registry name (qwen-coder/target) or folder")
     v.add_argument("--threads", type=int, help="engine CPU threads (0: environment)")
+    v.add_argument("--io-cpus", help="CPUs for gRPC I/O threads, comma list (default: the engine's)")
     v.add_argument("--max-gamma", type=int, help="largest gamma a request may use")
     v.add_argument("--max-model-len", type=int, help="context length")
     v.add_argument("--max-num-seqs", type=int, help="engine batch size limit")

@@ -116,6 +116,9 @@ class VerifierConfig:
     kv_cache_gib: float = 1.0
     # CPU threads for the engine (OMP_NUM_THREADS); 0 keeps the environment's value.
     threads: int = 0
+    # CPUs (comma list) for the verifier's gRPC and asyncio threads; the engine thread keeps the
+    # process's CPUs. Empty: all threads share them. (`specdec up` gives the drafter's core.)
+    io_cpus: str = ""
     # Replace vLLM's CPU expand_batch_to_tokens (vLLM issue #55005); never disable in production.
     cpu_sampler_fix: bool = True
     enforce_eager: bool = True

@@ -133,8 +133,11 @@ class Cluster:
         target, default_draft, tokenizer = PAIR_ROLES[self.pair]
         target_cpus, draft_cpus = split_cpus() if self.pin else (None, None)
         threads = str(len(target_cpus)) if target_cpus else "0"
+        # the verifier's network I/O runs beside the drafter, the target's core only computes
+        io = ["--io-cpus", ",".join(map(str, sorted(draft_cpus)))] if draft_cpus else []
         verifier = start_service(
-            "verifier", self.verifier_port, ["--model", target, "--threads", threads, *self.extra_args.get("verifier", [])],
+            "verifier", self.verifier_port,
+            ["--model", target, "--threads", threads, *io, *self.extra_args.get("verifier", [])],
             self.log_dir, target_cpus,
         )
         drafter = start_service(

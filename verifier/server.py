@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import grpc
 
@@ -158,6 +159,12 @@ class VerifierServicer(rpc.VerifierServiceServicer):
 
 
 async def main(cfg: VerifierConfig) -> None:
+    servicer = VerifierServicer(cfg)  # starts the engine thread on the process's CPUs
+    if cfg.io_cpus:
+        # this thread (the asyncio loop) and the gRPC threads it starts move off the engine's
+        # CPUs: on a CPU-only host the network I/O would otherwise steal the target's core
+        # (on a GPU host the forward passes run on the GPU and this matters less)
+        os.sched_setaffinity(0, {int(c) for c in cfg.io_cpus.split(",")})
     await serving.serve(
-        "verifier", cfg, VerifierServicer(cfg), rpc.add_VerifierServiceServicer_to_server, "specdec.v1.VerifierService"
+        "verifier", cfg, servicer, rpc.add_VerifierServiceServicer_to_server, "specdec.v1.VerifierService"
     )

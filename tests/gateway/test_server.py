@@ -1,0 +1,55 @@
+"""The gateway's chunks: preview tokens stream at once, verdicts add only what is new."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from transformers import AutoTokenizer
+
+from gateway.rounds import Plan
+from gateway.server import GatewayServicer
+from specdec.wire import pb
+
+
+def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list:
+    servicer = GatewayServicer.__new__(GatewayServicer)  # no channels: only _chunks is exercised
+    servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+
+    async def verdicts():
+        for m in messages:
+            yield m
+
+    plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=5, stop=stop or []), 4, "model")
+    round_ = SimpleNamespace(plan=plan, verdicts=verdicts)
+
+    async def run() -> list:
+        return [c async for c in servicer._chunks(round_, None)]
+
+    return asyncio.run(run())
+
+
+def test_preview_tokens_stream_before_their_verdict(tiny_target) -> None:
+    chunks = _collect(tiny_target, [
+        pb.VerifyResponse(start_position=3, token_ids=[10], preview=True),  # the prefill step's token
+        pb.VerifyResponse(start_position=3, token_ids=[10]),
+        pb.VerifyResponse(start_position=4, token_ids=[11, 12], preview=True),
+        pb.VerifyResponse(start_position=4, token_ids=[11, 12, 13], drafted=2, accepted=1),  # 13 held back
+        pb.VerifyResponse(start_position=7, token_ids=[14], finish_reason=pb.FINISH_REASON_LENGTH),
+    ])
+    assert [c.token_ids for c in chunks] == [[10], [11, 12], [13], [14]]
+    assert [(c.drafted, c.accepted) for c in chunks] == [(0, 0), (0, 0), (2, 1), (0, 0)]
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert sum(len(c.token_ids) for c in chunks) == 5  # every token once
+
+
+def test_a_verdict_with_nothing_new_still_reports_its_counts(tiny_target) -> None:
+    chunks = _collect(tiny_target, [
+        pb.VerifyResponse(start_position=3, token_ids=[10, 11], preview=True),
+        pb.VerifyResponse(start_position=3, token_ids=[10, 11], drafted=4, accepted=1),
+        pb.VerifyResponse(start_position=5, token_ids=[12], preview=True),
+        pb.VerifyResponse(start_position=5, token_ids=[12]),  # no drafts, nothing new: no chunk
+        pb.VerifyResponse(start_position=6, token_ids=[], finish_reason=pb.FINISH_REASON_STOP),
+    ])
+    assert [(c.token_ids, c.drafted) for c in chunks] == [([10, 11], 0), ([], 4), ([12], 0), ([], 0)]
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
