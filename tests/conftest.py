@@ -56,7 +56,11 @@ class Services:
     def start_verifier(self) -> Service:
         return self._start(
             "verifier",
-            ["--model", "tiny/target", "--max-gamma", str(MAX_GAMMA), "--threads", "1", "--max-num-seqs", "64"],
+            # --no-adaptive-gamma: the tests verify the acceptance rule at every requested gamma. With
+            # adaptive gamma the tiny target, whose step cost is mostly per token, would rightly
+            # verify few drafts under the suites' concurrency (its budgets: tests/verifier/test_budget.py).
+            ["--model", "tiny/target", "--max-gamma", str(MAX_GAMMA), "--threads", "1", "--max-num-seqs", "64",
+             "--no-adaptive-gamma"],
         )
 
     def start_pair(self, draft: str, verifier: Service) -> tuple[Service, Service]:
