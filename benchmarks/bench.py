@@ -57,6 +57,8 @@ from typing import Any
 
 import numpy as np
 
+from verifier.budget import expected_tokens  # E(alpha, gamma): tokens per target step
+
 QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "gammas": "1,2,4,8", "concurrency": "1,4,16"}
 DEFAULT_GAMMA = 4  # the gamma of the concurrency sweeps and the one-off baselines
 GOALS = {
@@ -156,11 +158,6 @@ class SpecdecCluster:
 
 
 # ---- summarising ------------------------------------------------------------------------------
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """E = sum_{j=0..gamma} alpha^j = (1 - alpha^(gamma+1)) / (1 - alpha): tokens per target step."""
-    return float(sum(alpha**j for j in range(gamma + 1)))
-
-
 def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
     """A table row from one workload's raw records (no baseline-relative fields yet)."""
     reqs = result["requests"]

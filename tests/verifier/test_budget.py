@@ -114,12 +114,18 @@ def test_a_new_request_ends_the_wait_for_drafts() -> None:
     assert time.monotonic() - t0 < 0.05
 
 
-def test_adaptive_board_does_not_wait_for_drafts_that_are_not_worth_it() -> None:
+def _adaptive_board(base_ms: float, per_token_ms: float, sizes: tuple[int, ...]) -> DraftBoard:
+    """An adaptive board with a measured step cost and one request "r" (gamma 4)."""
     b = DraftBoard()
     b.wait_s, b.adaptive = 5.0, True
-    for n in (1, 2, 3, 40) * 5:
-        b.cost.observe(n, 1.0 + 10.0 * n)  # 1 ms base, 10 ms per token: saturated at once
+    for n in sizes * 5:
+        b.cost.observe(n, base_ms + per_token_ms * n)
     b.register("r", gamma=4, prompt_len=2, max_tokens=100)
+    return b
+
+
+def test_adaptive_board_does_not_wait_for_drafts_that_are_not_worth_it() -> None:
+    b = _adaptive_board(1.0, 10.0, (1, 2, 3, 40))  # 1 ms base, 10 ms per token: saturated at once
     threading.Timer(1.0, b.offer, args=("r", 3, [4, 4, 4, 4])).start()
     t0 = time.monotonic()
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
@@ -127,10 +133,6 @@ def test_adaptive_board_does_not_wait_for_drafts_that_are_not_worth_it() -> None
 
 
 def test_adaptive_board_proposes_a_full_block_at_batch_one() -> None:
-    b = DraftBoard()
-    b.wait_s, b.adaptive = 5.0, True
-    for n in (1, 5, 9) * 5:
-        b.cost.observe(n, 800.0 + 55.0 * n)
-    b.register("r", gamma=4, prompt_len=2, max_tokens=100)
+    b = _adaptive_board(800.0, 55.0, (1, 5, 9))
     threading.Timer(0.05, b.offer, args=("r", 3, [4, 4, 4, 4])).start()
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[4, 4, 4, 4]]
