@@ -1,10 +1,20 @@
 """Round tracing across the three services, with latency spikes on the right stage.
 
-Own services (so the delays injected here touch no other test): the drafter sleeps in
-every 25th draft step, the verifier in every 40th engine step. Those are too frequent
-for a relative threshold (they make up the rolling p95 themselves), so this gateway uses
+Own services (so the delays injected here touch no other test), with a fault schedule
+that does not depend on the machine's speed: the verifier sleeps in every 10th engine
+step; one drafter ("clean") never sleeps, another ("slow") sleeps in every 15th draft
+step. Requests through the clean drafter's gateway run first, then those through the slow
+one's, one at a time, so a verify spike of the first phase can never coincide with a draft
+delay (it used to depend on how the two delays interleaved). The delays are too frequent
+for a relative threshold (they make up the rolling p95 themselves), so the gateways use
 the absolute threshold (`--spike-ms`); the relative one is unit-tested. Spans from all
-three services go to one JSON-lines file (SPECDEC_TRACE_FILE).
+services go to one JSON-lines file (SPECDEC_TRACE_FILE).
+
+Counts that hold on any machine (greedy, gamma 4, 120 tokens, full gamma verified):
+each request takes >= 1 + ceil(119 / 5) = 25 engine steps, so 3 requests take >= 75 steps
+and >= 7 of them sleep, at most 3 of those being prefill steps (not checked for spikes);
+each slow-drafter session drafts >= 4 tokens per target step (>= 96 draft steps), so it
+sleeps >= 6 times, at most one of them after its last verdict.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from specdec import traces
 
 DELAY_MS = 250
 SPIKE_MS = 150
+PER_PHASE = 3
 
 
 @pytest.fixture(scope="module")
@@ -28,23 +39,32 @@ def traced(tmp_path_factory, tiny_target):
     path = root / "spans.jsonl"
     s = Services(root, env={"SPECDEC_TRACE_FILE": str(path)})
     try:
-        verifier = s._start("verifier", ["--model", "tiny/target", "--threads", "1",
-                                         "--inject-delay-ms", str(DELAY_MS), "--inject-every", "40"])
-        drafter = s._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1",
-                                       "--inject-delay-ms", str(DELAY_MS), "--inject-every", "25"])
-        gateway = s.start_gateway(drafter.address, verifier.address, ("--spike-ms", str(SPIKE_MS)))
-        for svc in (verifier, drafter, gateway):
+        # full gamma every step (no adaptive back-off), so the step counts above hold
+        verifier = s._start("verifier", ["--model", "tiny/target", "--threads", "1", "--no-adaptive-gamma",
+                                         "--inject-delay-ms", str(DELAY_MS), "--inject-every", "10"])
+        drafter_args = ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none"]
+        clean = s._start("drafter", drafter_args)
+        slow = s._start("drafter", [*drafter_args, "--inject-delay-ms", str(DELAY_MS), "--inject-every", "15"])
+        gateways = [s.start_gateway(d.address, verifier.address, ("--spike-ms", str(SPIKE_MS))) for d in (clean, slow)]
+        for svc in s.started:
             svc.wait_ready(300)
         tok = AutoTokenizer.from_pretrained(tiny_target)
-        responses = generate_all(gateway.address, [spec(p, 120, gamma=4, ignore_eos=True) for p in prompts(tok, 6)], 1)
-        time.sleep(1.0)  # spans of the last sessions are exported when they end
-        yield traces.load([path]), responses
+        phases = []
+        for gateway, batch in zip(gateways, (prompts(tok, 2 * PER_PHASE)[:PER_PHASE], prompts(tok, 2 * PER_PHASE)[PER_PHASE:])):
+            phases.append(generate_all(gateway.address, [spec(p, 120, gamma=4, ignore_eos=True) for p in batch], 1))
+        # spans of a session are exported when it ends: wait until every request's spans are in
+        want = sum(r.stats.target_steps + 1 for phase in phases for r in phase)
+        deadline = time.monotonic() + 30
+        while len(traces.rounds(traces.load([path]))) < want and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield traces.load([path]), phases
     finally:
         s.stop()
 
 
 def test_one_trace_links_the_three_services(traced) -> None:
-    spans, responses = traced
+    spans, phases = traced
+    responses = [r for phase in phases for r in phase]
     by_request = {s["attributes"]["specdec.request_id"]: s["trace_id"] for s in spans if s["name"] == "specdec.generate"}
     assert set(by_request) == {r.request_id for r in responses}
     for trace_id in by_request.values():
@@ -54,7 +74,8 @@ def test_one_trace_links_the_three_services(traced) -> None:
 
 
 def test_round_spans_carry_speculation_attributes(traced) -> None:
-    spans, responses = traced
+    spans, phases = traced
+    responses = [r for phase in phases for r in phase]
     rounds = traces.rounds(spans)
     assert len(rounds) == sum(r.stats.target_steps + 1 for r in responses)
     assert sum(r["attributes"]["specdec.accepted"] for r in rounds) == sum(r.stats.accepted_tokens for r in responses)
@@ -66,7 +87,7 @@ def test_round_spans_carry_speculation_attributes(traced) -> None:
 
 
 def test_spikes_name_the_slow_stage(traced) -> None:
-    spans, _ = traced
+    spans, (clean_phase, _) = traced
     spikes = traces.spikes_by_stage(spans)
     verify = [r["attributes"]["specdec.stage.verify_ms"] for r in spikes.get("verify", [])]
     draft = [r["attributes"]["specdec.stage.draft_ms"] for r in spikes.get("draft", [])]
@@ -76,8 +97,11 @@ def test_spikes_name_the_slow_stage(traced) -> None:
     for stage, rs in spikes.items():  # the named stage is the slow one
         for r in rs:
             assert r["attributes"][f"specdec.stage.{stage}_ms"] > SPIKE_MS
-    # a slow engine step alone does not blame the drafter (both delays can meet in one round)
-    alone = [r for r in spikes["verify"] if r["attributes"]["specdec.stage.draft_ms"] < SPIKE_MS]
-    assert len(alone) >= 3 and all("draft" not in r["attributes"]["specdec.spike.stage"].split(",") for r in alone)
+    # a slow engine step alone does not blame the drafter: the clean drafter's rounds never
+    # have a draft delay, so their verify spikes stand alone
+    clean_traces = {tid for tid, rid in traces.request_ids(spans).items() if rid in {r.request_id for r in clean_phase}}
+    alone = [r for r in spikes["verify"] if r["trace_id"] in clean_traces]
+    assert len(alone) >= 4
+    assert all("draft" not in r["attributes"]["specdec.spike.stage"].split(",") for r in alone)
     text = traces.summary(spans)
     assert "spikes by stage:" in text and "verify" in text and "draft" in text
