@@ -15,7 +15,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession
+from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Ready
 from specdec import serving, telemetry
 from specdec.config import MAX_GAMMA_LIMIT, DrafterConfig
 from specdec.validation import InvalidField, check_sampling, check_token_ids
@@ -26,16 +26,35 @@ log = logging.getLogger("specdec.drafter")
 METHODS = ("model", "ngram")
 
 
-class DraftWorker(threading.Thread):
-    """Runs draft steps for every session that wants work; sleeps when none does."""
+Emit = Callable[[BlockOut | Ready | BaseException], None]
 
-    def __init__(self) -> None:
+# Weight of the newest drafted token in the worker's running cost per token.
+PACE_EWMA = 0.1
+
+
+class DraftWorker(threading.Thread):
+    """Runs draft steps for every session that wants work; sleeps when none does.
+
+    Order: drafts a verifier is waiting for (urgent) first; then, round-robin, prefill
+    chunks of new sessions and drafting ahead. `token_ms` is the running compute cost of
+    one draft token (seeded by the servicer's calibration); a session's wall-clock cost
+    per token is about token_ms times the sessions drafting at once.
+    """
+
+    def __init__(self, token_ms: float = 0.0) -> None:
         super().__init__(name="draft-worker", daemon=True)
         self._cond = threading.Condition()
-        self._sessions: dict[int, tuple[DraftSession, Callable[[BlockOut | BaseException], None]]] = {}
+        self._sessions: dict[int, tuple[DraftSession, Emit]] = {}
         self._stopped = False
+        self.token_ms = token_ms
 
-    def add(self, session: DraftSession, emit: Callable[[BlockOut | BaseException], None]) -> None:
+    def pace_ms(self) -> float:
+        """Expected wall-clock ms per draft token of one session now (see the class docstring)."""
+        with self._cond:
+            drafting = sum(1 for s, _ in self._sessions.values() if s.started and not s.closed)
+        return self.token_ms * max(1, drafting)
+
+    def add(self, session: DraftSession, emit: Emit) -> None:
         with self._cond:
             self._sessions[id(session)] = (session, emit)
             self._cond.notify()
@@ -66,15 +85,18 @@ class DraftWorker(threading.Thread):
                 # drafts a verifier is waiting for come before drafting ahead
                 active = [(s, e) for s, e in active if s.urgent()] or active
             for session, emit in active:
+                steps = session.steps
                 try:
-                    block = session.step()
+                    out = session.step()
                 except Exception as exc:  # a failing session must not stop the others
                     log.exception("draft step failed")
                     self.remove(session)
                     emit(exc)
                     continue
-                if block is not None:
-                    emit(block)
+                if session.steps > steps and session.last_token_ms > 0:
+                    self.token_ms += PACE_EWMA * (session.last_token_ms - self.token_ms) if self.token_ms else session.last_token_ms
+                if out is not None:
+                    emit(out)
 
 
 class DrafterServicer(rpc.DrafterServiceServicer):
@@ -90,10 +112,30 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.model_name = cfg.model
         self.vocab_size = int(self.model.config.vocab_size)
         self.tracer = telemetry.setup_tracing("drafter")
-        self.worker = DraftWorker()
+        token_ms = self._calibrate()
+        self.worker = DraftWorker(token_ms)
         self.worker.start()
-        log.info("draft model %s loaded from %s (vocab %d, %s, quantize %s)", cfg.model, path, self.vocab_size,
-                 cfg.dtype, cfg.quantize)
+        log.info("draft model %s loaded from %s (vocab %d, %s, quantize %s, %.1f ms per draft token)", cfg.model, path,
+                 self.vocab_size, cfg.dtype, cfg.quantize, token_ms)
+
+    def _calibrate(self, prompt_len: int = 32, tokens: int = 6) -> float:
+        """Warm the model up and measure its cost per draft token (median of a few greedy
+        steps after a short prefill): the first `ready`'s estimate, before any session ran."""
+        import statistics
+
+        prompt = [i % self.vocab_size for i in range(1, prompt_len + 1)]
+        session = ModelDraftSession(self.model, prompt, gamma=tokens, lookahead=0, temperature=0.0, top_k=0, top_p=1.0,
+                                    seed=0, q_top_k=self.cfg.q_top_k, prefill_chunk=prompt_len)
+        session.commit(prompt_len, [1])
+        costs = []
+        while len(costs) < tokens:
+            out = session.step()
+            if session.last_token_ms and not isinstance(out, Ready):
+                costs.append(session.last_token_ms)
+                session.last_token_ms = 0.0
+            if isinstance(out, BlockOut) and out.final:
+                break
+        return statistics.median(costs[1:] or costs) if costs else 0.0
 
     def _open(self, req: "pb.DraftOpen") -> DraftSession:
         check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.vocab_size)
@@ -111,6 +153,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         else:
             session = self._model_session(req, prompt, lookahead)
         session.flush_ms = self.cfg.flush_ms
+        session.prefill_chunk = self.cfg.prefill_chunk
         session.inject_delay_ms, session.inject_every = self.cfg.inject_delay_ms, self.cfg.inject_every
         return session
 
@@ -131,7 +174,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         opened, session = await serving.open_session(context, self._open)
         loop = asyncio.get_running_loop()
-        out: asyncio.Queue[BlockOut | BaseException | None] = asyncio.Queue()
+        out: asyncio.Queue[BlockOut | Ready | BaseException | None] = asyncio.Queue()
         span = self.tracer.start_span(
             "specdec.draft_session",
             context=telemetry.extract_context(opened.trace_context or context.invocation_metadata()),
@@ -169,6 +212,14 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                     await serving.abort_invalid(context, item)
                 if isinstance(item, BaseException):
                     await context.abort(grpc.StatusCode.INTERNAL, f"drafting failed: {item}")
+                if isinstance(item, Ready):
+                    ready = pb.DraftReady(prefilled_tokens=item.prefilled_tokens, prefill_ms=item.prefill_ms,
+                                          draft_ms_per_token=self.worker.pace_ms())
+                    await context.write(pb.DraftResponse(ready=ready))
+                    span.add_event("ready", {"specdec.prefilled_tokens": item.prefilled_tokens,
+                                             "specdec.prefill_ms": item.prefill_ms,
+                                             "specdec.draft_ms_per_token": ready.draft_ms_per_token})
+                    continue
                 sequence += 1
                 await context.write(pb.DraftResponse(block=_block_pb(item, sequence)))
                 telemetry.DRAFTER_BLOCKS.inc()
@@ -207,5 +258,6 @@ def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":
 
 async def main(cfg: DrafterConfig) -> None:
     await serving.serve(
-        "drafter", cfg, DrafterServicer(cfg), rpc.add_DrafterServiceServicer_to_server, "specdec.v1.DrafterService"
+        "drafter", cfg, lambda: DrafterServicer(cfg), rpc.add_DrafterServiceServicer_to_server,
+        "specdec.v1.DrafterService"
     )

@@ -6,6 +6,10 @@ Terms:
     window      how far past `committed` the drafter may draft: gamma + lookahead.
                 `lookahead` lets the drafter keep drafting while a block is verified.
     sent        tokens of `context` already sent to the caller in blocks
+    prefill     feeding the prompt through the draft model, in chunks of `prefill_chunk`
+                tokens, from `open` on: it runs while the target is queued and prefills,
+                so the first draft needs one draft step after the first commit
+    ready       the prefill is done; announced once (a `Ready`), before any block
 
 A commit (position s, verified tokens T) makes the committed context
 context[:s] + T. Drafts that agree with T are kept; at the first disagreement the
@@ -35,6 +39,14 @@ class Draft:
 
 
 @dataclass
+class Ready:
+    """The session's prompt is in the draft model's cache: it can draft from the first commit on."""
+
+    prefilled_tokens: int
+    prefill_ms: float
+
+
+@dataclass
 class BlockOut:
     """A block ready to send: drafts starting at `start_position`."""
 
@@ -48,21 +60,27 @@ class BlockOut:
 class DraftSession:
     """Shared bookkeeping of a draft session; subclasses implement `_next_token`."""
 
-    def __init__(self, prompt: list[int], gamma: int, lookahead: int, flush_ms: float = 50.0) -> None:
+    def __init__(
+        self, prompt: list[int], gamma: int, lookahead: int, flush_ms: float = 50.0, prefill_chunk: int = 128
+    ) -> None:
         self.context: list[int] = list(prompt)
         self.committed = len(prompt)
         self.sent = len(prompt)
         self.gamma = gamma
         self.lookahead = lookahead
         self.flush_ms = flush_ms
+        self.prefill_chunk = prefill_chunk
         self.lock = threading.Lock()
         self.closed = False
         self.started = False  # drafting starts with the first commit (the target's first token)
+        self.ready = False  # the prefill is done and announced
+        self.prefill_ms = 0.0
         self.exhausted = False  # the method has nothing more to propose for this context
         self._pending: list[Draft] = []
         self._pending_since = 0.0
         self._pending_ms = 0.0
         self.steps = 0
+        self.last_token_ms = 0.0  # compute time of the latest drafted token
         # fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th step
         self.inject_delay_ms = 0.0
         self.inject_every = 0
@@ -74,16 +92,18 @@ class DraftSession:
     def wants_work(self) -> bool:
         if self.closed:
             return False
+        if not self.ready:
+            return True  # the prefill, or just the `Ready` announcing it
         if not self.started:
-            return self._needs_warmup()
+            return False
         return not self.exhausted and len(self.context) - self.committed < self.window
 
     def urgent(self) -> bool:
-        """Whether the verifier is (about to be) waiting for this session's drafts: fewer than
-        gamma drafted past the committed context, or the prompt not yet in the cache."""
-        if not self.started:
-            return self.wants_work()
-        return self.wants_work() and len(self.context) - self.committed < self.gamma
+        """Whether the verifier is (about to be) waiting for this session's drafts: the target
+        has produced its first token (the session started) and fewer than gamma drafts lie past
+        the committed context. A prefill before the first commit is not urgent: it overlaps the
+        target's own prefill, and drafts other verifiers are waiting for come first."""
+        return self.started and self.wants_work() and (not self.ready or len(self.context) - self.committed < self.gamma)
 
     def commit(self, start: int, tokens: list[int], gamma: int = 0) -> None:
         """Apply a target verdict: context[:start] + tokens is now verified."""
@@ -109,13 +129,19 @@ class DraftSession:
             self.sent = max(self.sent, self.committed)
             self.exhausted = False  # the context grew: the method may propose again
 
-    def step(self) -> BlockOut | None:
-        """Draft one token (if the window allows); return a block when one is due."""
+    def step(self) -> BlockOut | Ready | None:
+        """One unit of work: a prefill chunk (a `Ready` after the last one), or one draft token
+        (if the window allows) with a block when one is due."""
         with self.lock:
-            if not self.started:
+            if not self.ready:
+                t0 = time.perf_counter()
                 if self._needs_warmup():
-                    self._warmup()
-                return None
+                    self._warmup(self.prefill_chunk)
+                self.prefill_ms += (time.perf_counter() - t0) * 1e3
+                if self._needs_warmup():
+                    return None
+                self.ready = True
+                return Ready(len(self.context), self.prefill_ms)
             if not self.wants_work():
                 return self._flush(force=True)
             t0 = time.perf_counter()
@@ -133,6 +159,7 @@ class DraftSession:
             self.context.append(draft.token_id)
             self._pending.append(draft)
             step_s = time.perf_counter() - t0
+            self.last_token_ms = step_s * 1e3
             self._pending_ms += step_s * 1e3
             telemetry.DRAFTER_STEP.observe(step_s)
             return self._flush(force=not self.wants_work())
@@ -157,8 +184,8 @@ class DraftSession:
         """Whether there is work to do before the first commit (e.g. the prompt's KV cache)."""
         return False
 
-    def _warmup(self) -> None:
-        """Do that work while the target runs its prefill."""
+    def _warmup(self, chunk: int) -> None:
+        """Do up to `chunk` tokens of that work (it runs while the target prefills)."""
 
     def _rollback(self, keep: int) -> None:
         """Forget model state past the first `keep` tokens of the context."""
@@ -185,8 +212,9 @@ class ModelDraftSession(DraftSession):
         top_p: float,
         seed: int | None,
         q_top_k: int,
+        prefill_chunk: int = 128,
     ) -> None:
-        super().__init__(prompt, gamma, lookahead)
+        super().__init__(prompt, gamma, lookahead, prefill_chunk=prefill_chunk)
         from transformers import DynamicCache
 
         self.model = model
@@ -218,9 +246,9 @@ class ModelDraftSession(DraftSession):
     def _needs_warmup(self) -> bool:
         return self.cached < len(self.context) - 1
 
-    def _warmup(self) -> None:
+    def _warmup(self, chunk: int) -> None:
         # the prompt's KV cache, all but the last token (fed with the first drafted step)
-        self._forward(len(self.context) - 1)
+        self._forward(min(self.cached + max(1, chunk), len(self.context) - 1))
 
     @torch.inference_mode()
     def _next_token(self) -> Draft | None:

@@ -2,16 +2,23 @@
 
     client -> gateway  : GenerateRequest
     gateway -> verifier: open (prompt, sampling, gamma)       gateway -> drafter: open
+    drafter -> gateway -> verifier: ready (prompt prefilled; while the target prefills)
     verifier -> gateway: preview (tokens sampled, from inside the step)
     gateway -> drafter : commit (start, tokens)               (drafter keeps or rolls back)
     drafter -> gateway -> verifier: block (start, tokens)     (as soon as drafted)
     verifier -> gateway: verdict (tokens, drafted, accepted)  (one per target step)
     gateway -> client  : the preview's tokens as text, then what the verdict adds (at once)
 
-A target step waits for drafts at most the verifier's `draft_wait_ms`, and not at all
-once the gateway has told it (`end`) that the drafter is gone: a step without a usable
-block is a plain decode step. So when the drafter fails, stalls or is killed, the
-generation goes on as plain target decoding with the same output, and the stats say so.
+A target step waits for drafts at most the verifier's `draft_wait_ms` (less: about as
+long as the drafter is expected to take), and not at all once the gateway has told it
+(`end`) that the drafter is gone: a step without a usable block is a plain decode step.
+So when the drafter fails, stalls or is killed, the generation goes on as plain target
+decoding with the same output, and the stats say so.
+
+The drafter's deadline measures the drafter alone: it owes an answer from each commit on
+(the first one carries the target's first token), and falls back when it stays silent
+for `drafter_timeout_s` while it owes one. The target's queueing and prefill never count:
+before the first commit the drafter owes nothing (it prefills its own copy meanwhile).
 """
 
 from __future__ import annotations
@@ -64,12 +71,15 @@ class Stats:
     draft_ms: float = 0.0  # drafter compute time for the blocks received
     rejections: int = 0  # speculative steps that rejected one of their drafts
     draft_wait_ms: float = 0.0
+    max_draft_wait_ms: float = 0.0
+    drafter_prefill_ms: float = 0.0
 
     def add_verdict(self, v: "pb.VerifyResponse") -> None:
         self.verdicts += 1
         if self.verdicts > 1:  # the first verdict is the prefill step
             self.verify_ms += v.step_ms
             self.draft_wait_ms += v.draft_wait_ms
+            self.max_draft_wait_ms = max(self.max_draft_wait_ms, v.draft_wait_ms)
         self.completion_tokens += len(v.token_ids)
         self.computed += v.computed_tokens
         if v.drafted:
@@ -104,6 +114,8 @@ class Stats:
             draft_wait_ms=self.draft_wait_ms,
             draft_ms=self.draft_ms,
             rejected_steps=self.rejections,
+            max_draft_wait_ms=self.max_draft_wait_ms,
+            drafter_prefill_ms=self.drafter_prefill_ms,
         )
 
 
@@ -121,7 +133,7 @@ class Round:
         plan: Plan,
         verifier_stub: object,
         drafter_stub: object,
-        open_timeout_s: float,
+        drafter_timeout_s: float,
         spikes: telemetry.SpikeDetector,
         model: str = "",
         parent: Any = None,
@@ -129,7 +141,7 @@ class Round:
         self.plan = plan
         self.verifier_stub = verifier_stub
         self.drafter_stub = drafter_stub
-        self.open_timeout_s = open_timeout_s
+        self.drafter_timeout_s = drafter_timeout_s
         self.spikes = spikes
         use_drafter = plan.gamma > 0 and plan.drafter != "none"
         self.stats = Stats(plan.gamma if use_drafter else 0, plan.drafter if use_drafter else "none")
@@ -154,6 +166,10 @@ class Round:
         self._to_drafter: asyncio.Queue["pb.DraftRequest | None"] = asyncio.Queue()
         self._committed = len(plan.prompt_token_ids)  # the drafter has been told up to here
         self._dcall: grpc.aio.StreamStreamCall | None = None
+        # monotonic time of the oldest commit the drafter has not answered yet (None: it owes nothing)
+        self._owed_since: float | None = None
+        self._owed_at = 0  # ... and the position that commit started at
+        self._owing = asyncio.Event()  # set when the drafter starts to owe an answer
 
     def _fallback(self, reason: str) -> None:
         """The drafter is gone: tell the verifier to stop waiting for it and go on plainly."""
@@ -181,25 +197,42 @@ class Round:
             self._fallback(f"drafter write failed: {err}")
 
     async def _relay_blocks(self, dcall: grpc.aio.StreamStreamCall) -> None:
-        """drafter -> verifier: forward each block as it arrives."""
-        first = self.plan.drafter == "model"
+        """drafter -> verifier: forward `ready` and each block as they arrive."""
         try:
             while True:
-                read = dcall.read()
-                resp = await (asyncio.wait_for(read, self.open_timeout_s) if first else read)
-                first = False
+                resp = await dcall.read()
                 if resp is grpc.aio.EOF:
                     self._fallback("drafter ended its stream")
                     return
+                self._owed_since = None  # any message answers what the drafter owed
+                if resp.HasField("ready"):
+                    self.stats.drafter_prefill_ms = resp.ready.prefill_ms
+                    self._to_verifier.put_nowait(pb.VerifyRequest(ready=resp.ready))
+                    continue
                 self.stats.blocks += 1
                 self.stats.block_tokens += len(resp.block.token_ids)
                 self._draft_ms += resp.block.draft_ms
                 self.stats.draft_ms += resp.block.draft_ms
                 self._to_verifier.put_nowait(pb.VerifyRequest(block=resp.block))
-        except TimeoutError:
-            self._fallback(f"drafter missed its {self.open_timeout_s:g} s deadline for the first block")
         except grpc.aio.AioRpcError as err:
             self._fallback(f"drafter {err.code().name}: {err.details()}")
+
+    async def _watch_drafter(self) -> None:
+        """Fall back when the drafter stays silent for drafter_timeout_s while it owes an answer."""
+        while not self.stats.fallback_reason and not self._finished:
+            since = self._owed_since
+            if since is None:
+                self._owing.clear()
+                if self._owed_since is None:
+                    await self._owing.wait()
+                continue
+            left = since + self.drafter_timeout_s - time.monotonic()
+            if left > 0:
+                await asyncio.sleep(left)
+                continue
+            self._fallback(f"drafter sent nothing for {self.drafter_timeout_s:g} s after the target's tokens at "
+                           f"position {self._owed_at}")
+            return
 
     def _observe(self, v: "pb.VerifyResponse") -> None:
         """One round: a span from the previous verdict to this one, metrics, spike check."""
@@ -270,6 +303,9 @@ class Round:
         if self._dcall is None or self.stats.fallback_reason or end <= self._committed:
             return
         skip = max(0, self._committed - v.start_position)
+        if self._owed_since is None:
+            self._owed_since, self._owed_at = time.monotonic(), v.start_position + skip
+            self._owing.set()
         self._to_drafter.put_nowait(
             pb.DraftRequest(
                 commit=pb.DraftCommit(
@@ -313,6 +349,7 @@ class Round:
                 )
                 tasks.append(asyncio.create_task(self._drafter_writer(self._dcall)))
                 tasks.append(asyncio.create_task(self._relay_blocks(self._dcall)))
+                tasks.append(asyncio.create_task(self._watch_drafter()))
             while True:
                 v = await vcall.read()
                 if v is grpc.aio.EOF:

@@ -97,7 +97,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
 
     def _round(self, plan: Plan, context: grpc.aio.ServicerContext) -> Round:
         parent = telemetry.extract_context(context.invocation_metadata())  # a caller's trace, if any
-        return Round(plan, self.verifier, self.drafter, self.cfg.drafter_open_timeout_s, self.spikes,
+        return Round(plan, self.verifier, self.drafter, self.cfg.drafter_timeout_s, self.spikes,
                      model=self.cfg.tokenizer, parent=parent)
 
     async def _chunks(self, round_: Round, context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
@@ -229,8 +229,7 @@ def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer) -> Callable[[asyn
 
 
 async def main(cfg: GatewayConfig) -> None:
-    servicer = GatewayServicer(cfg)
     await serving.serve(
-        "gateway", cfg, servicer, rpc.add_GatewayServiceServicer_to_server, "specdec.v1.GatewayService",
-        also=rest_bridge(cfg, servicer),
+        "gateway", cfg, lambda: GatewayServicer(cfg), rpc.add_GatewayServiceServicer_to_server,
+        "specdec.v1.GatewayService", also=lambda servicer, stop: rest_bridge(cfg, servicer)(stop),
     )

@@ -59,6 +59,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--quantize", choices=["none", "int8"], help="int8: dynamic int8 Linear layers (default; CPU)")
     d.add_argument("--sample-drafts", action="store_true", default=None, help="sample drafts from q (default: argmax)")
     d.add_argument("--lookahead", type=int, help="tokens to draft past gamma while a block is verified")
+    d.add_argument("--prefill-chunk", type=int, help="prompt tokens per draft-model prefill step (default 128)")
     v = kinds.add_parser("verifier", parents=[common, faults], help="the vLLM target service")
     v.add_argument("--model", help="target model: registry name (qwen-coder/target) or folder")
     v.add_argument("--threads", type=int, help="engine CPU threads (0: environment)")
@@ -69,6 +70,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--dtype", help="float32 or bfloat16")
     v.add_argument("--kv-cache-gib", type=float, help="KV cache size")
     v.add_argument("--draft-wait-ms", type=float, help="most a target step waits for drafts")
+    v.add_argument("--draft-wait-slack", type=float,
+                   help="a step waits for missing drafts up to their expected arrival x (1 + this) ...")
+    v.add_argument("--draft-wait-margin-ms", type=float, help="... plus this margin")
+    v.add_argument("--inject-prefill-delay-ms", type=float,
+                   help="fault injection: sleep this long in every step that starts a prefill")
     v.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="vLLM prefix caching (default on)")
     v.add_argument("--adaptive-gamma", action=argparse.BooleanOptionalAction, default=None,
@@ -79,6 +85,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--tokenizer", help="tokenizer (the target's): registry name or folder")
     g.add_argument("--default-gamma", type=int, help="gamma when a request does not say")
     g.add_argument("--default-drafter", choices=["model", "ngram", "none"])
+    g.add_argument("--drafter-timeout-s", type=float,
+                   help="longest the drafter may stay silent while it owes an answer to a commit (default 10)")
     g.add_argument("--rest-port", type=int, help="OpenAI-compatible REST bridge port, 0: off (env SPECDEC_REST_PORT)")
     g.add_argument("--spike-factor", type=float, help="a stage spikes above this x its rolling p95")
     g.add_argument("--spike-min-ms", type=float, help="... and above this floor")

@@ -85,6 +85,10 @@ class DrafterConfig:
     lookahead: int = -1
     # A partial block is sent when its first token waited this long.
     flush_ms: float = 50.0
+    # Prompt tokens per prefill step of the draft model. A session prefills its prompt from
+    # `open` on, while the target is queued and prefills; chunks let other sessions' drafts
+    # (which come first) interleave with a long prompt's prefill.
+    prefill_chunk: int = 128
     # Sampled requests: draft by sampling q (True, q sent as a sparse top-k support) or by
     # taking q's argmax (False). vLLM verifies drafts as one-hot, accepting x with
     # probability p(x): argmax drafts maximise that, so False is the default.
@@ -125,8 +129,14 @@ class VerifierConfig:
     # vLLM's prefix cache (benchmarks turn it off so repeated prompts cost the same each time).
     prefix_caching: bool = True
     # Most a target step waits for the drafts of its speculative requests, milliseconds;
-    # past it the step decodes those requests plainly.
+    # past it the step decodes those requests plainly. Within it, a step waits for a
+    # request's missing drafts only as long as they are expected to take: the missing
+    # tokens x the drafter's measured ms per token (announced in its `ready`, then measured
+    # from arrivals) x (1 + draft_wait_slack), plus draft_wait_margin_ms. A request whose
+    # drafter has not finished its prefill (no `ready` yet) is not waited for.
     draft_wait_ms: float = 2000.0
+    draft_wait_slack: float = 0.5
+    draft_wait_margin_ms: float = 50.0
     # Adaptive gamma (verifier.budget): each step verifies only the drafts that raise its
     # expected tokens per ms under the measured step cost and each request's recent
     # acceptance; under saturation this backs off to plain decoding. False: always a
@@ -138,9 +148,11 @@ class VerifierConfig:
     batch_window_ms: float = 20.0
     # Prometheus /metrics port (0: off).
     metrics_port: int = 9093
-    # Fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th engine step.
+    # Fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th engine step,
+    # and inject_prefill_delay_ms in every step that starts a new request's prefill.
     inject_delay_ms: float = 0.0
     inject_every: int = 0
+    inject_prefill_delay_ms: float = 0.0
 
 
 @dataclass
@@ -156,8 +168,11 @@ class GatewayConfig:
     default_gamma: int = 4
     default_drafter: str = "model"
     default_max_tokens: int = 128
-    # Seconds the drafter may take to open a session before the request goes on without it.
-    drafter_open_timeout_s: float = 10.0
+    # Seconds the drafter may stay silent while it owes an answer: from a commit (the target's
+    # tokens, the first one included) to its next message. Past it the request goes on as
+    # plain target decoding. The target's queueing and prefill never count: before the
+    # first commit the drafter owes nothing (it is prefilling its own copy of the prompt).
+    drafter_timeout_s: float = 10.0
     # Prometheus /metrics port (0: off); the REST bridge serves /metrics too.
     metrics_port: int = 9091
     # OpenAI-compatible REST bridge (/v1/completions, /v1/chat/completions, /v1/models,

@@ -49,34 +49,41 @@ class Servicer(Protocol):
     async def close(self) -> None: ...
 
 
+S = TypeVar("S", bound=Servicer)
+
+
 async def serve(
     name: str,
     cfg: Any,
-    servicer: Servicer,
-    add_to_server: Callable[[Any, grpc.aio.Server], None],
+    build: Callable[[], S],
+    add_to_server: Callable[[S, grpc.aio.Server], None],
     service: str,
-    also: Callable[[asyncio.Event], Awaitable[None]] | None = None,
+    also: Callable[[S, asyncio.Event], Awaitable[None]] | None = None,
 ) -> None:
     """Run one gRPC service until SIGINT/SIGTERM, then stop gracefully.
 
-    cfg gives host, port and metrics_port (Prometheus /metrics, 0: off). `service` is the
-    full service name for health checks and reflection. `also(stop_event)` runs beside the
-    server in the same loop (the gateway's REST bridge) and must return once the event is set.
+    cfg gives host, port and metrics_port (Prometheus /metrics, 0: off). The ports are bound
+    first, then `build()` makes the servicer (loading its model can take minutes and opens
+    ports of its own, vLLM's for one: binding first means none of them can take ours).
+    `service` is the full service name for health checks and reflection.
+    `also(servicer, stop_event)` runs beside the server in the same loop (the gateway's REST
+    bridge) and must return once the event is set.
     """
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
     )
+    bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if bound == 0:
+        raise OSError(f"{name}: cannot bind {cfg.host}:{cfg.port}")
+    if cfg.metrics_port:
+        start_http_server(cfg.metrics_port, addr=cfg.host)
+        log.info("%s metrics on http://%s:%d/metrics", name, cfg.host, cfg.metrics_port)
+    servicer = build()
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([service, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    if bound == 0:
-        raise OSError(f"{name}: cannot bind {cfg.host}:{cfg.port}")
     await server.start()
-    if cfg.metrics_port:
-        start_http_server(cfg.metrics_port, addr=cfg.host)
-        log.info("%s metrics on http://%s:%d/metrics", name, cfg.host, cfg.metrics_port)
     for svc in ("", service):
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s serving on %s:%d", name, cfg.host, bound)
@@ -84,7 +91,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    side = asyncio.create_task(also(stop)) if also is not None else None
+    side = asyncio.create_task(also(servicer, stop)) if also is not None else None
     try:
         await stop.wait()
     finally:

@@ -103,6 +103,8 @@ class TargetEngine:
         self.board = BOARD
         self.board.max_model_len = cfg.max_model_len
         self.board.wait_s = cfg.draft_wait_ms / 1e3
+        self.board.wait_slack = cfg.draft_wait_slack
+        self.board.wait_margin_s = cfg.draft_wait_margin_ms / 1e3
         self.board.adaptive = cfg.adaptive_gamma
         self._step_tokens = 0  # tokens the engine scheduled in the current step
         self._decode_step = False  # ... and whether they were all decode/verify tokens
@@ -131,11 +133,14 @@ class TargetEngine:
         scheduler = self.engine.engine_core.engine_core.scheduler
         original = scheduler.schedule
         every, delay_s = self.cfg.inject_every, self.cfg.inject_delay_ms / 1e3
+        prefill_delay_s = self.cfg.inject_prefill_delay_ms / 1e3
 
         def schedule(*args: Any, **kwargs: Any) -> Any:
             if every and (self.steps + 1) % every == 0:
                 time.sleep(delay_s)  # fault injection: a slow step
             out = original(*args, **kwargs)
+            if prefill_delay_s and out.scheduled_new_reqs:
+                time.sleep(prefill_delay_s)  # fault injection: a slow prefill (a long prompt, a queue)
             now = time.perf_counter()
             self._step_tokens = int(out.total_num_scheduled_tokens)
             # a decode/verify step: every request computes its next token and its drafts, no
@@ -172,6 +177,12 @@ class TargetEngine:
         live = self._live.get(request_id)
         if live is not None:
             self.board.offer(live.engine_id, start, tokens, final, start if committed < 0 else committed, draft_ms)
+
+    def drafter_ready(self, request_id: str, pace_ms: float) -> None:
+        """The request's drafter has prefilled the prompt (see DraftBoard.ready)."""
+        live = self._live.get(request_id)
+        if live is not None:
+            self.board.ready(live.engine_id, pace_ms)
 
     def end_drafts(self, request_id: str) -> None:
         live = self._live.get(request_id)

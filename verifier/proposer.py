@@ -9,16 +9,23 @@ after sampling, for the next step. For each speculative request the proposer:
      number of drafts that raises the step's expected tokens per ms under the measured
      step cost and the request's recent acceptance (verifier.budget: this is adaptive
      gamma, and the back-off to plain decoding when the verifier is saturated);
-  3. waits, at most `wait_s` for the whole batch (and with `adaptive`, only while the
-     missing drafts are worth the wait), for a block that continues that context, and
-     returns its first budget tokens; a request with no block in time (or whose drafter
-     has ended) gets [] and decodes plainly this step.
+  3. waits for a block that continues that context, and returns its first budget tokens.
+     A row is waited for only while its drafts can be expected: its drafter has announced
+     `ready` (its prefill is done) and has not ended, and the wait stays within the
+     drafts' expected arrival (missing tokens x the drafter's pace x (1 + slack), plus a
+     margin); the whole step waits at most `wait_s`, and with `adaptive` only while the
+     missing drafts are worth the wait. A request with no block in time gets [] and
+     decodes plainly this step.
 vLLM then verifies the drafts in its next step with its own scheduler, KV cache (no
 recompute of verified tokens) and rejection sampler (one-hot q, which is exact).
 
 Terms:
     chain      per request, the draft tokens received so far: chain[i] is the drafter's
                token for position chain_start + i
+    pace       per request, the drafter's wall-clock ms per draft token as seen here: first
+               the drafter's own estimate (in `ready`), then measured from arrivals, each
+               block's time since the drafter last had reason to draft (the latest preview,
+               i.e. commit, or the previous block) over its tokens
     proposal   the tokens handed to vLLM for a context of length L: chain[L - chain_start:]
                (at most gamma), valid only when the chain agrees with the context up to L
 """
@@ -55,6 +62,9 @@ class _Entry:
     proposals: dict[int, list[int]] = field(default_factory=dict)
     acceptance: Acceptance = field(default_factory=Acceptance)
     draft_ms_per_token: float | None = None  # the drafter's recent compute time per draft token
+    ready: bool = False  # the drafter's prefill is done: its drafts can be waited for
+    pace_ms: float = 0.0  # the drafter's wall-clock ms per draft token (see the module docstring)
+    clock: float = 0.0  # monotonic time the drafter last had reason to draft (preview or block)
 
 
 class DraftBoard:
@@ -65,6 +75,8 @@ class DraftBoard:
         self._entries: dict[str, _Entry] = {}
         self.max_model_len = 1 << 30
         self.wait_s = 0.0
+        self.wait_slack = 0.5  # expected arrival x (1 + slack) ...
+        self.wait_margin_s = 0.05  # ... + margin: the longest a step waits for a row's drafts
         self.waited_s = 0.0  # total time steps spent waiting for drafts
         self.adaptive = False  # budgets from verifier.budget instead of each request's gamma
         self.cost = StepCost()  # the engine's measured step cost (fed by the engine thread)
@@ -80,6 +92,15 @@ class DraftBoard:
     def unregister(self, req_id: str) -> None:
         with self._cond:
             self._entries.pop(req_id, None)
+
+    def ready(self, req_id: str, pace_ms: float) -> None:
+        """The request's drafter has prefilled the prompt and drafts at about `pace_ms` per token."""
+        with self._cond:
+            e = self._entries.get(req_id)
+            if e is not None:
+                e.ready = True
+                e.pace_ms = e.pace_ms or max(0.0, pace_ms)
+            self._cond.notify_all()
 
     def end(self, req_id: str) -> None:
         """The drafter of this request is gone: never wait for it again."""
@@ -109,6 +130,13 @@ class DraftBoard:
                 per_token = draft_ms / len(tokens)
                 old = e.draft_ms_per_token
                 e.draft_ms_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
+            if tokens:
+                now = time.monotonic()
+                if e.clock:
+                    observed = (now - e.clock) * 1e3 / len(tokens)
+                    e.pace_ms = observed if not e.pace_ms else 0.8 * e.pace_ms + 0.2 * observed
+                e.clock = now
+                e.ready = True  # a block means the prefill is done, whatever the order of arrival
             e.final_end = start + len(tokens) if final else -1
             fresh = committed is None or start == committed
             if not fresh and e.chain and start == e.chain_start + len(e.chain):
@@ -147,9 +175,18 @@ class DraftBoard:
         chain_end = e.chain_start + len(e.chain) if e.chain else length
         return e.final_end != max(chain_end, length)
 
+    def _expected_wait_s(self, req_id: str, missing: int) -> float:
+        """How long a row's `missing` drafts may be waited for (see the module docstring)."""
+        e = self._entries.get(req_id)
+        if e is None or not e.ready or missing <= 0:
+            return 0.0
+        return min(self.wait_s, missing * e.pace_ms / 1e3 * (1.0 + self.wait_slack) + self.wait_margin_s)
+
     def preview(self, req_id: str, start: int, tokens: list[int]) -> None:
         with self._cond:
             e = self._entries.get(req_id)
+            if e is not None:
+                e.clock = time.monotonic()  # the commit leaves now: the drafter drafts from here
             callback = e.on_preview if e is not None and e.drafting else None
         if callback is not None:
             callback(start, tokens)
@@ -185,10 +222,16 @@ class DraftBoard:
             arrivals = self._arrivals
             drafts = [self._peek(rid, ctx, k_max) for rid, ctx in rows]
             want, alphas = self._budgets(rows, k_max)
+            # each row is waited for until its missing drafts are expected (plus slack and margin)
+            until = [t0 + self._expected_wait_s(rid, w - len(d)) for (rid, _), d, w in zip(rows, drafts, want)]
             while True:
-                missing = [i for i, (rid, ctx) in enumerate(rows) if self._wants_more(rid, len(ctx), len(drafts[i]), want[i])]
-                left = t0 + self.wait_s - time.monotonic()
-                if not missing or left <= 0:
+                now = time.monotonic()
+                missing = [i for i, (rid, ctx) in enumerate(rows)
+                           if now < until[i] and self._wants_more(rid, len(ctx), len(drafts[i]), want[i])]
+                if not missing:
+                    break
+                left = min(t0 + self.wait_s, max(until[i] for i in missing)) - now
+                if left <= 0:
                     break
                 if self.adaptive:
                     if self.queued or self._arrivals != arrivals:
@@ -196,7 +239,7 @@ class DraftBoard:
                     have = [min(len(d), w) for d, w in zip(drafts, want)]
                     wanted = [w if i in missing else h for i, (h, w) in enumerate(zip(have, want))]
                     speeds = [self._entries[rid].draft_ms_per_token if rid in self._entries else None for rid, _ in rows]
-                    if not worth_waiting(have, wanted, alphas, speeds, self.cost, (time.monotonic() - t0) * 1e3):
+                    if not worth_waiting(have, wanted, alphas, speeds, self.cost, (now - t0) * 1e3):
                         break
                 self._cond.wait(left)
                 for i in missing:

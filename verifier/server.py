@@ -104,8 +104,11 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                     if kind == "end":
                         self.engine.end_drafts(req.request_id)
                         continue
+                    if kind == "ready":
+                        self.engine.drafter_ready(req.request_id, msg.ready.draft_ms_per_token)
+                        continue
                     if kind != "block":
-                        raise InvalidField("block", "only blocks or `end` may follow `open`")
+                        raise InvalidField("block", "only blocks, `ready` or `end` may follow `open`")
                     check_token_ids("block.token_ids", msg.block.token_ids, vocab, allow_empty=True)
                     b = msg.block
                     self.engine.offer(req.request_id, b.start_position, list(b.token_ids), b.final, b.committed_length, b.draft_ms)
@@ -158,13 +161,17 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         )
 
 
-async def main(cfg: VerifierConfig) -> None:
+def _build(cfg: VerifierConfig) -> VerifierServicer:
     servicer = VerifierServicer(cfg)  # starts the engine thread on the process's CPUs
     if cfg.io_cpus:
         # this thread (the asyncio loop) and the gRPC threads it starts move off the engine's
         # CPUs: on a CPU-only host the network I/O would otherwise steal the target's core
         # (on a GPU host the forward passes run on the GPU and this matters less)
         os.sched_setaffinity(0, {int(c) for c in cfg.io_cpus.split(",")})
+    return servicer
+
+
+async def main(cfg: VerifierConfig) -> None:
     await serving.serve(
-        "verifier", cfg, servicer, rpc.add_VerifierServiceServicer_to_server, "specdec.v1.VerifierService"
+        "verifier", cfg, lambda: _build(cfg), rpc.add_VerifierServiceServicer_to_server, "specdec.v1.VerifierService"
     )

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from drafter.sessions import ModelDraftSession, NgramDraftSession
+from drafter.sessions import BlockOut, ModelDraftSession, NgramDraftSession, Ready
 from specdec.models import resolve
 
 
@@ -22,11 +22,14 @@ def _greedy(model: torch.nn.Module, context: list[int], n: int) -> list[int]:
     return out[0, len(context) :].tolist()
 
 
-def _drain(session) -> list:
+def _drain(session) -> list[BlockOut]:
+    """Step until the session has no work; the blocks it sent (a `Ready` comes before any)."""
     blocks = []
     while session.wants_work():
         b = session.step()
-        if b is not None:
+        if isinstance(b, Ready):
+            assert not blocks
+        elif b is not None:
             blocks.append(b)
     return blocks
 
@@ -51,7 +54,7 @@ def test_drafts_after_commits_equal_fresh_greedy(model) -> None:
     prompt = [3, 14, 15, 92, 65]
     s = _session(model, prompt)
     _drain(s)  # warm-up: the prompt's KV cache before the first commit
-    assert s.cached == len(prompt) - 1 and not s.started
+    assert s.cached == len(prompt) - 1 and not s.started and s.ready
     s.commit(len(prompt), [35])  # the target's first token
     start, drafts = _drafted(s)
     context = prompt + [35]
@@ -98,3 +101,33 @@ def test_ngram_lookup_and_empty_block() -> None:
     s2.commit(2, [7])
     (empty,) = _drain(s2)
     assert empty.drafts == [] and empty.start_position == 3
+
+
+def test_prefill_runs_in_chunks_before_the_first_commit_then_ready(model) -> None:
+    prompt = list(range(1, 42))
+    s = ModelDraftSession(model, prompt, 4, 5, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8, prefill_chunk=16)
+    assert s.wants_work() and not s.urgent()  # a prefill overlaps the target's: not urgent
+    outs = [s.step() for _ in range(3)]
+    assert outs[:2] == [None, None] and s.cached == 40  # 16 + 16 + 8 tokens: all but the last
+    assert isinstance(outs[2], Ready) and outs[2].prefilled_tokens == 41 and outs[2].prefill_ms > 0
+    assert not s.wants_work()  # nothing to draft before the target's first token
+    s.commit(41, [7])
+    assert s.urgent()
+    start, drafts = _drafted(s)
+    assert start == 42 and drafts == _greedy(model, prompt + [7], 9)
+
+
+def test_a_commit_before_the_prefill_ends_finishes_it_first(model) -> None:
+    """The target was faster than the drafter: the session is urgent, finishes its prefill
+    (the committed tokens included), says ready, then drafts."""
+    prompt = list(range(1, 30))
+    s = ModelDraftSession(model, prompt, 3, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8, prefill_chunk=8)
+    assert s.step() is None
+    s.commit(29, [5])
+    assert s.urgent()
+    outs = []
+    while not isinstance(outs[-1] if outs else None, Ready):
+        outs.append(s.step())
+    assert outs[-1].prefilled_tokens == 30
+    start, drafts = _drafted(s)
+    assert start == 30 and drafts == _greedy(model, prompt + [5], 3)

@@ -39,8 +39,10 @@ def traced(tmp_path_factory, tiny_target):
     path = root / "spans.jsonl"
     s = Services(root, env={"SPECDEC_TRACE_FILE": str(path)})
     try:
-        # full gamma every step (no adaptive back-off), so the step counts above hold
+        # full gamma every step (no adaptive back-off), and a step waits out a draft delay (the
+        # margin over the drafter's expected pace is longer than it), so the counts above hold
         verifier = s._start("verifier", ["--model", "tiny/target", "--threads", "1", "--no-adaptive-gamma",
+                                         "--draft-wait-margin-ms", str(4 * DELAY_MS),
                                          "--inject-delay-ms", str(DELAY_MS), "--inject-every", "10"])
         drafter_args = ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none"]
         clean = s._start("drafter", drafter_args)

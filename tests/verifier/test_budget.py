@@ -104,6 +104,7 @@ def test_a_new_request_ends_the_wait_for_drafts() -> None:
     b = DraftBoard()
     b.wait_s, b.adaptive = 5.0, True
     b.register("r", gamma=4, prompt_len=2, max_tokens=100)
+    b.ready("r", 1000.0)
     threading.Timer(0.1, b.arrival).start()
     t0 = time.monotonic()
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
@@ -121,6 +122,7 @@ def _adaptive_board(base_ms: float, per_token_ms: float, sizes: tuple[int, ...])
     for n in sizes * 5:
         b.cost.observe(n, base_ms + per_token_ms * n)
     b.register("r", gamma=4, prompt_len=2, max_tokens=100)
+    b.ready("r", 1000.0)  # a slow drafter: the expected arrival never ends these waits before wait_s
     return b
 
 

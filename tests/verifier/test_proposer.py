@@ -6,14 +6,21 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
+from verifier import proposer
 from verifier.proposer import DraftBoard
 
+# A drafter announced as this slow (ms per token) is waited for up to the board's wait_s in
+# these tests, so a draft offered from a timer always arrives within the wait.
+SLOW_PACE_MS = 10_000.0
 
-def _board(wait_s: float = 0.0) -> DraftBoard:
+
+def _board(wait_s: float = 0.0, pace_ms: float = SLOW_PACE_MS) -> DraftBoard:
     b = DraftBoard()
     b.wait_s = wait_s
     b.register("r", gamma=3, prompt_len=2, max_tokens=100)
+    b.ready("r", pace_ms)
     return b
 
 
@@ -87,6 +94,7 @@ def test_partial_blocks_are_awaited_until_gamma_or_final() -> None:
     threading.Timer(0.10, b.offer, args=("r", 5, [6], False, 3)).start()
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[4, 5, 6]]
     b.register("s", gamma=3, prompt_len=2, max_tokens=100)
+    b.ready("s", SLOW_PACE_MS)
     b.offer("s", 3, [4], final=False, committed=3)
     threading.Timer(0.05, b.offer, args=("s", 4, [5], True, 3)).start()  # the drafter stops at 2
     t0 = time.monotonic()
@@ -114,3 +122,52 @@ def test_redraft_at_the_end_of_the_chain_is_not_an_extension() -> None:
     t0 = time.monotonic()
     assert b.propose_batch([("r", np.array([1, 2, 5, 7, 8, 4]))], 8) == [[1, 1, 1]]
     assert time.monotonic() - t0 < 0.2
+
+
+def test_a_drafter_still_prefilling_is_not_waited_for() -> None:
+    """No `ready` yet: the drafter's prefill is not done, its drafts cannot be expected."""
+    b = DraftBoard()
+    b.wait_s = 5.0
+    b.register("r", gamma=3, prompt_len=2, max_tokens=100)
+    t0 = time.monotonic()
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
+    assert time.monotonic() - t0 < 1.0
+    b.offer("r", 3, [4, 4, 4])  # a block proves the prefill done, whatever the order of arrival
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[4, 4, 4]]
+
+
+def test_the_wait_is_capped_by_the_drafters_pace() -> None:
+    """3 missing drafts at 20 ms each: the step waits ~3 x 20 x 1.5 + 50 = 140 ms, not wait_s (5 s)."""
+    b = _board(wait_s=5.0, pace_ms=20.0)
+    t0 = time.monotonic()
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
+    assert 0.13 < time.monotonic() - t0 < 2.5
+
+
+def test_end_releases_a_waiting_step_at_once() -> None:
+    b = _board(wait_s=5.0)
+    threading.Timer(0.05, b.end, args=("r",)).start()
+    t0 = time.monotonic()
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
+    assert time.monotonic() - t0 < 2.5
+
+
+def test_pace_is_measured_from_arrivals(monkeypatch) -> None:
+    """A block's time since the drafter last had reason to draft (a preview, or the previous
+    block), over its tokens, updates the drafter's pace (a running mean, weight 0.2)."""
+    now = [100.0]
+    monkeypatch.setattr(proposer.time, "monotonic", lambda: now[0])
+    b = _board(pace_ms=40.0)
+    b.preview("r", 2, [5])  # the commit leaves at t = 100 s
+    now[0] += 0.4
+    b.offer("r", 3, [7, 8, 9, 10])  # 400 ms for 4 tokens: 100 ms per token
+    assert b._entries["r"].pace_ms == pytest.approx(0.8 * 40.0 + 0.2 * 100.0)
+    now[0] += 0.1
+    b.offer("r", 7, [1], committed=3)  # a continuation, 100 ms after the previous block
+    assert b._entries["r"].pace_ms == pytest.approx(0.8 * (0.8 * 40.0 + 0.2 * 100.0) + 0.2 * 100.0)
+    # the expected wait for 2 missing drafts: 2 x pace x (1 + slack) + margin, at most wait_s
+    b.wait_s = 5.0
+    expected = 2 * b._entries["r"].pace_ms / 1e3 * 1.5 + 0.05
+    assert b._expected_wait_s("r", 2) == pytest.approx(expected)
+    b.wait_s = 0.1
+    assert b._expected_wait_s("r", 2) == 0.1
