@@ -1,7 +1,15 @@
 """`specdec bench`: specdec against the incumbents, side by side, in one run.
 
-Same prompts (the built-in code set), greedy, every request generating exactly
-`max_tokens` tokens (ignore_eos), all systems on the same target model and dtype:
+Greedy, every request generating exactly `max_tokens` tokens (ignore_eos), all systems on
+the same target model and dtype, the same prompts. Workloads (`--workloads`):
+
+    code    the built-in short code prompts: every system, every gamma, concurrency sweep
+    long    one prompt of about LONG_PROMPT_TOKENS tokens cut from a real source file on disk
+            (Python's own `argparse.py`): target-only, vllm-draft, specdec and specdec gamma 0
+    c8      C8_REQUESTS prompts of about C8_PROMPT_TOKENS tokens (openings of Python stdlib
+            modules), sent together: target-only, vllm-draft and specdec at concurrency 8
+
+Systems:
 
     target-only      vLLM, target alone                       (the baseline)
     vllm-draft       vLLM in-engine speculation, method draft_model, the same draft model
@@ -39,7 +47,11 @@ Terms (per row of the table; a row is one system at one gamma and one concurrenc
                    drafter compute per token). fraction = speedup / bound.
     overhead       specdec's per-round cost beyond the engine step (draft wait, gRPC, the
                    gateway): mean round time - mean verify step, against an in-process call
+    fallbacks      specdec: requests whose drafter was given up (they ran as plain decoding);
+                   a row with any is flagged with ⚠ in the table
+    max wait       specdec: the longest time one target step waited for drafts, ms
     exact          fraction of requests whose tokens equal target-only's for that prompt
+                   (same workload)
 """
 
 from __future__ import annotations
@@ -59,8 +71,15 @@ import numpy as np
 
 from verifier.budget import expected_tokens  # E(alpha, gamma): tokens per target step
 
-QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "gammas": "1,2,4,8", "concurrency": "1,4,16"}
+QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "gammas": "1,2,4,8", "concurrency": "1,4,16",
+         "workloads": "code,long,c8"}
 DEFAULT_GAMMA = 4  # the gamma of the concurrency sweeps and the one-off baselines
+WORKLOADS = ("code", "long", "c8")
+LONG_PROMPT_TOKENS = 1000
+LONG_PROMPT_SOURCE = "argparse.py"  # a real source file every Python install has on disk
+C8_REQUESTS = 8
+C8_PROMPT_TOKENS = 250
+C8_SOURCES = ("textwrap.py", "heapq.py", "bisect.py", "fnmatch.py", "shlex.py", "csv.py", "glob.py", "json/decoder.py")
 GOALS = {
     "batch1_speedup_vs_target_only": 2.5,
     "batch1_speedup_vs_vllm_draft_model": 1.5,
@@ -71,27 +90,67 @@ GOALS = {
 }
 
 
-# ---- the plan ------------------------------------------------------------------------------
-def plan(gammas: list[int], concurrency: list[int], cpus: list[int]) -> list[dict[str, Any]]:
-    """The runs, in order. Each: label, kind, gamma, concurrency list, cores."""
+# ---- the workloads and the plan -----------------------------------------------------------------
+def source_prompt(name: str, tokenizer: Any, n_tokens: int) -> str:
+    """The first whole lines of the stdlib source file `name` that make at least `n_tokens` tokens."""
+    import sysconfig
+
+    lines = (Path(sysconfig.get_paths()["stdlib"]) / name).read_text().splitlines(keepends=True)
+    text = ""
+    for line in lines:
+        text += line
+        if len(tokenizer(text)["input_ids"]) >= n_tokens:
+            break
+    return text
+
+
+def workload_prompts(name: str, tokenizer: Any, n_code: int) -> tuple[list[str], list[str]]:
+    """(prompt ids, prompt texts) of a workload (see the module docstring)."""
+    if name == "code":
+        from specdec.evaldraft import load_prompts
+
+        chosen = load_prompts(limit=n_code)
+        return [p.id for p in chosen], [p.prompt for p in chosen]
+    if name == "long":
+        return [LONG_PROMPT_SOURCE], [source_prompt(LONG_PROMPT_SOURCE, tokenizer, LONG_PROMPT_TOKENS)]
+    if name == "c8":
+        return list(C8_SOURCES), [source_prompt(f, tokenizer, C8_PROMPT_TOKENS) for f in C8_SOURCES]
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+
+
+def plan(gammas: list[int], concurrency: list[int], cpus: list[int], workloads: tuple[str, ...] = ("code",)) -> list[dict[str, Any]]:
+    """The runs, in order. Each: label, kind, gamma, concurrency list, cores, workload."""
     one, both = [cpus[0]], list(cpus)
     g0 = DEFAULT_GAMMA if DEFAULT_GAMMA in gammas else gammas[len(gammas) // 2]
-    runs: list[dict[str, Any]] = [{"system": "target-only", "kind": "vllm", "gamma": 0, "concurrency": concurrency, "cores": one}]
-    for g in gammas:
-        runs.append({"system": "vllm-draft", "kind": "vllm", "method": "draft_model", "gamma": g,
-                     "concurrency": concurrency if g == g0 else [1], "cores": one})
-    runs.append({"system": "vllm-ngram", "kind": "vllm", "method": "ngram", "gamma": g0, "concurrency": [1], "cores": one})
-    if len(both) > 1:
-        for method in ("draft_model", "ngram"):
-            runs.append({"system": f"vllm-{'draft' if method == 'draft_model' else 'ngram'}", "kind": "vllm",
-                         "method": method, "gamma": g0, "concurrency": [1], "cores": both})
-    runs.append({"system": "hf-assisted", "kind": "hf-assisted", "gamma": g0, "concurrency": [1], "cores": one})
-    runs.append({"system": "specdec", "kind": "specdec", "gamma": 0, "concurrency": [1], "cores": one})
-    for g in gammas:
-        runs.append({"system": "specdec", "kind": "specdec", "gamma": g, "concurrency": concurrency if g == g0 else [1],
+    runs: list[dict[str, Any]] = []
+    if "code" in workloads:
+        runs.append({"system": "target-only", "kind": "vllm", "gamma": 0, "concurrency": concurrency, "cores": one})
+        for g in gammas:
+            runs.append({"system": "vllm-draft", "kind": "vllm", "method": "draft_model", "gamma": g,
+                         "concurrency": concurrency if g == g0 else [1], "cores": one})
+        runs.append({"system": "vllm-ngram", "kind": "vllm", "method": "ngram", "gamma": g0, "concurrency": [1], "cores": one})
+        if len(both) > 1:
+            for method in ("draft_model", "ngram"):
+                runs.append({"system": f"vllm-{'draft' if method == 'draft_model' else 'ngram'}", "kind": "vllm",
+                             "method": method, "gamma": g0, "concurrency": [1], "cores": both})
+        runs.append({"system": "hf-assisted", "kind": "hf-assisted", "gamma": g0, "concurrency": [1], "cores": one})
+        runs.append({"system": "specdec", "kind": "specdec", "gamma": 0, "concurrency": [1], "cores": one})
+        for g in gammas:
+            runs.append({"system": "specdec", "kind": "specdec", "gamma": g, "concurrency": concurrency if g == g0 else [1],
+                         "cores": one})
+        runs.append({"system": "specdec-fp32-draft", "kind": "specdec", "quantize": "none", "gamma": g0, "concurrency": [1],
                      "cores": one})
-    runs.append({"system": "specdec-fp32-draft", "kind": "specdec", "quantize": "none", "gamma": g0, "concurrency": [1],
-                 "cores": one})
+        for r in runs:
+            r["workload"] = "code"
+    for name, c, extra in (("long", 1, [0]), ("c8", C8_REQUESTS, [])):
+        if name not in workloads:
+            continue
+        runs.append({"system": "target-only", "kind": "vllm", "gamma": 0, "concurrency": [c], "cores": one, "workload": name})
+        runs.append({"system": "vllm-draft", "kind": "vllm", "method": "draft_model", "gamma": g0, "concurrency": [c],
+                     "cores": one, "workload": name})
+        for g in (*extra, g0):
+            runs.append({"system": "specdec", "kind": "specdec", "gamma": g, "concurrency": [c], "cores": one,
+                         "workload": name})
     return runs
 
 
@@ -188,6 +247,7 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         "alpha": alpha, "alpha_token": None, "mean_accepted_length": mal, "tokens_per_step": tokens_per_step,
         "verify_step_ms": None, "draft_token_ms": None, "round_ms": None, "overhead_ms": None, "draft_wait_ms": None,
         "speedup": None, "bound": None, "bound_fraction": None, "exact": None,
+        "workload": run.get("workload", "code"), "fallbacks": None, "max_draft_wait_ms": None,
     }
     if run["kind"] == "specdec" and spec.get("steps"):  # specdec rows: the per-round breakdown
         row["verify_step_ms"] = spec["verify_ms"] / spec["steps"]
@@ -198,26 +258,34 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
             row["alpha_token"] = spec["accepted"] / (spec["accepted"] + spec["rejections"])
         if spec.get("draft_tokens_sent"):
             row["draft_token_ms"] = spec["draft_ms"] / spec["draft_tokens_sent"]
+    if run["kind"] == "specdec":
+        row["fallbacks"] = int(spec.get("fallbacks", 0))
+        row["max_draft_wait_ms"] = spec.get("max_draft_wait_ms", 0.0)
     row["_tokens"] = [r["tokens"] for r in reqs]
     return row
 
 
-def relate(rows: list[dict[str, Any]], prompts: list[list[int]]) -> None:
-    """Fill speedup, bound, fraction and exact against the target-only rows."""
-    base = {r["concurrency"]: r for r in rows if r["system"] == "target-only"}
-    reference = base[1]["_tokens"] if 1 in base else None
+def relate(rows: list[dict[str, Any]], prompts: dict[str, list[list[int]]]) -> None:
+    """Fill speedup, bound, fraction and exact against the target-only rows of the same workload.
+
+    prompts: each workload's prompts (requests cycle through them in order)."""
+    base = {(r["workload"], r["concurrency"]): r for r in rows if r["system"] == "target-only"}
     for r in rows:
-        b = base.get(r["concurrency"])
+        w = r["workload"]
+        b = base.get((w, r["concurrency"]))
         if b is not None:
             key = "decode_tok_s" if r["concurrency"] == 1 else "throughput_tok_s"
             if r[key] and b[key]:
                 r["speedup"] = r[key] / b[key]
-        if reference is not None:
-            order = [i % len(prompts) for i in range(len(r["_tokens"]))]
-            r["exact"] = float(np.mean([t == reference[i] for t, i in zip(r["_tokens"], order)]))
-        if r["system"].startswith("specdec") and r["gamma"] and r["alpha_token"] is not None and r["verify_step_ms"] and 1 in base:
+        ref = base.get((w, 1)) or b  # batch-1 outputs, else the same workload's at this concurrency
+        if ref is not None:
+            n = len(prompts[w])
+            by_prompt = {i % n: t for i, t in enumerate(ref["_tokens"])}
+            r["exact"] = float(np.mean([t == by_prompt.get(i % n) for i, t in enumerate(r["_tokens"])]))
+        one = base.get((w, 1))
+        if r["system"].startswith("specdec") and r["gamma"] and r["alpha_token"] is not None and r["verify_step_ms"] and one:
             round_ms = max(r["verify_step_ms"], r["gamma"] * (r["draft_token_ms"] or 0.0))
-            r["bound"] = expected_tokens(r["alpha_token"], r["gamma"]) * base[1]["tpot_ms"] / round_ms
+            r["bound"] = expected_tokens(r["alpha_token"], r["gamma"]) * one["tpot_ms"] / round_ms
             if r["concurrency"] == 1 and r["speedup"]:
                 r["bound_fraction"] = r["speedup"] / r["bound"]
 
@@ -226,7 +294,8 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's goals, from this run's ratios (None where the run lacks the rows)."""
 
     def pick(system: str, c: int, cores: int = 1) -> list[dict[str, Any]]:
-        return [r for r in rows if r["system"] == system and r["concurrency"] == c and r["cores"] == cores]
+        return [r for r in rows if r["system"] == system and r["concurrency"] == c and r["cores"] == cores
+                and r["workload"] == "code"]
 
     out: dict[str, Any] = {}
     spec1 = [r for r in pick("specdec", 1) if r["gamma"] and r["speedup"]]
@@ -262,12 +331,14 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ---- reporting -------------------------------------------------------------------------------
 COLUMNS = [
+    ("workload", "workload", "{}"),
     ("system", "system", "{}"), ("gamma", "γ", "{}"), ("concurrency", "c", "{}"), ("cores", "cores", "{}"),
     ("decode_tok_s", "decode tok/s", "{:.2f}"), ("throughput_tok_s", "thr tok/s", "{:.2f}"),
     ("ttft_ms", "TTFT ms", "{:.0f}"), ("itl_p50_ms", "ITL p50", "{:.0f}"), ("itl_p99_ms", "ITL p99", "{:.0f}"),
     ("tpot_ms", "TPOT ms", "{:.0f}"), ("alpha", "α", "{:.2f}"), ("alpha_token", "α tok", "{:.2f}"), ("mean_accepted_length", "MAL", "{:.2f}"),
     ("verify_step_ms", "verify ms", "{:.0f}"), ("draft_token_ms", "draft ms/tok", "{:.0f}"),
     ("speedup", "speedup", "{:.2f}x"), ("bound_fraction", "of bound", "{:.0%}"), ("overhead_ms", "overhead ms", "{:.1f}"),
+    ("fallbacks", "fallbacks", "{}"), ("max_draft_wait_ms", "max wait ms", "{:.0f}"),
     ("exact", "exact", "{:.0%}"),
 ]
 
@@ -279,13 +350,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head, sep]
     for r in rows:
         cells = [("–" if r[k] is None else fmt.format(r[k])) for k, _, fmt in COLUMNS]
+        if r["fallbacks"]:
+            cells[1] = f"⚠ {cells[1]}"  # some requests of this row ran without their drafter
         lines.append("| " + " | ".join(cells) + " |")
+    if any(r["fallbacks"] for r in rows):
+        lines.append("\n⚠: a row in which some requests fell back to plain decoding (drafter given up).")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """speedup vs gamma (batch 1); throughput and p99 ITL vs concurrency."""
+    """speedup vs gamma (batch 1); throughput and p99 ITL vs concurrency (the code workload)."""
     import matplotlib
+
+    rows = [r for r in rows if r["workload"] == "code"]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -355,6 +432,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gammas", default="1,2,4,8")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--systems", help="only these systems (comma list), e.g. target-only,specdec")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma list of {', '.join(WORKLOADS)} (see above); default: all")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.png, logs/")
     p.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens: a smoke run (CI)")
@@ -364,7 +443,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from specdec.evaldraft import load_prompts
     from specdec.launch import PAIR_ROLES
     from specdec.models import resolve
 
@@ -379,18 +457,22 @@ def main(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve(tok_ref)))
-    chosen = load_prompts(limit=args.prompts + 1)
-    prompts = [tokenizer(p.prompt)["input_ids"] for p in chosen[:args.prompts]]
-    warmup = tokenizer(chosen[-1].prompt)["input_ids"]
+    workloads = tuple(w for w in args.workloads.split(",") if w)
+    code_ids, code_texts = workload_prompts("code", tokenizer, args.prompts + 1)
+    warmup = tokenizer(code_texts[-1])["input_ids"]  # the code prompt after the measured ones
+    texts = {w: (code_ids[:args.prompts], code_texts[:args.prompts]) if w == "code" else workload_prompts(w, tokenizer, 0)
+             for w in workloads}
+    prompts = {w: [tokenizer(t)["input_ids"] for t in ts] for w, (_, ts) in texts.items()}
     gammas = [int(g) for g in args.gammas.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]
     cpus = sorted(os.sched_getaffinity(0))
-    runs = plan(gammas, concurrency, cpus)
+    runs = plan(gammas, concurrency, cpus, workloads)
     if args.systems:
         keep = set(args.systems.split(",")) | {"target-only"}
         runs = [r for r in runs if r["system"] in keep]
-    total = sum(_requests_in(r, len(prompts)) for r in runs)
-    print(f"specdec bench: {args.models}, {len(prompts)} prompts x {args.max_tokens} tokens, gammas {gammas}, "
+    total = sum(_requests_in(r, len(prompts[r["workload"]])) for r in runs)
+    sizes = ", ".join(f"{w}: {len(ps)} x ~{int(np.mean([len(p) for p in ps]))} tokens" for w, ps in prompts.items())
+    print(f"specdec bench: {args.models}, prompts ({sizes}), {args.max_tokens} tokens each, gammas {gammas}, "
           f"concurrency {concurrency}, {len(runs)} runs, {total} requests; target core {cpus[0]}, "
           f"drafter core {cpus[-1]}", file=sys.stderr)
     rows: list[dict[str, Any]] = []
@@ -398,9 +480,10 @@ def main(args: argparse.Namespace) -> int:
     bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
     try:
         for run in runs:
-            label = f"{run['system']} γ={run['gamma']} {len(run['cores'])} core"
+            label = f"{run['workload']}: {run['system']} γ={run['gamma']} {len(run['cores'])} core"
             bar.set_description(label)
-            common = {"target": target, "threads": len(run["cores"]), "prompts": prompts, "max_tokens": args.max_tokens,
+            workload_prompts_ = prompts[run["workload"]]
+            common = {"target": target, "threads": len(run["cores"]), "prompts": workload_prompts_, "max_tokens": args.max_tokens,
                       "dtype": args.dtype, "warmup_prompt": warmup, "concurrency": run["concurrency"]}
             if run["kind"] == "vllm":
                 spec = None
@@ -422,7 +505,7 @@ def main(args: argparse.Namespace) -> int:
                 os.sched_setaffinity(0, {cpus[-1]})  # the client lives on the drafter's host
                 try:
                     run_specdec(address, [warmup], 8, run["gamma"], 1)
-                    results = [run_specdec(address, prompts, args.max_tokens, run["gamma"], c, lambda: bar.update(1))
+                    results = [run_specdec(address, workload_prompts_, args.max_tokens, run["gamma"], c, lambda: bar.update(1))
                                for c in run["concurrency"]]
                 finally:
                     os.sched_setaffinity(0, mine)
@@ -438,7 +521,8 @@ def main(args: argparse.Namespace) -> int:
         "meta": {
             "command": "specdec bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
             "models": {"pair": args.models, "target": target_ref, "draft": draft_ref, "dtype": args.dtype},
-            "prompts": [p.id for p in chosen[:args.prompts]], "prompt_tokens": [len(p) for p in prompts],
+            "prompts": texts.get("code", ([], []))[0], "prompt_tokens": [len(p) for p in prompts.get("code", [])],
+            "workloads": {w: {"prompts": texts[w][0], "prompt_tokens": [len(p) for p in prompts[w]]} for w in workloads},
             "max_tokens": args.max_tokens, "gammas": gammas, "concurrency": concurrency,
             "cores": {"target": cpus[0], "drafter": cpus[-1], "all": cpus}, "cpu": _cpu_model(),
             "versions": _versions(), "started": dt.datetime.fromtimestamp(t_start, dt.timezone.utc).isoformat(),

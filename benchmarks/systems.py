@@ -202,7 +202,7 @@ def run_specdec(
             "drafts": s.speculative_steps, "draft_tokens": s.drafted_tokens, "accepted": s.accepted_tokens,
             "steps": s.target_steps, "verify_ms": s.verify_ms, "draft_wait_ms": s.draft_wait_ms,
             "draft_ms": s.draft_ms, "draft_tokens_sent": s.tokens_received, "rejections": s.rejected_steps,
-            "fallback": s.fallback_reason,
+            "fallback": s.fallback_reason, "max_draft_wait_ms": s.max_draft_wait_ms,
         })
         on_request()
 
@@ -222,6 +222,8 @@ def run_specdec(
     channel.close()
     keys = ("drafts", "draft_tokens", "accepted", "steps", "verify_ms", "draft_wait_ms", "draft_ms", "draft_tokens_sent", "rejections")
     spec = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
+    spec["fallbacks"] = sum(1 for r in requests if r["stats"]["fallback"])
+    spec["max_draft_wait_ms"] = max((r["stats"]["max_draft_wait_ms"] for r in requests), default=0.0)
     return {"event": "result", "concurrency": concurrency, "wall_s": wall, "requests": requests, "spec": spec}
 
 

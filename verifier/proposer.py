@@ -175,6 +175,14 @@ class DraftBoard:
         chain_end = e.chain_start + len(e.chain) if e.chain else length
         return e.final_end != max(chain_end, length)
 
+    def _speed(self, req_id: str) -> float | None:
+        """ms until the row's next draft token (for the adaptive wait): the drafter's wall-clock
+        pace when known (it counts the sessions sharing the drafter), else its compute time."""
+        e = self._entries.get(req_id)
+        if e is None:
+            return None
+        return e.pace_ms or e.draft_ms_per_token
+
     def _expected_wait_s(self, req_id: str, missing: int) -> float:
         """How long a row's `missing` drafts may be waited for (see the module docstring)."""
         e = self._entries.get(req_id)
@@ -238,7 +246,7 @@ class DraftBoard:
                         break  # requests are waiting for their prefill: do not hold the step
                     have = [min(len(d), w) for d, w in zip(drafts, want)]
                     wanted = [w if i in missing else h for i, (h, w) in enumerate(zip(have, want))]
-                    speeds = [self._entries[rid].draft_ms_per_token if rid in self._entries else None for rid, _ in rows]
+                    speeds = [self._speed(rid) for rid, _ in rows]
                     if not worth_waiting(have, wanted, alphas, speeds, self.cost, (now - t0) * 1e3):
                         break
                 self._cond.wait(left)

@@ -53,18 +53,43 @@ def test_speedup_bound_and_exactness_against_target_only() -> None:
         "spec": {"drafts": 4, "draft_tokens": 16, "accepted": 12, "steps": 4, "verify_ms": 2000.0, "draft_wait_ms": 0.0,
                  "draft_ms": 1600.0, "draft_tokens_sent": 16, "rejections": 4}})
     rows = [base, spec]
-    bench.relate(rows, [[1, 2, 3]])
+    bench.relate(rows, {"code": [[1, 2, 3]]})
     assert spec["speedup"] == pytest.approx(4.0)  # 0.5 s per token vs 0.5 s per 4 tokens
     # E(0.75, 4) tokens per round of max(500 ms verify, 4 x 100 ms drafting), against 500 ms per token
     assert spec["bound"] == pytest.approx(bench.expected_tokens(0.75, 4))
     assert spec["bound_fraction"] == pytest.approx(4.0 / bench.expected_tokens(0.75, 4))
     spec["draft_token_ms"] = 250.0  # a slow drafter: the round is 4 x 250 ms, twice the verify step
-    bench.relate(rows, [[1, 2, 3]])
+    bench.relate(rows, {"code": [[1, 2, 3]]})
     assert spec["bound"] == pytest.approx(bench.expected_tokens(0.75, 4) / 2)
     assert spec["exact"] == 1.0
     g = bench.goals(rows)
     assert g["batch1_speedup_vs_target_only"]["met"] is True
     assert g["batch1_speedup_vs_vllm_draft_model"]["value"] is None  # no vllm-draft rows in this run
+
+
+def test_fallback_rows_are_flagged_and_report_the_longest_wait() -> None:
+    run = {"system": "specdec", "kind": "specdec", "gamma": 4, "cores": [0], "workload": "c8"}
+    result = {"concurrency": 8, "wall_s": 3.0, "requests": [_record(1.0, 0.5, [1, 4])],
+              "spec": {"drafts": 1, "draft_tokens": 4, "accepted": 3, "steps": 1, "verify_ms": 400.0, "draft_wait_ms": 90.0,
+                       "draft_ms": 100.0, "draft_tokens_sent": 4, "rejections": 1, "fallbacks": 2,
+                       "max_draft_wait_ms": 90.0}}
+    row = bench.summarise(run, result)
+    assert (row["workload"], row["fallbacks"], row["max_draft_wait_ms"]) == ("c8", 2, 90.0)
+    text = bench.table([row])
+    assert "| c8 | ⚠ specdec |" in text and "fell back" in text
+    row["fallbacks"] = 0
+    assert "⚠" not in bench.table([row])
+
+
+def test_long_prompt_is_whole_lines_of_a_real_source_file(tiny_target) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    text = bench.source_prompt(bench.LONG_PROMPT_SOURCE, tok, bench.LONG_PROMPT_TOKENS)
+    assert len(tok(text)["input_ids"]) >= bench.LONG_PROMPT_TOKENS
+    assert text.endswith("\n") and "argparse" in text
+    ids, texts = bench.workload_prompts("c8", tok, 0)
+    assert len(texts) == bench.C8_REQUESTS == len(set(texts)) and ids == list(bench.C8_SOURCES)
 
 
 def test_expected_tokens_closed_form() -> None:
@@ -108,4 +133,15 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
     assert all(r[k] is not None for r in spec1 for k in ("alpha", "alpha_token", "bound_fraction", "overhead_ms",
                                                          "verify_step_ms", "draft_token_ms"))
     assert set(report["goals"]) == set(bench.GOALS)
+    # the realistic workloads: a long prompt (specdec against its own gamma 0) and 8 requests at once
+    assert {w: len(v["prompt_tokens"]) for w, v in report["meta"]["workloads"].items()} == {"code": 2, "long": 1, "c8": 8}
+    realistic = {(r["workload"], r["system"], r["gamma"], r["concurrency"]) for r in rows if r["workload"] != "code"}
+    assert realistic == {("long", "target-only", 0, 1), ("long", "vllm-draft", 4, 1), ("long", "specdec", 0, 1),
+                         ("long", "specdec", 4, 1), ("c8", "target-only", 0, 8), ("c8", "vllm-draft", 4, 8),
+                         ("c8", "specdec", 4, 8)}
+    for row in rows:
+        if row["system"].startswith("specdec"):
+            assert row["fallbacks"] == 0 and row["max_draft_wait_ms"] is not None, row
+        if row["workload"] != "code":
+            assert row["exact"] == 1.0, row
     assert (quick / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

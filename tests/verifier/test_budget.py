@@ -122,7 +122,7 @@ def _adaptive_board(base_ms: float, per_token_ms: float, sizes: tuple[int, ...])
     for n in sizes * 5:
         b.cost.observe(n, base_ms + per_token_ms * n)
     b.register("r", gamma=4, prompt_len=2, max_tokens=100)
-    b.ready("r", 1000.0)  # a slow drafter: the expected arrival never ends these waits before wait_s
+    b.ready("r", 100.0)  # 100 ms per draft token: 4 missing drafts may be waited for 4 x 100 x 1.5 + 50 ms
     return b
 
 
