@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -201,10 +201,8 @@ async def _upstream(verdicts: AsyncIterator["pb.VerifyResponse"], context: grpc.
         await context.abort(err.code(), f"verifier: {err.details()}")
 
 
-def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer) -> Callable[[asyncio.Event], Awaitable[None]] | None:
-    """The REST bridge as a task beside the gRPC server (None when rest_port is 0)."""
-    if not cfg.rest_port:
-        return None
+async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: asyncio.Event) -> None:
+    """Serve the REST bridge beside the gRPC server until `stop` is set."""
     import prometheus_client
     import uvicorn
 
@@ -218,18 +216,15 @@ def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer) -> Callable[[asyn
             return contextlib.nullcontext()  # serving.serve owns SIGINT/SIGTERM
 
     server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.rest_port, log_level="warning"))
-
-    async def run(stop: asyncio.Event) -> None:
-        task = asyncio.create_task(server.serve())
-        await stop.wait()
-        server.should_exit = True
-        await task
-
-    return run
+    task = asyncio.create_task(server.serve())
+    await stop.wait()
+    server.should_exit = True
+    await task
 
 
 async def main(cfg: GatewayConfig) -> None:
     await serving.serve(
         "gateway", cfg, lambda: GatewayServicer(cfg), rpc.add_GatewayServiceServicer_to_server,
-        "specdec.v1.GatewayService", also=lambda servicer, stop: rest_bridge(cfg, servicer)(stop),
+        "specdec.v1.GatewayService",
+        also=(lambda servicer, stop: rest_bridge(cfg, servicer, stop)) if cfg.rest_port else None,
     )
