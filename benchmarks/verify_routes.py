@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=4)
     args = ap.parse_args()
     cfg = VerifierConfig()
-    from verifier.engine import configure_vllm_env
+    from verifier.vllm_hooks import configure_vllm_env
 
     configure_vllm_env(cfg)
     from vllm import EngineArgs

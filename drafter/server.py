@@ -19,11 +19,11 @@ from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDra
 from specdec import serving, telemetry
 from specdec.config import MAX_GAMMA_LIMIT, DrafterConfig
 from specdec.validation import InvalidField, check_sampling, check_token_ids
-from specdec.wire import pb, rpc
+from specdec.wire import draft_method_name, pb, rpc
 
 log = logging.getLogger("specdec.drafter")
 
-METHODS = ("model", "ngram")
+METHODS = (pb.DRAFT_METHOD_MODEL, pb.DRAFT_METHOD_NGRAM)
 
 
 Emit = Callable[[BlockOut | Ready | BaseException], None]
@@ -141,14 +141,15 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.vocab_size)
         if not 1 <= req.gamma <= MAX_GAMMA_LIMIT:
             raise InvalidField("open.gamma", f"{req.gamma} is out of range [1, {MAX_GAMMA_LIMIT}]")
-        method = req.method or "model"
+        method = req.method or pb.DRAFT_METHOD_MODEL
         if method not in METHODS:
-            raise InvalidField("open.method", f"unknown drafter {method!r}; known: {', '.join(METHODS)}")
+            known = ", ".join(pb.DraftMethod.Name(m) for m in METHODS)
+            raise InvalidField("open.method", f"this drafter does not serve method {method}; it serves {known}")
         sp = req.sampling
         check_sampling("open.sampling", sp)
         prompt = list(req.prompt_token_ids)
         lookahead = req.gamma + 1 if self.cfg.lookahead < 0 else self.cfg.lookahead
-        if method == "ngram":
+        if method == pb.DRAFT_METHOD_NGRAM:
             session: DraftSession = NgramDraftSession(prompt, req.gamma, lookahead, self.cfg.ngram_max, self.cfg.ngram_min)
         else:
             session = self._model_session(req, prompt, lookahead)
@@ -179,7 +180,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             "specdec.draft_session",
             context=telemetry.extract_context(opened.trace_context or context.invocation_metadata()),
             attributes={"specdec.request_id": opened.request_id, "specdec.gamma": opened.gamma,
-                        "specdec.method": opened.method or "model"},
+                        "specdec.method": draft_method_name(opened.method or pb.DRAFT_METHOD_MODEL)},
         )
         telemetry.DRAFTER_SESSIONS.inc()
         self.worker.add(session, lambda item: loop.call_soon_threadsafe(out.put_nowait, item))

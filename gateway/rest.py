@@ -36,8 +36,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, Field
 
-from specdec.cli import stats_dict
-from specdec.wire import pb, rpc
+from gateway.client import AsyncGatewayClient, generation_spec, stats_dict
+from specdec.wire import DRAFT_METHOD_NAMES, finish_reason_name, pb
 
 GATEWAY_SERVICE = "specdec.v1.GatewayService"
 HEALTH_TIMEOUT_S = 2.0
@@ -47,7 +47,6 @@ Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 UInt32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
 UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 
-FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_ABORT: "abort"}
 
 # gRPC status -> (HTTP status, OpenAI error type)
 GRPC_ERRORS = {
@@ -77,7 +76,7 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     gamma: UInt32 | None = Field(None, description="draft tokens per target step (extension)")
-    drafter: str | None = Field(None, description='"model", "ngram" or "none" (extension)')
+    drafter: Literal[DRAFT_METHOD_NAMES] | None = Field(None, description="drafter method (extension)")  # type: ignore[valid-type]
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -162,23 +161,11 @@ def build_spec(req: _GenerationRequest, prompt: str | list[int], request_id: str
     """The GenerationSpec of a request. Unset fields stay unset (the gateway's defaults)."""
     if req.n != 1:
         raise APIError(400, f"n: only n=1 is supported, got {req.n}", "n")
-    temperature = 1.0 if req.temperature is None else req.temperature  # 0 is greedy in both APIs
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    sampling = pb.SamplingParams(temperature=temperature, stop=stop)
-    if req.token_limit() is not None:
-        sampling.max_tokens = req.token_limit()
-    if req.top_p is not None:
-        sampling.top_p = req.top_p
-    if req.seed is not None:
-        sampling.seed = req.seed
-    spec = pb.GenerationSpec(sampling=sampling, drafter=req.drafter or "", request_id=request_id)
-    if isinstance(prompt, str):
-        spec.prompt_text = prompt
-    else:
-        spec.prompt_token_ids.extend(prompt)
-    if req.gamma is not None:
-        spec.gamma = req.gamma
-    return spec
+    return generation_spec(
+        prompt, max_tokens=req.token_limit(), gamma=req.gamma, drafter=req.drafter or "", request_id=request_id,
+        temperature=1.0 if req.temperature is None else req.temperature,  # 0 is greedy in both APIs
+        top_p=req.top_p, seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+    )
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
@@ -249,11 +236,11 @@ def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _open_stream(stub: Any, spec: "pb.GenerationSpec", prompt_param: str,
+async def _open_stream(client: AsyncGatewayClient, spec: "pb.GenerationSpec", prompt_param: str,
                        ) -> AsyncGenerator["pb.GenerateStreamResponse", None]:
     """Start GenerateStream and wait for its first chunk, so a rejected request still
     gets a plain HTTP error; the iterator yields every chunk and cancels the call if left early."""
-    call = stub.GenerateStream(pb.GenerateStreamRequest(spec=spec))
+    call = client.stream(spec)
     try:
         first = await call.read()
     except grpc.aio.AioRpcError as err:
@@ -285,7 +272,7 @@ async def stream_events(
     try:
         async with aclosing(chunks):  # leaving early (client gone) cancels the call now, not at GC
             async for chunk in chunks:
-                finish = FINISH_REASONS.get(chunk.finish_reason)
+                finish = finish_reason_name(chunk.finish_reason)
                 if chunk.text or finish:
                     yield _sse({**head, "choices": [shape.choice(chunk.text, finish, True)], **extra})
                 last = chunk
@@ -308,9 +295,11 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The channel belongs to the serving event loop, so it is made here, not in build_app.
-        async with grpc.aio.insecure_channel(gateway_address) as channel:
-            state["gateway"] = rpc.GatewayServiceStub(channel)
-            state["health"] = health_pb2_grpc.HealthStub(channel)
+        # No wait_for_ready and no deadline: an unreachable gateway is an immediate 503, and a
+        # generation runs as long as its client keeps the HTTP request open.
+        async with AsyncGatewayClient(gateway_address, timeout_s=None, wait_for_ready=False) as client:
+            state["gateway"] = client
+            state["health"] = health_pb2_grpc.HealthStub(client.channel)
             yield
 
     app = FastAPI(title="specdec OpenAI-compatible API", lifespan=lifespan)
@@ -338,10 +327,10 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str) -> FastAPI:
             events = stream_events(shape, {**head, "object": shape.chunk_object}, chunks, include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            r = await state["gateway"].Generate(pb.GenerateRequest(spec=spec))
+            r = await state["gateway"].generate(spec)
         except grpc.aio.AioRpcError as err:
             raise grpc_error(err, shape.prompt_param) from err
-        return {**head, "choices": [shape.choice(r.text, FINISH_REASONS.get(r.finish_reason), False)],
+        return {**head, "choices": [shape.choice(r.text, finish_reason_name(r.finish_reason), False)],
                 "usage": usage_dict(r.usage, r.stats)}
 
     @app.post("/v1/completions", response_model=None)

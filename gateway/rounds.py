@@ -35,7 +35,7 @@ import grpc
 from opentelemetry import trace
 
 from specdec import telemetry
-from specdec.wire import pb
+from specdec.wire import draft_method_name, pb
 
 log = logging.getLogger("specdec.gateway")
 
@@ -48,7 +48,7 @@ class Plan:
     prompt_token_ids: list[int]
     sampling: "pb.SamplingParams"
     gamma: int
-    drafter: str  # "model", "ngram" or "none"
+    drafter: int  # pb.DraftMethod: MODEL, NGRAM or NONE
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Stats:
     """Accumulates specdec.v1.SpeculationStats over a generation's verdicts."""
 
     gamma: int
-    drafter: str
+    drafter: int  # pb.DraftMethod
     verdicts: int = 0
     speculative_steps: int = 0
     drafted: int = 0
@@ -143,8 +143,8 @@ class Round:
         self.drafter_stub = drafter_stub
         self.drafter_timeout_s = drafter_timeout_s
         self.spikes = spikes
-        use_drafter = plan.gamma > 0 and plan.drafter != "none"
-        self.stats = Stats(plan.gamma if use_drafter else 0, plan.drafter if use_drafter else "none")
+        use_drafter = plan.gamma > 0 and plan.drafter != pb.DRAFT_METHOD_NONE
+        self.stats = Stats(plan.gamma if use_drafter else 0, plan.drafter if use_drafter else pb.DRAFT_METHOD_NONE)
         self.tracer = telemetry.tracer("gateway")
         sp = plan.sampling
         self.span = self.tracer.start_span("specdec.generate", context=parent, attributes={
@@ -156,7 +156,7 @@ class Round:
             "gen_ai.usage.input_tokens": len(plan.prompt_token_ids),
             "specdec.request_id": plan.request_id,
             "specdec.gamma": self.stats.gamma,
-            "specdec.drafter": self.stats.drafter,
+            "specdec.drafter": draft_method_name(self.stats.drafter),
         })
         self._ctx = trace.set_span_in_context(self.span)
         self._last_ns = time.time_ns()

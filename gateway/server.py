@@ -17,11 +17,10 @@ from gateway.text import TextStream
 from specdec import serving, telemetry
 from specdec.config import GatewayConfig
 from specdec.validation import InvalidField, check_gamma, check_sampling, check_token_ids
-from specdec.wire import pb, rpc
+from specdec.wire import DRAFT_METHOD_NAMES, draft_method, finish_reason_name, pb, rpc
 
 log = logging.getLogger("specdec.gateway")
 
-DRAFTERS = ("model", "ngram", "none")
 # How long a request waits for an unreachable verifier before failing with its status.
 VERIFIER_INFO_TIMEOUT_S = 30.0
 
@@ -51,6 +50,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         from specdec.models import resolve
 
         self.cfg = cfg
+        self.default_drafter = draft_method(cfg.default_drafter)  # a bad name stops the start-up, naming the known
         telemetry.setup_tracing("gateway")  # Round takes its tracer from the provider
         self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer))
@@ -85,9 +85,9 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         check_token_ids("spec.prompt_token_ids", prompt, target.vocab_size)
         gamma = spec.gamma if spec.HasField("gamma") else min(self.cfg.default_gamma, target.max_gamma)
         check_gamma("spec.gamma", gamma, target.max_gamma)
-        drafter = spec.drafter or self.cfg.default_drafter
-        if drafter not in DRAFTERS:
-            raise InvalidField("spec.drafter", f"unknown drafter {drafter!r}; known: {', '.join(DRAFTERS)}")
+        drafter = spec.drafter or self.default_drafter
+        if drafter not in pb.DraftMethod.values():
+            raise InvalidField("spec.drafter", f"unknown drafter method {drafter}; known: {', '.join(DRAFT_METHOD_NAMES)}")
         sampling = pb.SamplingParams()
         sampling.CopyFrom(spec.sampling)
         if not sampling.HasField("max_tokens"):
@@ -135,7 +135,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                     return  # leaving the loop cancels the verifier's request
         finally:
             telemetry.REQUESTS_RUNNING.dec()
-            telemetry.REQUESTS.labels(pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()).inc()
+            telemetry.REQUESTS.labels(finish_reason_name(finish) or "unspecified").inc()
 
     async def _checked_plan(self, spec: "pb.GenerationSpec", context: grpc.aio.ServicerContext) -> Plan:
         try:

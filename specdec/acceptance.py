@@ -15,12 +15,27 @@ recovered or bonus token.
 
 In the served path vLLM's rejection sampler applies this rule (with one-hot q, which
 is exact too); this module is the readable reference used by the drafter (to build
-q) and by the tests (as an oracle).
+q) and by the tests (as an oracle). It also owns E(alpha, gamma), the expected tokens
+per target step that adaptive gamma, eval-draft and the bench's bound all use.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E(alpha, gamma): expected tokens of one target step that verifies gamma drafts, each
+    accepted with probability alpha independently (Leviathan et al. 2023, eq. 1)."""
+    # draft j counts only when drafts 1..j are all accepted: P = alpha^j; j = 0 is the target's
+    # own token (the correction or the bonus), always emitted:
+    #   E = sum_{j=0..gamma} alpha^j = (1 - alpha^(gamma+1)) / (1 - alpha)
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
 def target_distribution(
@@ -34,6 +49,8 @@ def target_distribution(
 
     Returns probabilities with the same shape as `logits`. temperature must be > 0.
     """
+    import torch
+
     scaled = logits.float() / temperature
     if 0 < top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
@@ -59,6 +76,8 @@ def sparse_q(
     Returns (token_ids [k], q [k]). Sampling from this q (not from `probs`) is what
     lets only k numbers per token cross the network while the verifier stays exact.
     """
+    import torch
+
     top = torch.topk(probs, min(k, probs.shape[-1]))
     q = top.values / top.values.sum()
     return top.indices, q
@@ -77,6 +96,8 @@ def verify_block(
 
     next_token is the recovered token on a rejection, else the bonus token.
     """
+    import torch
+
     gamma = draft_token_ids.shape[0]
     for i in range(gamma):
         x = int(draft_token_ids[i])

@@ -23,74 +23,54 @@ from pathlib import Path
 from specdec import config
 
 
+def serve_config(args: argparse.Namespace) -> object:
+    """The config of `specdec serve KIND`: defaults < `SPECDEC_<FIELD>` < the flags given."""
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "kind", "func")}
+    return config.from_env(config.SERVICE_CONFIGS[args.kind], **overrides)
+
+
 def _serve(args: argparse.Namespace) -> None:
     from specdec.serving import setup_logging
 
     setup_logging()
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "kind", "func")}
+    cfg = serve_config(args)
     if args.kind == "drafter":
         from drafter import server
 
-        asyncio.run(server.main(config.from_env(config.DrafterConfig, **overrides)))
+        asyncio.run(server.main(cfg))
     elif args.kind == "verifier":
         from verifier import server
 
-        asyncio.run(server.main(config.from_env(config.VerifierConfig, **overrides)))
+        asyncio.run(server.main(cfg))
     else:
         from gateway import server
 
-        asyncio.run(server.main(config.from_env(config.GatewayConfig, **overrides)))
+        asyncio.run(server.main(cfg))
+
+
+_SERVE_HELP = {
+    "drafter": "the draft model service",
+    "verifier": "the vLLM target service",
+    "gateway": "the round-running entry point",
+}
+_SERVE_DESCRIPTION = """{doc}
+
+Every flag can also be set by its environment variable SPECDEC_<FIELD>;
+a flag given wins over the environment, which wins over the default.
+The flags are generated from the config dataclasses in specdec/config.py."""
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="start one service")
+    """`specdec serve KIND`: one flag per field of KIND's config dataclass (`config.add_flags`)."""
+    p = sub.add_parser("serve", help="start one service",
+                       description="Start one service; `specdec serve KIND --help` lists its flags.")
     kinds = p.add_subparsers(dest="kind", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--host", help="bind address (env SPECDEC_HOST)")
-    common.add_argument("--port", type=int, help="port (env SPECDEC_PORT)")
-    common.add_argument("--metrics-port", type=int, help="Prometheus /metrics port, 0: off (env SPECDEC_METRICS_PORT)")
-    faults = argparse.ArgumentParser(add_help=False)
-    faults.add_argument("--inject-delay-ms", type=float, help="fault injection: sleep this long ...")
-    faults.add_argument("--inject-every", type=int, help="... in every N-th step (drafter: draft step; verifier: engine step)")
-    d = kinds.add_parser("drafter", parents=[common, faults], help="the draft model service")
-    d.add_argument("--model", help="draft model: registry name (qwen-coder/draft) or folder")
-    d.add_argument("--threads", type=int, help="torch threads")
-    d.add_argument("--dtype", help="float32 or bfloat16")
-    d.add_argument("--quantize", choices=["none", "int8"], help="int8: dynamic int8 Linear layers (default; CPU)")
-    d.add_argument("--sample-drafts", action="store_true", default=None, help="sample drafts from q (default: argmax)")
-    d.add_argument("--lookahead", type=int, help="tokens to draft past gamma while a block is verified")
-    d.add_argument("--prefill-chunk", type=int, help="prompt tokens per draft-model prefill step (default 128)")
-    v = kinds.add_parser("verifier", parents=[common, faults], help="the vLLM target service")
-    v.add_argument("--model", help="target model: registry name (qwen-coder/target) or folder")
-    v.add_argument("--threads", type=int, help="engine CPU threads (0: environment)")
-    v.add_argument("--io-cpus", help="CPUs for gRPC I/O threads, comma list (default: the engine's)")
-    v.add_argument("--max-gamma", type=int, help="largest gamma a request may use")
-    v.add_argument("--max-model-len", type=int, help="context length")
-    v.add_argument("--max-num-seqs", type=int, help="engine batch size limit")
-    v.add_argument("--dtype", help="float32 or bfloat16")
-    v.add_argument("--kv-cache-gib", type=float, help="KV cache size")
-    v.add_argument("--draft-wait-ms", type=float, help="most a target step waits for drafts")
-    v.add_argument("--draft-wait-slack", type=float,
-                   help="a step waits for missing drafts up to their expected arrival x (1 + this) ...")
-    v.add_argument("--draft-wait-margin-ms", type=float, help="... plus this margin")
-    v.add_argument("--inject-prefill-delay-ms", type=float,
-                   help="fault injection: sleep this long in every step that starts a prefill")
-    v.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="vLLM prefix caching (default on)")
-    v.add_argument("--adaptive-gamma", action=argparse.BooleanOptionalAction, default=None,
-                   help="verify only the drafts worth their cost; back off under load (default on)")
-    g = kinds.add_parser("gateway", parents=[common], help="the round-running entry point")
-    g.add_argument("--drafter-address", help="host:port of the drafter")
-    g.add_argument("--verifier-address", help="host:port of the verifier")
-    g.add_argument("--tokenizer", help="tokenizer (the target's): registry name or folder")
-    g.add_argument("--default-gamma", type=int, help="gamma when a request does not say")
-    g.add_argument("--default-drafter", choices=["model", "ngram", "none"])
-    g.add_argument("--drafter-timeout-s", type=float,
-                   help="longest the drafter may stay silent while it owes an answer to a commit (default 10)")
-    g.add_argument("--rest-port", type=int, help="OpenAI-compatible REST bridge port, 0: off (env SPECDEC_REST_PORT)")
-    g.add_argument("--spike-factor", type=float, help="a stage spikes above this x its rolling p95")
-    g.add_argument("--spike-min-ms", type=float, help="... and above this floor")
-    g.add_argument("--spike-ms", type=float, help="fixed spike threshold instead (0: relative)")
+    terms = (config.__doc__ or "").partition("Terms:")[2]
+    for kind, cls in config.SERVICE_CONFIGS.items():
+        k = kinds.add_parser(kind, help=_SERVE_HELP[kind], formatter_class=config.FlagHelpFormatter,
+                             description=_SERVE_DESCRIPTION.format(doc=cls.__doc__),
+                             epilog=f"terms:{terms}" if terms else None)
+        config.add_flags(k, cls)
     p.set_defaults(func=_serve)
 
 
@@ -129,38 +109,24 @@ def _up(args: argparse.Namespace) -> None:
 
 
 def _spec(args: argparse.Namespace):  # -> pb.GenerationSpec
-    from specdec.wire import pb
+    from gateway.client import generation_spec
 
-    sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, stop=args.stop or [], ignore_eos=args.ignore_eos)
-    if args.max_tokens is not None:
-        sampling.max_tokens = args.max_tokens
-    if args.top_p is not None:
-        sampling.top_p = args.top_p
-    if args.seed is not None:
-        sampling.seed = args.seed
-    spec = pb.GenerationSpec(sampling=sampling, drafter=args.drafter or "")
-    if args.token_ids:
-        spec.prompt_token_ids.extend(int(t) for t in args.prompt.split(","))
-    else:
-        spec.prompt_text = args.prompt
-    if args.gamma is not None:
-        spec.gamma = args.gamma
-    return spec
-
-
-def stats_dict(stats) -> dict:  # specdec.v1.SpeculationStats -> JSON-ready dict
-    from google.protobuf.json_format import MessageToDict
-
-    return MessageToDict(stats, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+    prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
+    return generation_spec(
+        prompt, max_tokens=args.max_tokens, gamma=args.gamma, drafter=args.drafter or "", temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
+    )
 
 
 def format_stats(stats, usage, total_ms: float, first_ms: float) -> str:
+    from gateway.client import stats_dict
+
     s = stats
     lines = [
         f"tokens: {usage.completion_tokens} generated from {usage.prompt_tokens} prompt tokens in "
         f"{total_ms / 1e3:.2f} s (first token {first_ms:.0f} ms, "
         f"{(usage.completion_tokens - 1) / max(1e-9, (total_ms - first_ms) / 1e3):.1f} tok/s after it)",
-        f"speculation: drafter={s.drafter} gamma={s.gamma} target_steps={s.target_steps} "
+        f"speculation: drafter={stats_dict(s)['drafter']} gamma={s.gamma} target_steps={s.target_steps} "
         f"speculative_steps={s.speculative_steps}",
         f"  drafted={s.drafted_tokens} accepted={s.accepted_tokens} acceptance_rate={s.acceptance_rate:.3f} "
         f"mean_accepted_length={s.mean_accepted_length:.2f} tokens_per_step={s.tokens_per_step:.2f}",
@@ -174,16 +140,16 @@ def format_stats(stats, usage, total_ms: float, first_ms: float) -> str:
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from specdec.wire import pb, rpc
+    from gateway.client import GatewayClient, stats_dict
+    from specdec.wire import pb
 
     spec = _spec(args)
-    with grpc.insecure_channel(args.address) as channel:
-        stub = rpc.GatewayServiceStub(channel)
+    with GatewayClient(args.address, timeout_s=args.timeout) as client:
         t0 = time.perf_counter()
         first_ms = 0.0
         text, ids, last = [], [], None
         try:
-            for chunk in stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), wait_for_ready=True, timeout=args.timeout):
+            for chunk in client.stream(spec):
                 if not first_ms:
                     first_ms = (time.perf_counter() - t0) * 1e3
                 if not args.json:
@@ -214,6 +180,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_generate_flags(p: argparse.ArgumentParser) -> None:
+    from specdec.wire import DRAFT_METHOD_NAMES
+
     p.add_argument("--address", default=f"127.0.0.1:{config.DEFAULT_GATEWAY_PORT}", help="gateway host:port")
     p.add_argument("--gamma", type=int, help="draft tokens per target step (0: plain decoding)")
     p.add_argument("--max-tokens", type=int, default=None)
@@ -223,7 +191,7 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop sequence (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--drafter", choices=["model", "ngram", "none"], help="default: the gateway's")
+    p.add_argument("--drafter", choices=DRAFT_METHOD_NAMES, help="default: the gateway's")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds")
 

@@ -1,7 +1,9 @@
 """One place for configuration.
 
-Every setting has a default here, can be overridden by an environment variable
-(`SPECDEC_<NAME>`), and by a command-line flag of `specdec serve ...` / `specdec up`.
+Every setting has a default and its documentation here (`setting(default, help)`), can be
+overridden by an environment variable (`SPECDEC_<NAME>`), and by a command-line flag of
+`specdec serve KIND` (`--name`, generated from the dataclasses by `add_flags`, so flags,
+environment variables and `--help` cannot drift from the fields).
 
 Terms:
     gamma      number of draft tokens the verifier checks per target step
@@ -14,8 +16,12 @@ Terms:
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, fields
+import re
+import shutil
+import textwrap
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -65,121 +71,235 @@ def from_env(cls: type[T], **overrides: Any) -> T:
     return cls(**kwargs)
 
 
+def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, metavar: str | None = None) -> Any:
+    """A config field: its default, and the `--help` text (and allowed values) of its flag.
+
+    The help is the field's documentation, written once here; `add_flags` turns it into the
+    `specdec serve KIND --help` text, followed by the default and the environment variable.
+    """
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if metavar is not None:
+        metadata["metavar"] = metavar
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class DrafterConfig:
     """The drafter service: a small causal LM (and a model-free n-gram drafter)."""
 
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_DRAFTER_PORT
-    # Model reference: a registry name such as "qwen-coder/draft" or a folder.
-    model: str = "qwen-coder/draft"
-    # Torch threads for drafting (a separate drafter host gives it its cores).
-    threads: int = 1
-    dtype: str = "float32"
-    # "int8": dynamic int8 quantisation of the draft's Linear layers (CPU; ~3x faster drafting
-    # for a memory-bound draft, see specdec.models.load_causal_lm); "none": as loaded.
-    quantize: str = "int8"
-    # Tokens past gamma the drafter may draft ahead of the committed context while a block is
-    # being verified (overlap): -1 is gamma + 1 (the next block and a guess of the bonus
-    # token); 0 is lock-step (one block per round).
-    lookahead: int = -1
-    # A partial block is sent when its first token waited this long.
-    flush_ms: float = 50.0
-    # Prompt tokens per prefill step of the draft model. A session prefills its prompt from
-    # `open` on, while the target is queued and prefills; chunks let other sessions' drafts
-    # (which come first) interleave with a long prompt's prefill.
-    prefill_chunk: int = 128
-    # Sampled requests: draft by sampling q (True, q sent as a sparse top-k support) or by
-    # taking q's argmax (False). vLLM verifies drafts as one-hot, accepting x with
-    # probability p(x): argmax drafts maximise that, so False is the default.
-    sample_drafts: bool = False
-    # Size of the sparse support of q sent with sampled drafts (top-k of the draft).
-    q_top_k: int = 16
-    # n-gram drafter: longest/shortest suffix to look up in the context.
-    ngram_max: int = 4
-    ngram_min: int = 1
-    # Prometheus /metrics port (0: off).
-    metrics_port: int = 9092
-    # Fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th draft step.
-    inject_delay_ms: float = 0.0
-    inject_every: int = 0
+    host: str = setting(DEFAULT_HOST, "Bind address.", metavar="ADDR")
+    port: int = setting(DEFAULT_DRAFTER_PORT, "gRPC port.")
+    model: str = setting("qwen-coder/draft", "Draft model: a registry name such as qwen-coder/draft, or a folder.",
+                         metavar="REF")
+    threads: int = setting(1, "Torch threads for drafting (a separate drafter host gives it its cores).")
+    dtype: str = setting("float32", "Draft model dtype: float32 or bfloat16.")
+    quantize: str = setting(
+        "int8",
+        "int8: dynamic int8 quantisation of the draft's Linear layers (CPU; ~3x faster drafting for a "
+        "memory-bound draft, see specdec.models.load_causal_lm); none: as loaded.",
+        choices=("none", "int8"))
+    lookahead: int = setting(
+        -1,
+        "Tokens past gamma the drafter may draft ahead of the committed context while a block is being "
+        "verified (overlap): -1 is gamma + 1 (the next block and a guess of the bonus token); 0 is lock-step "
+        "(one block per round).")
+    flush_ms: float = setting(50.0, "A partial block is sent when its first token waited this long (ms).")
+    prefill_chunk: int = setting(
+        128,
+        "Prompt tokens per prefill step of the draft model. A session prefills its prompt from `open` on, "
+        "while the target is queued and prefills; chunks let other sessions' drafts (which come first) "
+        "interleave with a long prompt's prefill.")
+    sample_drafts: bool = setting(
+        False,
+        "Sampled requests: draft by sampling q (on; q sent as a sparse top-k support) or by taking q's "
+        "argmax (off). vLLM verifies drafts as one-hot, accepting x with probability p(x): argmax drafts "
+        "maximise that, so off is the default.")
+    q_top_k: int = setting(16, "Size of the sparse support of q sent with sampled drafts (top-k of the draft).")
+    ngram_max: int = setting(4, "n-gram drafter: longest suffix to look up in the context.")
+    ngram_min: int = setting(1, "n-gram drafter: shortest suffix to look up in the context.")
+    metrics_port: int = setting(9092, "Prometheus /metrics port (0: off).")
+    inject_delay_ms: float = setting(
+        0.0, "Fault injection (tests, drills): sleep this long (ms) in every inject_every-th draft step.")
+    inject_every: int = setting(0, "Fault injection: every how many draft steps inject_delay_ms is slept (0: never).")
 
 
 @dataclass
 class VerifierConfig:
     """The verifier service: vLLM holding the target model."""
 
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_VERIFIER_PORT
-    model: str = "qwen-coder/target"
-    max_gamma: int = 8
-    max_model_len: int = 2048
-    max_num_seqs: int = 32
-    dtype: str = "float32"
-    # KV cache size in GiB (required on CPU: vLLM's utilisation check fails on these VMs).
-    kv_cache_gib: float = 1.0
-    # CPU threads for the engine (OMP_NUM_THREADS); 0 keeps the environment's value.
-    threads: int = 0
-    # CPUs (comma list) for the verifier's gRPC and asyncio threads; the engine thread keeps the
-    # process's CPUs. Empty: all threads share them. (`specdec up` gives the drafter's core.)
-    io_cpus: str = ""
-    # Replace vLLM's CPU expand_batch_to_tokens (vLLM issue #55005); never disable in production.
-    cpu_sampler_fix: bool = True
-    enforce_eager: bool = True
-    # vLLM's prefix cache (benchmarks turn it off so repeated prompts cost the same each time).
-    prefix_caching: bool = True
-    # Most a target step waits for the drafts of its speculative requests, milliseconds;
-    # past it the step decodes those requests plainly. Within it, a step waits for a
-    # request's missing drafts only as long as they are expected to take: the missing
-    # tokens x the drafter's measured ms per token (announced in its `ready`, then measured
-    # from arrivals) x (1 + draft_wait_slack), plus draft_wait_margin_ms. A request whose
-    # drafter has not finished its prefill (no `ready` yet) is not waited for.
-    draft_wait_ms: float = 2000.0
-    draft_wait_slack: float = 0.5
-    draft_wait_margin_ms: float = 50.0
-    # Adaptive gamma (verifier.budget): each step verifies only the drafts that raise its
-    # expected tokens per ms under the measured step cost and each request's recent
-    # acceptance; under saturation this backs off to plain decoding. False: always a
-    # request's full gamma.
-    adaptive_gamma: bool = True
-    # When the engine is idle and a request arrives, wait until no other arrives for this
-    # long (ms; at most 10 times it) so a burst is prefilled in one step instead of one
-    # request ahead of the rest, whose prefill would then stall the first one's decoding.
-    batch_window_ms: float = 20.0
-    # Prometheus /metrics port (0: off).
-    metrics_port: int = 9093
-    # Fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th engine step,
-    # and inject_prefill_delay_ms in every step that starts a new request's prefill.
-    inject_delay_ms: float = 0.0
-    inject_every: int = 0
-    inject_prefill_delay_ms: float = 0.0
+    host: str = setting(DEFAULT_HOST, "Bind address.", metavar="ADDR")
+    port: int = setting(DEFAULT_VERIFIER_PORT, "gRPC port.")
+    model: str = setting("qwen-coder/target", "Target model: a registry name such as qwen-coder/target, or a folder.",
+                         metavar="REF")
+    max_gamma: int = setting(
+        8,
+        "Largest gamma a request may use; the vLLM engine is built with num_speculative_tokens = max_gamma.")
+    max_model_len: int = setting(2048, "Context length of the engine (prompt + completion tokens).")
+    max_num_seqs: int = setting(32, "Engine batch size limit (requests decoded together).")
+    dtype: str = setting("float32", "Target model dtype: float32 or bfloat16.")
+    kv_cache_gib: float = setting(
+        1.0, "KV cache size in GiB (required on CPU: vLLM's utilisation check fails on these VMs).")
+    threads: int = setting(0, "CPU threads for the engine (OMP_NUM_THREADS); 0 keeps the environment's value.")
+    io_cpus: str = setting(
+        "",
+        "CPUs (comma list) for the verifier's gRPC and asyncio threads; the engine thread keeps the "
+        "process's CPUs. Empty: all threads share them. (`specdec up` gives the drafter's core.)",
+        metavar="CPUS")
+    cpu_sampler_fix: bool = setting(
+        True, "Replace vLLM's CPU expand_batch_to_tokens (vLLM issue #55005); never disable in production.")
+    enforce_eager: bool = setting(True, "vLLM's enforce_eager: run the model eagerly, without CUDA graphs or torch.compile.")
+    prefix_caching: bool = setting(
+        True, "vLLM's prefix cache (benchmarks turn it off so repeated prompts cost the same each time).")
+    draft_wait_ms: float = setting(
+        2000.0,
+        "Most a target step waits for the drafts of its speculative requests, milliseconds; past it the step "
+        "decodes those requests plainly. Within it, a step waits for a request's missing drafts only as long "
+        "as they are expected to take: the missing tokens x the drafter's measured ms per token (announced in "
+        "its `ready`, then measured from arrivals) x (1 + draft_wait_slack), plus draft_wait_margin_ms. A "
+        "request whose drafter has not finished its prefill (no `ready` yet) is not waited for.")
+    draft_wait_slack: float = setting(
+        0.5, "A step waits for missing drafts up to their expected arrival x (1 + this); see draft_wait_ms.")
+    draft_wait_margin_ms: float = setting(
+        50.0, "... plus this margin (ms) on top of the expected arrival; see draft_wait_ms.")
+    adaptive_gamma: bool = setting(
+        True,
+        "Adaptive gamma (verifier.budget): each step verifies only the drafts that raise its expected tokens "
+        "per ms under the measured step cost and each request's recent acceptance; under saturation this "
+        "backs off to plain decoding. Off: always a request's full gamma.")
+    batch_window_ms: float = setting(
+        20.0,
+        "When the engine is idle and a request arrives, wait until no other arrives for this long (ms; at "
+        "most 10 times it) so a burst is prefilled in one step instead of one request ahead of the rest, "
+        "whose prefill would then stall the first one's decoding.")
+    metrics_port: int = setting(9093, "Prometheus /metrics port (0: off).")
+    inject_delay_ms: float = setting(
+        0.0, "Fault injection (tests, drills): sleep this long (ms) in every inject_every-th engine step.")
+    inject_every: int = setting(
+        0, "Fault injection: every how many engine steps inject_delay_ms is slept (0: never).")
+    inject_prefill_delay_ms: float = setting(
+        0.0, "Fault injection: sleep this long (ms) in every engine step that starts a new request's prefill.")
 
 
 @dataclass
 class GatewayConfig:
     """The gateway: runs the rounds between one drafter and one verifier per request."""
 
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_GATEWAY_PORT
-    drafter_address: str = f"{DEFAULT_HOST}:{DEFAULT_DRAFTER_PORT}"
-    verifier_address: str = f"{DEFAULT_HOST}:{DEFAULT_VERIFIER_PORT}"
-    # Tokenizer used for text prompts and detokenisation (the target's).
-    tokenizer: str = "qwen-coder/target"
-    default_gamma: int = 4
-    default_drafter: str = "model"
-    default_max_tokens: int = 128
-    # Seconds the drafter may stay silent while it owes an answer: from a commit (the target's
-    # tokens, the first one included) to its next message. Past it the request goes on as
-    # plain target decoding. The target's queueing and prefill never count: before the
-    # first commit the drafter owes nothing (it is prefilling its own copy of the prompt).
-    drafter_timeout_s: float = 10.0
-    # Prometheus /metrics port (0: off); the REST bridge serves /metrics too.
-    metrics_port: int = 9091
-    # OpenAI-compatible REST bridge (/v1/completions, /v1/chat/completions, /v1/models,
-    # /health, /metrics) port (0: off).
-    rest_port: int = 8000
-    # Latency spikes: a stage spikes above max(spike_min_ms, spike_factor x its rolling p95),
-    # or above spike_ms when that is > 0.
-    spike_factor: float = 3.0
-    spike_min_ms: float = 5.0
-    spike_ms: float = 0.0
+    host: str = setting(DEFAULT_HOST, "Bind address.", metavar="ADDR")
+    port: int = setting(DEFAULT_GATEWAY_PORT, "gRPC port.")
+    drafter_address: str = setting(f"{DEFAULT_HOST}:{DEFAULT_DRAFTER_PORT}", "host:port of the drafter.",
+                                   metavar="HOST:PORT")
+    verifier_address: str = setting(f"{DEFAULT_HOST}:{DEFAULT_VERIFIER_PORT}", "host:port of the verifier.",
+                                    metavar="HOST:PORT")
+    tokenizer: str = setting(
+        "qwen-coder/target", "Tokenizer used for text prompts and detokenisation (the target's): registry name "
+        "or folder.", metavar="REF")
+    default_gamma: int = setting(4, "Gamma (draft tokens per target step) when a request does not say.")
+    default_drafter: str = setting(
+        "model", "Drafter method when a request does not say: a name of the proto enum DraftMethod (the draft "
+        "model, the n-gram drafter, or none: plain target decoding); checked at start-up.")
+    default_max_tokens: int = setting(128, "max_tokens when a request does not say.")
+    drafter_timeout_s: float = setting(
+        10.0,
+        "Seconds the drafter may stay silent while it owes an answer: from a commit (the target's tokens, the "
+        "first one included) to its next message. Past it the request goes on as plain target decoding. The "
+        "target's queueing and prefill never count: before the first commit the drafter owes nothing (it is "
+        "prefilling its own copy of the prompt).")
+    metrics_port: int = setting(9091, "Prometheus /metrics port (0: off); the REST bridge serves /metrics too.")
+    rest_port: int = setting(
+        8000,
+        "OpenAI-compatible REST bridge (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/metrics) port (0: off).")
+    spike_factor: float = setting(
+        3.0,
+        "Latency spikes: a stage spikes above max(spike_min_ms, spike_factor x its rolling p95), or above "
+        "spike_ms when that is > 0.")
+    spike_min_ms: float = setting(5.0, "Floor (ms) of the relative spike threshold; see spike_factor.")
+    spike_ms: float = setting(0.0, "Fixed spike threshold (ms) instead of the relative one (0: relative).")
+
+
+SERVICE_CONFIGS: dict[str, type] = {"drafter": DrafterConfig, "verifier": VerifierConfig, "gateway": GatewayConfig}
+
+
+_FLAG_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
+_METAVARS: dict[type, str] = {int: "N", float: "X", str: "TEXT"}
+
+
+def _flag_type(f: Field) -> type:
+    """The Python type of a field (annotations are strings here: `from __future__ import annotations`)."""
+    kind = _FLAG_TYPES.get(f.type) if isinstance(f.type, str) else f.type
+    if kind not in (int, float, str, bool):
+        raise TypeError(f"{f.name}: config fields are int, float, str or bool, not {f.type!r}")
+    return kind  # type: ignore[return-value]
+
+
+def show_default(value: Any) -> str:
+    """A default as `--help` shows it: on/off, 2000 rather than 2000.0, "" for empty."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if value == "":
+        return '""'
+    return str(value)
+
+
+def env_name(name: str) -> str:
+    """The environment variable of a field: `SPECDEC_<FIELD>`."""
+    return f"SPECDEC_{name.upper()}"
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of a field: `--field-name`."""
+    return "--" + name.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
+    """Add one flag per field of the config dataclass `cls` to `parser`.
+
+    `--field-name VALUE` (bool fields: `--field-name/--no-field-name`), typed from the field,
+    with the field's help, choices and, at the end of the help, its default and environment
+    variable. Every flag defaults to None, so `from_env(cls, **vars(args))` keeps the order
+    defaults < `SPECDEC_<FIELD>` < flag.
+    """
+    for f in fields(cls):
+        kind = _flag_type(f)
+        text = f.metadata.get("help")
+        if not text:
+            raise ValueError(f"{cls.__name__}.{f.name} has no help text (use config.setting)")
+        if not text.endswith((".", ".)")):
+            text += "."
+        text = f"{text} (default: {show_default(f.default)}; env {env_name(f.name)})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": text.replace("%", "%%")}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            else:
+                kwargs["metavar"] = f.metadata.get("metavar", _METAVARS[kind])
+        parser.add_argument(flag_name(f.name), **kwargs)
+
+
+class FlagHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help` for flags made by `add_flags`: each help wrapped in a column beside its flag (never
+    inside a word such as qwen-coder/draft), its `(default: X; env SPECDEC_Y)` on a line of its own.
+    The description and epilog are kept as written."""
+
+    _TAIL = re.compile(r"\s*(\(default: .*; env SPECDEC_\w+\))$")
+
+    def __init__(self, prog: str) -> None:
+        width = max(80, min(110, shutil.get_terminal_size().columns)) - 2
+        super().__init__(prog, max_help_position=30, width=width)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        tail = self._TAIL.search(text)
+        body = text[: tail.start()] if tail else text
+        lines = textwrap.wrap(body, width, break_on_hyphens=False)
+        if tail:
+            default, _, env = tail.group(1).partition("; ")
+            lines += [tail.group(1)] if len(tail.group(1)) <= width else [default + ";", env]
+        return lines

@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec.acceptance import expected_tokens
+
 DEFAULT_TARGET = "qwen-coder/target"
 DEFAULT_DRAFT = "qwen-coder/draft"
 DEFAULT_GAMMAS = (1, 2, 4, 8)
@@ -230,13 +232,6 @@ def acceptance_by_offset(accepted: Sequence[int], gamma: int) -> list[float | No
         reached = sum(1 for a in accepted if a >= k)
         rates.append(sum(1 for a in accepted if a > k) / reached if reached else None)
     return rates
-
-
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """E = (1 - alpha^(gamma+1)) / (1 - alpha): expected tokens per target step (gamma+1 at alpha 1)."""
-    if alpha >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
 # ---------------------------------------------------------------- cost

@@ -69,6 +69,43 @@ def _namespace(suffix: str) -> types.SimpleNamespace:
 pb = _namespace("_pb2")
 rpc = _namespace("_pb2_grpc")
 
+# The one map between finish reasons as vLLM and OpenAI name them and the wire's enum.
+FINISH_REASONS: dict[str | None, int] = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop": pb.FINISH_REASON_STOP,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+_FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
+
+
+def finish_reason_name(code: int) -> str | None:
+    """"length", "stop", "abort", or None for FINISH_REASON_UNSPECIFIED (still running)."""
+    return _FINISH_NAMES[code]
+
 if __name__ == "__main__":
     compile_protos()
     sys.stdout.write(f"compiled {len(PROTO_FILES)} protos into {OUT_ROOT / 'specdec' / 'v1'}\n")
+
+
+# Draft methods: the proto enum is the one owner; users see these names.
+DRAFT_METHOD_NAMES: tuple[str, ...] = tuple(
+    n.removeprefix("DRAFT_METHOD_").lower() for n in pb.DraftMethod.keys() if n != "DRAFT_METHOD_UNSPECIFIED"
+)
+
+
+def draft_method_name(method: int) -> str:
+    """"model", "ngram", "none" ("" for UNSPECIFIED)."""
+    if method == pb.DRAFT_METHOD_UNSPECIFIED:
+        return ""
+    return pb.DraftMethod.Name(method).removeprefix("DRAFT_METHOD_").lower()
+
+
+def draft_method(name: str) -> int:
+    """The enum value of a method name ("" is UNSPECIFIED); ValueError names the known ones."""
+    if not name:
+        return pb.DRAFT_METHOD_UNSPECIFIED
+    try:
+        return pb.DraftMethod.Value(f"DRAFT_METHOD_{name.upper()}")
+    except ValueError:
+        raise ValueError(f"unknown drafter {name!r}; known: {', '.join(DRAFT_METHOD_NAMES)}") from None

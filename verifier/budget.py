@@ -35,6 +35,8 @@ from collections import deque
 
 import numpy as np
 
+from specdec.acceptance import expected_tokens  # E(alpha, k): expected tokens of a step verifying k drafts
+
 # Prior slope of the step cost, as a fraction of the mean step time per token, used until
 # the engine has run steps of different sizes (vLLM on one CPU core, Qwen2.5-Coder 1.5B:
 # verifying 5 tokens costs ~1.3x a 1-token step).
@@ -121,11 +123,6 @@ def allocate(alphas: list[float], caps: list[int], cost: StepCost, extra_tokens:
         k[best] += 1
         expected += best_gain
         step_ms += cost.per_token_ms
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """sum_{j=0..k} alpha^j: expected tokens of a step verifying k drafts (bonus included)."""
-    return sum(alpha**j for j in range(k + 1))
 
 
 def worth_waiting(

@@ -2,9 +2,12 @@
 
 All sessions share one engine, so concurrent generations are batched by vLLM's
 scheduler (continuous batching), not serialised. The engine is built with the
-`custom_class` speculative method (verifier.proposer.ExternalDraftProposer), so
-drafts offered on the board are verified by vLLM itself with each request's KV cache
-kept between steps: a step computes only 1 + (number of drafts) new tokens per request.
+`custom_class` speculative method (verifier.vllm_hooks.ExternalDraftProposer, reading the
+engine's draft board, verifier.proposer.DraftBoard), so drafts offered on the board are
+verified by vLLM itself with each request's KV cache kept between steps: a step computes
+only 1 + (number of drafts) new tokens per request.
+Every use of vLLM's internals (environment, version check, CPU sampler fix, engine
+construction, scheduler hook) goes through verifier.vllm_hooks.
 
 Per step and request the engine thread emits a `Verdict` (the new tokens, how many
 drafts were checked and accepted, the tokens computed) to the session's callback.
@@ -13,7 +16,6 @@ drafts were checked and accepted, the tokens computed) to the session's callback
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -23,6 +25,8 @@ from typing import Any
 
 from specdec import telemetry
 from specdec.config import VerifierConfig
+from verifier import vllm_hooks
+from verifier.vllm_hooks import configure_vllm_env
 
 log = logging.getLogger("specdec.verifier")
 
@@ -59,66 +63,32 @@ class GenerationRequest:
     gamma: int
 
 
-def configure_vllm_env(cfg: VerifierConfig) -> None:
-    """Environment vLLM reads at import: in-process engine, CPU thread and KV settings."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the proposer must share our process
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib))))
-    if cfg.threads:
-        os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
-
-
 class TargetEngine:
     """Owns the vLLM engine and its stepping thread."""
 
     def __init__(self, cfg: VerifierConfig, model_path: str) -> None:
         configure_vllm_env(cfg)
-        from vllm import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
+        vllm_hooks.check_vllm_version()
+        from verifier.proposer import DraftBoard
 
-        from verifier import cpu_fix
-        from verifier.proposer import BOARD
-
-        if cfg.cpu_sampler_fix and cpu_fix.apply():
+        if cfg.cpu_sampler_fix and vllm_hooks.apply_cpu_sampler_fix():
             log.info("installed the CPU rejection-sampler fix (vLLM issue #55005)")
         self.cfg = cfg
-        args = EngineArgs(
-            model=model_path,
-            tokenizer=model_path,
-            dtype=cfg.dtype,
+        self.board = DraftBoard(
             max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=cfg.prefix_caching,
-            kv_cache_memory_bytes=int(cfg.kv_cache_gib * (1 << 30)),
-            speculative_config={
-                "method": "custom_class",
-                "model": "verifier.proposer.ExternalDraftProposer",
-                "num_speculative_tokens": cfg.max_gamma,
-            },
-            disable_log_stats=True,
+            wait_s=cfg.draft_wait_ms / 1e3,
+            wait_slack=cfg.draft_wait_slack,
+            wait_margin_s=cfg.draft_wait_margin_ms / 1e3,
+            adaptive=cfg.adaptive_gamma,
         )
-        self.engine = LLMEngine.from_engine_args(args)
-        self.board = BOARD
-        self.board.max_model_len = cfg.max_model_len
-        self.board.wait_s = cfg.draft_wait_ms / 1e3
-        self.board.wait_slack = cfg.draft_wait_slack
-        self.board.wait_margin_s = cfg.draft_wait_margin_ms / 1e3
-        self.board.adaptive = cfg.adaptive_gamma
+        self.engine = vllm_hooks.build_engine(cfg, model_path, self.board)
         self._step_tokens = 0  # tokens the engine scheduled in the current step
         self._decode_step = False  # ... and whether they were all decode/verify tokens
-        hf = self.engine.model_config.hf_config
-        self.vocab_size = int(self.engine.model_config.get_vocab_size())
-        eos = getattr(hf, "eos_token_id", None)
-        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        # every id vLLM may stop at (config, generation config, tokenizer): previews stop before them
-        gen_eos = (self.engine.model_config.try_get_generation_config() or {}).get("eos_token_id")
-        tok_eos = getattr(self.engine.get_tokenizer(), "eos_token_id", None)
-        self._stop_ids = set(self.eos_token_ids)
-        for ids in (gen_eos, tok_eos):
-            self._stop_ids.update([ids] if isinstance(ids, int) else list(ids or []))
-        self._hook_scheduler()
+        facts = vllm_hooks.model_facts(self.engine)
+        self.vocab_size = facts.vocab_size
+        self.eos_token_ids = facts.eos_token_ids
+        self._stop_ids = facts.stop_ids  # every id vLLM may stop at: previews stop before them
+        vllm_hooks.install_schedule_hook(self.engine, self._on_schedule, self._before_schedule)
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._live: dict[str, _Live] = {}  # by our request id
@@ -128,36 +98,30 @@ class TargetEngine:
         self._stopped = False
         self._thread.start()
 
-    def _hook_scheduler(self) -> None:
-        """Record how many tokens each request was scheduled (= computed) per step."""
-        scheduler = self.engine.engine_core.engine_core.scheduler
-        original = scheduler.schedule
-        every, delay_s = self.cfg.inject_every, self.cfg.inject_delay_ms / 1e3
+    # ---- the scheduler hook (engine thread, inside engine.step) ---------------------
+    def _before_schedule(self) -> None:
+        every = self.cfg.inject_every
+        if every and (self.steps + 1) % every == 0:
+            time.sleep(self.cfg.inject_delay_ms / 1e3)  # fault injection: a slow step
+
+    def _on_schedule(self, step: vllm_hooks.ScheduledStep) -> None:
+        """Record how many tokens each request was scheduled (= computed) this step."""
         prefill_delay_s = self.cfg.inject_prefill_delay_ms / 1e3
-
-        def schedule(*args: Any, **kwargs: Any) -> Any:
-            if every and (self.steps + 1) % every == 0:
-                time.sleep(delay_s)  # fault injection: a slow step
-            out = original(*args, **kwargs)
-            if prefill_delay_s and out.scheduled_new_reqs:
-                time.sleep(prefill_delay_s)  # fault injection: a slow prefill (a long prompt, a queue)
-            now = time.perf_counter()
-            self._step_tokens = int(out.total_num_scheduled_tokens)
-            # a decode/verify step: every request computes its next token and its drafts, no
-            # prompt (prompt tokens are cheaper per token, so they would bias the step cost fit)
-            spec = out.scheduled_spec_decode_tokens
-            self._decode_step = not out.scheduled_new_reqs and all(
-                n == 1 + len(spec.get(rid, ())) for rid, n in out.num_scheduled_tokens.items()
-            )
-            self.board.queued = len(scheduler.waiting)
-            for rid, n in out.num_scheduled_tokens.items():
-                live = self._by_engine_id.get(rid)
-                if live is not None:
-                    live.computed += n
-                    live.first_scheduled = live.first_scheduled or now
-            return out
-
-        scheduler.schedule = schedule
+        if prefill_delay_s and step.new_requests:
+            time.sleep(prefill_delay_s)  # fault injection: a slow prefill (a long prompt, a queue)
+        now = time.perf_counter()
+        self._step_tokens = step.total_tokens
+        # a decode/verify step: every request computes its next token and its drafts, no
+        # prompt (prompt tokens are cheaper per token, so they would bias the step cost fit)
+        self._decode_step = not step.new_requests and all(
+            n == 1 + step.spec_tokens.get(rid, 0) for rid, n in step.num_scheduled_tokens.items()
+        )
+        self.board.queued = step.waiting
+        for rid, n in step.num_scheduled_tokens.items():
+            live = self._by_engine_id.get(rid)
+            if live is not None:
+                live.computed += n
+                live.first_scheduled = live.first_scheduled or now
 
     # ---- called from any thread -------------------------------------------------
     def submit(self, req: GenerationRequest, on_verdict: Callable[[Verdict], None]) -> None:

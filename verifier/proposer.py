@@ -1,7 +1,8 @@
-"""External drafts into vLLM: the draft board and the `custom_class` proposer.
+"""External drafts into vLLM: the draft board (no vLLM in this module).
 
-vLLM's V1 engine calls `ExternalDraftProposer.propose` at the end of every step,
-after sampling, for the next step. For each speculative request the proposer:
+vLLM's V1 engine calls the `custom_class` proposer (verifier.vllm_hooks.ExternalDraftProposer)
+at the end of every step, after sampling, for the next step; it hands each speculative
+request's row to the board (`preview`, then `propose_batch`), which:
   1. previews the tokens just sampled (the callback sends them to the gateway, which
      commits them to the drafter), so the drafter can draft from the exact context
      while the engine finishes the step;
@@ -32,12 +33,10 @@ Terms:
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -70,15 +69,22 @@ class _Entry:
 class DraftBoard:
     """Thread-safe drafts by engine request id, shared by the gRPC side and the proposer."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        max_model_len: int = 1 << 30,
+        wait_s: float = 0.0,
+        wait_slack: float = 0.5,
+        wait_margin_s: float = 0.05,
+        adaptive: bool = False,
+    ) -> None:
         self._cond = threading.Condition()
         self._entries: dict[str, _Entry] = {}
-        self.max_model_len = 1 << 30
-        self.wait_s = 0.0
-        self.wait_slack = 0.5  # expected arrival x (1 + slack) ...
-        self.wait_margin_s = 0.05  # ... + margin: the longest a step waits for a row's drafts
+        self.max_model_len = max_model_len  # the engine's: no draft past it
+        self.wait_s = wait_s  # the longest a step waits for drafts (0: never waits)
+        self.wait_slack = wait_slack  # expected arrival x (1 + slack) ...
+        self.wait_margin_s = wait_margin_s  # ... + margin: the longest a step waits for a row's drafts
         self.waited_s = 0.0  # total time steps spent waiting for drafts
-        self.adaptive = False  # budgets from verifier.budget instead of each request's gamma
+        self.adaptive = adaptive  # budgets from verifier.budget instead of each request's gamma
         self.cost = StepCost()  # the engine's measured step cost (fed by the engine thread)
         self.queued = 0  # requests waiting for their first scheduling (set by the engine each step)
         self._arrivals = 0  # requests submitted so far (a new one ends an adaptive wait)
@@ -271,55 +277,3 @@ class DraftBoard:
             for k in [k for k in e.proposals if k < length]:
                 del e.proposals[k]
             return e.proposals.pop(length, [])
-
-
-BOARD = DraftBoard()
-
-
-def _find_runner() -> Any:
-    """The model runner that is constructing us (vLLM passes only vllm_config)."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if candidate is not None and type(candidate).__name__.endswith("ModelRunner"):
-            return candidate
-        frame = frame.f_back
-    raise RuntimeError("ExternalDraftProposer must be built by a vLLM model runner")
-
-
-class ExternalDraftProposer:
-    """vLLM `custom_class` proposer reading drafts from `BOARD` (the engine must run in-process)."""
-
-    def __init__(self, vllm_config: Any) -> None:
-        self.k_max = int(vllm_config.speculative_config.num_speculative_tokens)
-        self.runner = _find_runner()
-        self.board = BOARD
-
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to load: the drafts come from the drafter service."""
-
-    def propose(
-        self,
-        # [batch_size][tokens sampled this step]; empty for a partial prefill chunk
-        sampled_token_ids: list[list[int]],
-        # [max_num_reqs]: context length of each row, this step's tokens included
-        num_tokens_no_spec: np.ndarray,
-        # [max_num_reqs, max_model_len]: each row's token ids
-        token_ids_cpu: np.ndarray,
-        slot_mappings: Any = None,
-        **kwargs: Any,
-    ) -> list[list[int]]:
-        req_ids = self.runner.input_batch.req_ids
-        rows: list[tuple[str, np.ndarray]] = []
-        index: list[int] = []
-        for row, sampled in enumerate(sampled_token_ids):
-            if not sampled:
-                continue
-            length = int(num_tokens_no_spec[row])
-            self.board.preview(req_ids[row], length - len(sampled), list(sampled))
-            rows.append((req_ids[row], token_ids_cpu[row, :length]))
-            index.append(row)
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        for row, d in zip(index, self.board.propose_batch(rows, self.k_max)):
-            drafts[row] = d
-        return drafts

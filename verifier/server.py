@@ -16,20 +16,13 @@ import grpc
 from specdec import serving, telemetry
 from specdec.config import VerifierConfig
 from specdec.validation import InvalidField, check_gamma, check_sampling, check_token_ids
-from specdec.wire import pb, rpc
+from specdec.wire import FINISH_REASONS, pb, rpc
 from verifier.engine import GenerationRequest, TargetEngine, Verdict
 
 log = logging.getLogger("specdec.verifier")
 
 # After the last verdict, how long the caller has to half-close its side of the stream.
 CLOSE_GRACE_S = 10.0
-
-FINISH = {
-    None: pb.FINISH_REASON_UNSPECIFIED,
-    "length": pb.FINISH_REASON_LENGTH,
-    "stop": pb.FINISH_REASON_STOP,
-    "abort": pb.FINISH_REASON_ABORT,
-}
 
 
 def verdict_pb(v: Verdict) -> "pb.VerifyResponse":
@@ -38,7 +31,7 @@ def verdict_pb(v: Verdict) -> "pb.VerifyResponse":
         token_ids=v.token_ids,
         drafted=v.drafted,
         accepted=v.accepted,
-        finish_reason=FINISH[v.finish_reason],
+        finish_reason=FINISH_REASONS[v.finish_reason],
         computed_tokens=v.computed_tokens,
         batch_size=v.batch_size,
         step_ms=v.step_ms,

@@ -6,10 +6,10 @@ import asyncio
 import urllib.request
 from typing import Any
 
-import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.wire import pb, rpc
+from gateway.client import AsyncGatewayClient, generation_spec
+from specdec.wire import pb
 
 TEXT_PROMPTS = [
     "def add(a, b):\n    return",
@@ -39,23 +39,16 @@ def prompts(tokenizer: Any, n: int = 20, seed: int = 0) -> list[list[int]]:
 def spec(
     prompt: list[int], max_tokens: int, gamma: int | None = None, drafter: str = "", request_id: str = "", **sampling: Any
 ) -> "pb.GenerationSpec":
-    s = pb.GenerationSpec(
-        prompt_token_ids=prompt, drafter=drafter, request_id=request_id,
-        sampling=pb.SamplingParams(max_tokens=max_tokens, **sampling),
-    )
-    if gamma is not None:
-        s.gamma = gamma
-    return s
+    return generation_spec(prompt, max_tokens=max_tokens, gamma=gamma, drafter=drafter, request_id=request_id, **sampling)
 
 
 async def _generate_all(address: str, specs: list["pb.GenerationSpec"], concurrency: int) -> list["pb.GenerateResponse"]:
     sem = asyncio.Semaphore(concurrency)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = rpc.GatewayServiceStub(channel)
+    async with AsyncGatewayClient(address, timeout_s=600) as client:
 
         async def one(s: "pb.GenerationSpec") -> "pb.GenerateResponse":
             async with sem:
-                return await stub.Generate(pb.GenerateRequest(spec=s), timeout=600, wait_for_ready=True)
+                return await client.generate(s)
 
         return await asyncio.gather(*(one(s) for s in specs))
 

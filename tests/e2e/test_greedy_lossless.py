@@ -7,6 +7,8 @@ from conftest import vllm_reference
 from gen import generate_all, prompts, spec
 from transformers import AutoTokenizer
 
+from specdec.wire import pb
+
 GAMMAS = (1, 2, 4, 8)
 MAX_TOKENS = 40
 
@@ -52,4 +54,4 @@ def test_gamma_zero_is_plain_decoding(services, greedy_case) -> None:
     ps, reference = greedy_case
     responses = generate_all(services.gateways["mid"].address, [spec(p, MAX_TOKENS, gamma=0) for p in ps])
     assert [list(r.token_ids) for r in responses] == reference
-    assert all(r.stats.drafted_tokens == 0 and r.stats.drafter == "none" for r in responses)
+    assert all(r.stats.drafted_tokens == 0 and r.stats.drafter == pb.DRAFT_METHOD_NONE for r in responses)

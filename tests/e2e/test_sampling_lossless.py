@@ -6,7 +6,7 @@ chi-square test of homogeneity on each generated position's token counts. Positi
 after the first are the ones vLLM's rejection sampler decides when drafts are given.
 The tiny vocabulary (512) and peaked tiny target keep the tables small.
 
-This test failed before the CPU rejection-sampler fix (verifier/cpu_fix.py).
+This test failed before the CPU rejection-sampler fix (verifier/vllm_hooks.py, apply_cpu_sampler_fix).
 """
 
 from __future__ import annotations

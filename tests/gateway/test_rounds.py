@@ -66,7 +66,7 @@ class Stub:
 
 
 def _round(verifier: FakeCall, drafter: FakeCall) -> Round:
-    plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=3), gamma=2, drafter="model")
+    plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=3), gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
     return Round(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector())
 
 
@@ -229,7 +229,7 @@ def _v(tokens: int, drafted: int = 0, accepted: int = 0, computed: int = 0) -> "
 
 
 def test_stats_definitions() -> None:
-    s = Stats(gamma=4, drafter="model")
+    s = Stats(gamma=4, drafter=pb.DRAFT_METHOD_MODEL)
     for v in (_v(1, computed=10), _v(5, 4, 4, 5), _v(2, 4, 1, 5), _v(1)):  # prefill, full accept, reject, plain
         s.add_verdict(v)
     p = s.to_pb()
@@ -242,7 +242,7 @@ def test_stats_definitions() -> None:
 
 
 def test_fallback_is_reported() -> None:
-    s = Stats(gamma=2, drafter="model")
+    s = Stats(gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
     s.fallback_reason = "drafter UNAVAILABLE: connection refused"
     p = s.to_pb()
     assert p.drafter_fallback and "UNAVAILABLE" in p.fallback_reason

@@ -20,7 +20,7 @@ def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list
         for m in messages:
             yield m
 
-    plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=5, stop=stop or []), 4, "model")
+    plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=5, stop=stop or []), 4, pb.DRAFT_METHOD_MODEL)
     round_ = SimpleNamespace(plan=plan, verdicts=verdicts)
 
     async def run() -> list:

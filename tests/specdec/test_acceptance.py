@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.acceptance import sparse_q, target_distribution, verify_block, verify_block_greedy
+from specdec.acceptance import expected_tokens, sparse_q, target_distribution, verify_block, verify_block_greedy
 
 
 def _sample_first_token(p: torch.Tensor, q: torch.Tensor, n: int, seed: int) -> np.ndarray:
@@ -53,3 +54,10 @@ def test_target_distribution_top_k_top_p() -> None:
     assert torch.allclose(target_distribution(logits, 1.0, top_p=0.7), torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
     ids, q = sparse_q(torch.tensor([0.1, 0.6, 0.3]), 2)
     assert ids.tolist() == [1, 2] and torch.allclose(q, torch.tensor([2 / 3, 1 / 3]))
+
+
+def test_expected_tokens() -> None:
+    """E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha), gamma + 1 at alpha 1."""
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)

@@ -13,7 +13,6 @@ from specdec.evaldraft import (
     VocabMismatch,
     acceptance_by_offset,
     check_same_vocab,
-    expected_tokens,
     simulate_rounds,
 )
 
@@ -47,12 +46,6 @@ def test_acceptance_by_offset() -> None:
     # accepted 2; offset 2 reached 2 accepted 2
     assert acceptance_by_offset([0, 1, 3, 3], 3) == [0.75, 2 / 3, 1.0]
     assert acceptance_by_offset([0, 0], 2) == [0.0, None]
-
-
-def test_expected_tokens() -> None:
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.0, 4) == 1.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
 def test_vocab_mismatch_is_an_error() -> None:

@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from verifier.budget import Acceptance, StepCost, allocate, expected_tokens, worth_waiting
+from specdec.acceptance import expected_tokens
+from verifier.budget import Acceptance, StepCost, allocate, worth_waiting
 from verifier.proposer import DraftBoard
 
 
@@ -101,8 +102,7 @@ def test_does_not_hold_a_full_batch_for_one_row() -> None:
 
 
 def test_a_new_request_ends_the_wait_for_drafts() -> None:
-    b = DraftBoard()
-    b.wait_s, b.adaptive = 5.0, True
+    b = DraftBoard(wait_s=5.0, adaptive=True)
     b.register("r", gamma=4, prompt_len=2, max_tokens=100)
     b.ready("r", 1000.0)
     threading.Timer(0.1, b.arrival).start()
@@ -117,8 +117,7 @@ def test_a_new_request_ends_the_wait_for_drafts() -> None:
 
 def _adaptive_board(base_ms: float, per_token_ms: float, sizes: tuple[int, ...]) -> DraftBoard:
     """An adaptive board with a measured step cost and one request "r" (gamma 4)."""
-    b = DraftBoard()
-    b.wait_s, b.adaptive = 5.0, True
+    b = DraftBoard(wait_s=5.0, adaptive=True)
     for n in sizes * 5:
         b.cost.observe(n, base_ms + per_token_ms * n)
     b.register("r", gamma=4, prompt_len=2, max_tokens=100)

@@ -17,8 +17,7 @@ SLOW_PACE_MS = 10_000.0
 
 
 def _board(wait_s: float = 0.0, pace_ms: float = SLOW_PACE_MS) -> DraftBoard:
-    b = DraftBoard()
-    b.wait_s = wait_s
+    b = DraftBoard(wait_s=wait_s)
     b.register("r", gamma=3, prompt_len=2, max_tokens=100)
     b.ready("r", pace_ms)
     return b
@@ -126,8 +125,7 @@ def test_redraft_at_the_end_of_the_chain_is_not_an_extension() -> None:
 
 def test_a_drafter_still_prefilling_is_not_waited_for() -> None:
     """No `ready` yet: the drafter's prefill is not done, its drafts cannot be expected."""
-    b = DraftBoard()
-    b.wait_s = 5.0
+    b = DraftBoard(wait_s=5.0)
     b.register("r", gamma=3, prompt_len=2, max_tokens=100)
     t0 = time.monotonic()
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]

@@ -1,0 +1,120 @@
+"""The gateway's client: the one place that builds a `GenerationSpec` and calls
+specdec.v1.GatewayService, in a sync and an async flavour.
+
+The CLI (`specdec generate`, `specdec demo`), the REST bridge, `specdec bench` and the
+end-to-end tests all go through it, so a new request field or call option is added here
+once. Calls wait for the gateway to be ready (`wait_for_ready`) and carry a deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from specdec.wire import draft_method, draft_method_name, pb, rpc
+
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+def generation_spec(
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int | None = None,
+    gamma: int | None = None,
+    drafter: str = "",
+    request_id: str = "",
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+) -> "pb.GenerationSpec":
+    """A GenerationSpec: a text prompt or token ids; None / empty leaves a field to the
+    gateway's defaults (max_tokens, gamma, drafter) or to plain sampling (top_p, seed).
+    `drafter` is a method name ("model", "ngram", "none"); ValueError names the known ones."""
+    sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos)
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    if top_p is not None:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    spec = pb.GenerationSpec(sampling=sampling, drafter=draft_method(drafter), request_id=request_id)
+    if isinstance(prompt, str):
+        spec.prompt_text = prompt
+    else:
+        spec.prompt_token_ids.extend(int(t) for t in prompt)
+    if gamma is not None:
+        spec.gamma = gamma
+    return spec
+
+
+def stats_dict(stats: "pb.SpeculationStats") -> dict[str, Any]:
+    """A request's speculation statistics as JSON-ready dict (proto field names, zeros kept;
+    the drafter method by its user-facing name)."""
+    from google.protobuf.json_format import MessageToDict
+
+    out = MessageToDict(stats, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+    out["drafter"] = draft_method_name(stats.drafter) or "none"
+    return out
+
+
+class GatewayClient:
+    """Blocking client, for scripts, the CLI and benchmarks. One channel per client."""
+
+    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = rpc.GatewayServiceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def generate(self, spec: "pb.GenerationSpec") -> "pb.GenerateResponse":
+        return self.stub.Generate(pb.GenerateRequest(spec=spec), wait_for_ready=True, timeout=self.timeout_s)
+
+    def stream(self, spec: "pb.GenerationSpec") -> Iterator["pb.GenerateStreamResponse"]:
+        """Chunks as the gateway sends them; the last one carries the finish reason, usage and stats."""
+        return self.stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), wait_for_ready=True, timeout=self.timeout_s)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncGatewayClient:
+    """asyncio client, for the REST bridge and concurrent tests. Make it inside the event
+    loop that uses it (a grpc.aio channel belongs to one loop)."""
+
+    def __init__(self, address: str, timeout_s: float | None = DEFAULT_TIMEOUT_S, wait_for_ready: bool = True) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = rpc.GatewayServiceStub(self.channel)
+        self.timeout_s = timeout_s
+        self.wait_for_ready = wait_for_ready
+
+    async def generate(self, spec: "pb.GenerationSpec") -> "pb.GenerateResponse":
+        return await self.stub.Generate(pb.GenerateRequest(spec=spec), timeout=self.timeout_s,
+                                        wait_for_ready=self.wait_for_ready)
+
+    def stream(self, spec: "pb.GenerationSpec") -> grpc.aio.UnaryStreamCall:
+        """The GenerateStream call: `await call.read()` or `async for chunk in call`; cancel() stops it."""
+        return self.stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), timeout=self.timeout_s,
+                                        wait_for_ready=self.wait_for_ready)
+
+    async def chunks(self, spec: "pb.GenerationSpec") -> AsyncIterator["pb.GenerateStreamResponse"]:
+        async for chunk in self.stream(spec):
+            yield chunk
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncGatewayClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

