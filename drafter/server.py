@@ -244,16 +244,11 @@ def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":
     msg = pb.DraftBlock(
         start_position=block.start_position,
         token_ids=[d.token_id for d in block.drafts],
-        probs=[d.prob for d in block.drafts],
         sequence=sequence,
         draft_ms=block.draft_ms,
         final=block.final,
         committed_length=block.committed_length,
     )
-    if any(d.support is not None for d in block.drafts):
-        for d in block.drafts:
-            ids, q = d.support if d.support is not None else ([d.token_id], [1.0])
-            msg.q.add(token_ids=ids, probs=q)
     return msg
 
 

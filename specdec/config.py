@@ -113,10 +113,10 @@ class DrafterConfig:
         "interleave with a long prompt's prefill.")
     sample_drafts: bool = setting(
         False,
-        "Sampled requests: draft by sampling q (on; q sent as a sparse top-k support) or by taking q's "
+        "Sampled requests: draft by sampling the draft's q (its top q_top_k tokens, on) or by taking q's "
         "argmax (off). vLLM verifies drafts as one-hot, accepting x with probability p(x): argmax drafts "
-        "maximise that, so off is the default.")
-    q_top_k: int = setting(16, "Size of the sparse support of q sent with sampled drafts (top-k of the draft).")
+        "maximise that, so off is the default; either way the output is exact.")
+    q_top_k: int = setting(16, "Sampled drafts are drawn from the draft's top-k tokens (renormalised), k = this.")
     ngram_max: int = setting(4, "n-gram drafter: longest suffix to look up in the context.")
     ngram_min: int = setting(1, "n-gram drafter: shortest suffix to look up in the context.")
     metrics_port: int = setting(9092, "Prometheus /metrics port (0: off).")
