@@ -7,7 +7,7 @@ BUF := .tools/node_modules/.bin/buf
 # vLLM build: the CPU wheel here, the CUDA wheel of the same version where a GPU exists.
 ACCEL := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup protos lint-protos test test-slow demo bench clean
+.PHONY: setup protos lint-protos lint-imports test test-slow demo bench clean
 
 setup: $(STAMP) protos
 
@@ -29,11 +29,23 @@ protos: $(STAMP)
 $(BUF):
 	npm install --prefix .tools --no-audit --no-fund --silent @bufbuild/buf@1.75.0
 
+# Wire compatibility: protos/ must not break what the baseline commit's protos promised (buf's
+# FILE rules: no field renumbered, retyped or removed without `reserved`). Move the baseline
+# forward only for a deliberate break, said in the commit message.
+PROTO_BASELINE := c20e33d3fcb547d9b4b1f9e987e109cf959a06d3
+
 lint-protos: $(BUF)
 	cd protos && ../$(BUF) lint
+	if git cat-file -e $(PROTO_BASELINE)^{commit} 2>/dev/null; then \
+	  $(BUF) breaking protos --against '.git#ref=$(PROTO_BASELINE),subdir=protos'; \
+	else echo "buf breaking: baseline $(PROTO_BASELINE) is not in this clone (shallow?); not checked"; fi
+
+# The layers (CLI/tools -> services -> core -> wire stubs) and no import cycles: .importlinter
+lint-imports: setup
+	$(VENV)/bin/lint-imports
 
 # The default suite: unit tests and end-to-end tests of the real services on the tiny pair.
-test: setup lint-protos
+test: setup lint-protos lint-imports
 	$(PY) -m pytest
 
 # Real-model checks (minutes): pulls the qwen-coder pair on first use.
