@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import grpc
 import torch
+from prometheus_client import CollectorRegistry
 
 from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Ready
 from specdec import serving, telemetry
@@ -38,11 +39,13 @@ class DraftWorker(threading.Thread):
     Order: drafts a verifier is waiting for (urgent) first; then, round-robin, prefill
     chunks of new sessions and drafting ahead. `token_ms` is the running compute cost of
     one draft token (seeded by the servicer's calibration); a session's wall-clock cost
-    per token is about token_ms times the sessions drafting at once.
+    per token is about token_ms times the sessions drafting at once. Each drafted token's
+    compute goes to `metrics.step_seconds` (none when metrics is None).
     """
 
-    def __init__(self, token_ms: float = 0.0) -> None:
+    def __init__(self, token_ms: float = 0.0, metrics: telemetry.DrafterMetrics | None = None) -> None:
         super().__init__(name="draft-worker", daemon=True)
+        self.metrics = metrics
         self._cond = threading.Condition()
         self._sessions: dict[int, tuple[DraftSession, Emit]] = {}
         self._stopped = False
@@ -93,16 +96,19 @@ class DraftWorker(threading.Thread):
                     self.remove(session)
                     emit(exc)
                     continue
-                if session.steps > steps and session.last_token_ms > 0:
+                if session.steps > steps and session.last_token_ms > 0:  # the step drafted a token
                     self.token_ms += PACE_EWMA * (session.last_token_ms - self.token_ms) if self.token_ms else session.last_token_ms
+                    if self.metrics is not None:
+                        self.metrics.step_seconds.observe(session.last_token_ms / 1e3)
                 if out is not None:
                     emit(out)
 
 
 class DrafterServicer(rpc.DrafterServiceServicer):
-    """Serves a draft model (method "model") and the n-gram drafter (method "ngram")."""
+    """Serves a draft model (method "model") and the n-gram drafter (method "ngram"); its
+    metrics (telemetry.DrafterMetrics) live on `registry`."""
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, registry: CollectorRegistry) -> None:
         from specdec.models import load_causal_lm, resolve
 
         torch.set_num_threads(cfg.threads)
@@ -112,8 +118,9 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.model_name = cfg.model
         self.vocab_size = int(self.model.config.vocab_size)
         self.tracer = telemetry.setup_tracing("drafter")
+        self.metrics = telemetry.DrafterMetrics(registry)
         token_ms = self._calibrate()
-        self.worker = DraftWorker(token_ms)
+        self.worker = DraftWorker(token_ms, self.metrics)
         self.worker.start()
         log.info("draft model %s loaded from %s (vocab %d, %s, quantize %s, %.1f ms per draft token)", cfg.model, path,
                  self.vocab_size, cfg.dtype, cfg.quantize, token_ms)
@@ -182,7 +189,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             attributes={"specdec.request_id": opened.request_id, "specdec.gamma": opened.gamma,
                         "specdec.method": draft_method_name(opened.method or pb.DRAFT_METHOD_MODEL)},
         )
-        telemetry.DRAFTER_SESSIONS.inc()
+        self.metrics.sessions.inc()
         self.worker.add(session, lambda item: loop.call_soon_threadsafe(out.put_nowait, item))
 
         async def read_commits() -> None:
@@ -223,13 +230,13 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                     continue
                 sequence += 1
                 await context.write(pb.DraftResponse(block=_block_pb(item, sequence)))
-                telemetry.DRAFTER_BLOCKS.inc()
-                telemetry.DRAFTER_TOKENS.inc(len(item.drafts))
+                self.metrics.blocks.inc()
+                self.metrics.tokens.inc(len(item.drafts))
                 span.add_event("block", {"specdec.start_position": item.start_position,
                                          "specdec.tokens": len(item.drafts), "specdec.draft_ms": item.draft_ms})
         finally:
             span.end()
-            telemetry.DRAFTER_SESSIONS.dec()
+            self.metrics.sessions.dec()
             reader.cancel()
             self.worker.remove(session)
 
@@ -254,6 +261,6 @@ def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":
 
 async def main(cfg: DrafterConfig) -> None:
     await serving.serve(
-        "drafter", cfg, lambda: DrafterServicer(cfg), rpc.add_DrafterServiceServicer_to_server,
+        "drafter", cfg, lambda registry: DrafterServicer(cfg, registry), rpc.add_DrafterServiceServicer_to_server,
         "specdec.v1.DrafterService"
     )

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec import telemetry
 from specdec.acceptance import sparse_q, target_distribution
 
 
@@ -80,7 +79,7 @@ class DraftSession:
         self._pending_since = 0.0
         self._pending_ms = 0.0
         self.steps = 0
-        self.last_token_ms = 0.0  # compute time of the latest drafted token
+        self.last_token_ms = 0.0  # compute time of the token the latest draft step drafted (0: none)
         # fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th step
         self.inject_delay_ms = 0.0
         self.inject_every = 0
@@ -144,6 +143,7 @@ class DraftSession:
                 return Ready(len(self.context), self.prefill_ms)
             if not self.wants_work():
                 return self._flush(force=True)
+            self.last_token_ms = 0.0
             t0 = time.perf_counter()
             draft = self._next_token()
             self.steps += 1
@@ -161,7 +161,6 @@ class DraftSession:
             step_s = time.perf_counter() - t0
             self.last_token_ms = step_s * 1e3
             self._pending_ms += step_s * 1e3
-            telemetry.DRAFTER_STEP.observe(step_s)
             return self._flush(force=not self.wants_work())
 
     def _flush(self, force: bool) -> BlockOut | None:

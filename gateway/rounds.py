@@ -126,6 +126,7 @@ class Round:
     sent from inside the target step) and verdicts; `stats` (verdicts only) is complete
     when the iteration ends. All writes to the verifier go through one queue and task,
     all writes to the drafter through another, so neither stream has two writers.
+    Each round feeds `metrics` (the gateway's, telemetry.GatewayMetrics) and `spikes`.
     """
 
     def __init__(
@@ -135,6 +136,7 @@ class Round:
         drafter_stub: object,
         drafter_timeout_s: float,
         spikes: telemetry.SpikeDetector,
+        metrics: telemetry.GatewayMetrics,
         model: str = "",
         parent: Any = None,
     ) -> None:
@@ -143,6 +145,7 @@ class Round:
         self.drafter_stub = drafter_stub
         self.drafter_timeout_s = drafter_timeout_s
         self.spikes = spikes
+        self.metrics = metrics
         use_drafter = plan.gamma > 0 and plan.drafter != pb.DRAFT_METHOD_NONE
         self.stats = Stats(plan.gamma if use_drafter else 0, plan.drafter if use_drafter else pb.DRAFT_METHOD_NONE)
         self.tracer = telemetry.tracer("gateway")
@@ -262,7 +265,7 @@ class Round:
             for stage, limit in spiked.items():
                 span.add_event("latency_spike", {"specdec.spike.stage": stage, "specdec.spike.ms": stages[stage],
                                                  "specdec.spike.threshold_ms": limit})
-                telemetry.SPIKES.labels(stage).inc()
+                self.metrics.spikes.labels(stage).inc()
             if spiked:
                 span.set_attribute("specdec.spike.stage", ",".join(spiked))
                 log.warning("latency spike in %s: request %s round %d trace %s stages %s",
@@ -270,17 +273,17 @@ class Round:
                             telemetry.trace_id_hex(span), {k: round(ms, 1) for k, ms in stages.items()})
         span.end(end_time=now)
         self._last_ns, self._draft_ms = now, 0.0
-        telemetry.ROUNDS.inc()
-        telemetry.GENERATION_TOKENS.inc(len(v.token_ids))
+        self.metrics.rounds.inc()
+        self.metrics.generation_tokens.inc(len(v.token_ids))
         for stage, ms in stages.items():
-            telemetry.ROUND_STAGE.labels(stage).observe(ms / 1e3)
+            self.metrics.round_stage.labels(stage).observe(ms / 1e3)
         if v.drafted:
-            telemetry.NUM_DRAFTS.inc()
-            telemetry.NUM_DRAFT_TOKENS.inc(v.drafted)
-            telemetry.NUM_ACCEPTED_TOKENS.inc(v.accepted)
-            telemetry.ACCEPTED_LENGTH.observe(v.accepted + 1)
+            self.metrics.num_drafts.inc()
+            self.metrics.num_draft_tokens.inc(v.drafted)
+            self.metrics.num_accepted_tokens.inc(v.accepted)
+            self.metrics.accepted_length.observe(v.accepted + 1)
             for i in range(v.accepted):
-                telemetry.ACCEPTED_PER_POS.labels(str(i)).inc()
+                self.metrics.accepted_per_pos.labels(str(i)).inc()
 
     def _finish_span(self) -> None:
         s = self.stats
@@ -294,7 +297,7 @@ class Round:
         })
         if s.fallback_reason:
             self.span.set_attribute("specdec.fallback_reason", s.fallback_reason)
-            telemetry.FALLBACKS.inc()
+            self.metrics.fallbacks.inc()
         self.span.end()
 
     def _commit(self, v: "pb.VerifyResponse") -> None:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from gateway.rounds import Plan, Round
 from gateway.text import TextStream
@@ -44,7 +45,10 @@ class Chunk:
 
 
 class GatewayServicer(rpc.GatewayServiceServicer):
-    def __init__(self, cfg: GatewayConfig) -> None:
+    """The gateway; its metrics (telemetry.GatewayMetrics) live on `registry`, which the
+    REST bridge's /metrics serves too (`self.metrics.registry`)."""
+
+    def __init__(self, cfg: GatewayConfig, registry: CollectorRegistry) -> None:
         from transformers import AutoTokenizer
 
         from specdec.models import resolve
@@ -52,6 +56,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self.cfg = cfg
         self.default_drafter = draft_method(cfg.default_drafter)  # a bad name stops the start-up, naming the known
         telemetry.setup_tracing("gateway")  # Round takes its tracer from the provider
+        self.metrics = telemetry.GatewayMetrics(registry)
         self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer))
         self._verifier_channel = grpc.aio.insecure_channel(cfg.verifier_address)
@@ -98,7 +103,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
     def _round(self, plan: Plan, context: grpc.aio.ServicerContext) -> Round:
         parent = telemetry.extract_context(context.invocation_metadata())  # a caller's trace, if any
         return Round(plan, self.verifier, self.drafter, self.cfg.drafter_timeout_s, self.spikes,
-                     model=self.cfg.tokenizer, parent=parent)
+                     self.metrics, model=self.cfg.tokenizer, parent=parent)
 
     async def _chunks(self, round_: Round, context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
         """The round's tokens as text chunks, as early as they are certain; ends at the finish
@@ -111,8 +116,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         text = TextStream(self.tokenizer, list(round_.plan.sampling.stop))
         finish = pb.FINISH_REASON_ABORT
         sent = len(round_.plan.prompt_token_ids)  # position up to which tokens reached the client
-        telemetry.REQUESTS_RUNNING.inc()
-        telemetry.PROMPT_TOKENS.inc(len(round_.plan.prompt_token_ids))
+        self.metrics.requests_running.inc()
+        self.metrics.prompt_tokens.inc(len(round_.plan.prompt_token_ids))
         try:
             async for v in _upstream(round_.verdicts(), context):
                 new = list(v.token_ids[max(0, sent - v.start_position):])
@@ -134,8 +139,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                 if text.stopped:
                     return  # leaving the loop cancels the verifier's request
         finally:
-            telemetry.REQUESTS_RUNNING.dec()
-            telemetry.REQUESTS.labels(finish_reason_name(finish) or "unspecified").inc()
+            self.metrics.requests_running.dec()
+            self.metrics.requests.labels(finish_reason_name(finish) or "unspecified").inc()
 
     async def _checked_plan(self, spec: "pb.GenerationSpec", context: grpc.aio.ServicerContext) -> Plan:
         try:
@@ -209,7 +214,7 @@ async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: async
     from gateway.rest import build_app
 
     app = build_app(f"127.0.0.1:{cfg.port}", servicer.tokenizer, cfg.tokenizer)
-    app.mount("/metrics", prometheus_client.make_asgi_app())
+    app.mount("/metrics", prometheus_client.make_asgi_app(servicer.metrics.registry))  # as on metrics_port
 
     class Server(uvicorn.Server):
         def capture_signals(self):  # type: ignore[override]
@@ -224,7 +229,7 @@ async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: async
 
 async def main(cfg: GatewayConfig) -> None:
     await serving.serve(
-        "gateway", cfg, lambda: GatewayServicer(cfg), rpc.add_GatewayServiceServicer_to_server,
+        "gateway", cfg, lambda registry: GatewayServicer(cfg, registry), rpc.add_GatewayServiceServicer_to_server,
         "specdec.v1.GatewayService",
         also=(lambda servicer, stop: rest_bridge(cfg, servicer, stop)) if cfg.rest_port else None,
     )

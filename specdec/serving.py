@@ -11,8 +11,9 @@ from typing import Any, Protocol, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 
+from specdec.telemetry import service_registry
 from specdec.validation import InvalidField
 
 log = logging.getLogger("specdec")
@@ -55,7 +56,7 @@ S = TypeVar("S", bound=Servicer)
 async def serve(
     name: str,
     cfg: Any,
-    build: Callable[[], S],
+    build: Callable[[CollectorRegistry], S],
     add_to_server: Callable[[S, grpc.aio.Server], None],
     service: str,
     also: Callable[[S, asyncio.Event], Awaitable[None]] | None = None,
@@ -63,8 +64,10 @@ async def serve(
     """Run one gRPC service until SIGINT/SIGTERM, then stop gracefully.
 
     cfg gives host, port and metrics_port (Prometheus /metrics, 0: off). The ports are bound
-    first, then `build()` makes the servicer (loading its model can take minutes and opens
-    ports of its own, vLLM's for one: binding first means none of them can take ours).
+    first, then `build(registry)` makes the servicer (loading its model can take minutes and
+    opens ports of its own, vLLM's for one: binding first means none of them can take ours).
+    `registry` is this service's own (telemetry.service_registry(name): the shared families
+    only, until the servicer builds its metrics object on it); /metrics serves it alone.
     `service` is the full service name for health checks and reflection.
     `also(servicer, stop_event)` runs beside the server in the same loop (the gateway's REST
     bridge) and must return once the event is set.
@@ -75,10 +78,11 @@ async def serve(
     bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     if bound == 0:
         raise OSError(f"{name}: cannot bind {cfg.host}:{cfg.port}")
+    registry = service_registry(name)
     if cfg.metrics_port:
-        start_http_server(cfg.metrics_port, addr=cfg.host)
+        start_http_server(cfg.metrics_port, addr=cfg.host, registry=registry)
         log.info("%s metrics on http://%s:%d/metrics", name, cfg.host, cfg.metrics_port)
-    servicer = build()
+    servicer = build(registry)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

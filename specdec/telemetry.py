@@ -26,23 +26,12 @@ Latency spikes
     with the trace id.
 
 Metrics (Prometheus, `/metrics` on each service; names follow vLLM's spec-decode metrics)
-    Acceptance rate over 5 minutes:
-        rate(specdec:spec_decode_num_accepted_tokens_total[5m])
-          / rate(specdec:spec_decode_num_draft_tokens_total[5m])
-    Mean accepted length (tokens per speculative step):
-        1 + rate(specdec:spec_decode_num_accepted_tokens_total[5m])
-          / rate(specdec:spec_decode_num_drafts_total[5m])
-    Acceptance at draft position p:
-        rate(specdec:spec_decode_num_accepted_tokens_per_pos_total{position="p"}[5m])
-          / rate(specdec:spec_decode_num_drafts_total[5m])
-    p99 round latency by stage:
-        histogram_quantile(0.99, sum by (le, stage) (rate(specdec:round_stage_seconds_bucket[5m])))
-    Generated tokens/s:       rate(specdec:generation_tokens_total[1m])
-    Spikes by stage:          rate(specdec:latency_spikes_total[5m])
-    Queue depth:              specdec:requests_running (gateway), specdec:verifier_sessions (verifier)
-    Adaptive gamma back-off:  rate(specdec:verifier_withheld_draft_tokens_total[5m]) (drafts left
-                              unverified because they would cost throughput), with the fitted step
-                              cost specdec:verifier_step_cost_ms{term="base"|"per_token"}
+    Each service's metrics are one object built on that service's own registry:
+    `GatewayMetrics`, `DrafterMetrics`, `VerifierMetrics` (their docstrings list the families,
+    with PromQL). `service_registry(service)` makes the registry with the shared families
+    (process_*, python_gc_*, python_info, specdec:build_info{service, version}), so a
+    service's /metrics shows its own families and those only. Nothing here registers in
+    prometheus_client's default REGISTRY.
 """
 
 from __future__ import annotations
@@ -60,7 +49,17 @@ from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+from specdec import __version__
 
 log = logging.getLogger("specdec.telemetry")
 
@@ -186,50 +185,174 @@ class SpikeDetector:
         return spiked
 
 
-# ---- metrics -----------------------------------------------------------------------------
-# Gateway (per request and round)
-NUM_DRAFTS = Counter("specdec:spec_decode_num_drafts", "Target steps that verified a draft block")
-NUM_DRAFT_TOKENS = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens verified")
-NUM_ACCEPTED_TOKENS = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted")
-ACCEPTED_PER_POS = Counter(
-    "specdec:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the block", ["position"]
-)
-ACCEPTED_LENGTH = Histogram(
-    "specdec:accepted_length", "Tokens emitted per speculative target step (accepted + 1)", buckets=range(1, 34)
-)
-ROUNDS = Counter("specdec:rounds", "Target steps seen by the gateway (all requests)")
-ROUND_STAGE = Histogram(
-    "specdec:round_stage_seconds",
-    "Round latency by stage: verify (engine step), draft (drafter compute), draft_wait "
-    "(verifier waiting for drafts), network (the rest of the round)",
-    ["stage"],
-    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-)
-GENERATION_TOKENS = Counter("specdec:generation_tokens", "Generated tokens")
-PROMPT_TOKENS = Counter("specdec:prompt_tokens", "Prompt tokens")
-REQUESTS = Counter("specdec:requests", "Finished requests by finish reason", ["finish_reason"])
-REQUESTS_RUNNING = Gauge("specdec:requests_running", "Requests in flight at the gateway (queue depth)")
-SPIKES = Counter("specdec:latency_spikes", "Rounds with a latency spike, by stage", ["stage"])
-FALLBACKS = Counter("specdec:drafter_fallbacks", "Requests that went on without their drafter")
-# Drafter
-DRAFTER_SESSIONS = Gauge("specdec:drafter_sessions", "Open draft sessions")
-DRAFTER_BLOCKS = Counter("specdec:drafter_blocks", "Blocks sent")
-DRAFTER_TOKENS = Counter("specdec:drafter_tokens", "Draft tokens sent")
-DRAFTER_STEP = Histogram(
-    "specdec:drafter_step_seconds", "One draft token's compute", buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1)
-)
-# Verifier
-VERIFIER_SESSIONS = Gauge("specdec:verifier_sessions", "Open verify sessions (requests in the engine)")
-VERIFIER_STEPS = Counter("specdec:verifier_engine_steps", "Engine steps")
-VERIFIER_STEP = Histogram(
-    "specdec:verifier_step_seconds", "Engine step wall time", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
-)
-VERIFIER_BATCH = Histogram("specdec:verifier_batch_size", "Requests per engine step", buckets=(1, 2, 4, 8, 16, 32, 64))
-VERIFIER_COMPUTED = Counter("specdec:verifier_computed_tokens", "Tokens the target computed (prefill + 1 + drafts)")
-VERIFIER_WITHHELD = Counter(
-    "specdec:verifier_withheld_draft_tokens", "Drafts that arrived but adaptive gamma left unverified (saturation back-off)"
-)
-VERIFIER_STEP_COST = Gauge(
-    "specdec:verifier_step_cost_ms", "Fitted engine step cost T(n) = base + per_token * n, milliseconds", ["term"]
-)
-VERIFIER_DRAFT_WAIT = Counter("specdec:verifier_draft_wait_seconds", "Engine time spent waiting for drafts")
+# ---- metrics ----------------------------------------------------------------------------
+
+
+def service_registry(service: str) -> CollectorRegistry:
+    """A fresh registry for one service's /metrics, holding the families every service shares:
+    process_* (CPU, memory, open fds), python_gc_*, python_info, and
+    specdec:build_info{service, version} (always 1).
+
+    Build the service's metrics object (GatewayMetrics, DrafterMetrics, VerifierMetrics) on it.
+    """
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    build_info = Gauge("specdec:build_info", "Service and specdec version of this process (always 1)",
+                       ["service", "version"], registry=registry)
+    build_info.labels(service, __version__).set(1)
+    return registry
+
+
+class GatewayMetrics:
+    """The gateway's metrics (per request and per round), on `registry`.
+
+    Families:
+        specdec:spec_decode_num_drafts_total              target steps that verified a draft block
+        specdec:spec_decode_num_draft_tokens_total        draft tokens verified
+        specdec:spec_decode_num_accepted_tokens_total     draft tokens accepted
+        specdec:spec_decode_num_accepted_tokens_per_pos_total{position}
+        specdec:accepted_length                           histogram: tokens per speculative step
+        specdec:rounds_total                              target steps (all requests)
+        specdec:round_stage_seconds{stage}                histogram: verify, draft, draft_wait, network
+        specdec:generation_tokens_total, specdec:prompt_tokens_total
+        specdec:requests_total{finish_reason}, specdec:requests_running (queue depth)
+        specdec:latency_spikes_total{stage}, specdec:drafter_fallbacks_total
+
+    PromQL:
+        Acceptance rate over 5 minutes:
+            rate(specdec:spec_decode_num_accepted_tokens_total[5m])
+              / rate(specdec:spec_decode_num_draft_tokens_total[5m])
+        Mean accepted length (tokens per speculative step):
+            1 + rate(specdec:spec_decode_num_accepted_tokens_total[5m])
+              / rate(specdec:spec_decode_num_drafts_total[5m])
+        Acceptance at draft position p:
+            rate(specdec:spec_decode_num_accepted_tokens_per_pos_total{position="p"}[5m])
+              / rate(specdec:spec_decode_num_drafts_total[5m])
+        p99 round latency by stage:
+            histogram_quantile(0.99, sum by (le, stage) (rate(specdec:round_stage_seconds_bucket[5m])))
+        Generated tokens/s:   rate(specdec:generation_tokens_total[1m])
+        Spikes by stage:      rate(specdec:latency_spikes_total[5m])
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.num_drafts = Counter(
+            "specdec:spec_decode_num_drafts", "Target steps that verified a draft block", registry=registry
+        )
+        self.num_draft_tokens = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens verified", registry=registry)
+        self.num_accepted_tokens = Counter(
+            "specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=registry
+        )
+        self.accepted_per_pos = Counter(
+            "specdec:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the block",
+            ["position"], registry=registry,
+        )
+        self.accepted_length = Histogram(
+            "specdec:accepted_length", "Tokens emitted per speculative target step (accepted + 1)",
+            buckets=range(1, 34), registry=registry,
+        )
+        self.rounds = Counter("specdec:rounds", "Target steps seen by the gateway (all requests)", registry=registry)
+        self.round_stage = Histogram(
+            "specdec:round_stage_seconds",
+            "Round latency by stage: verify (engine step), draft (drafter compute), draft_wait "
+            "(verifier waiting for drafts), network (the rest of the round)",
+            ["stage"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=registry,
+        )
+        self.generation_tokens = Counter("specdec:generation_tokens", "Generated tokens", registry=registry)
+        self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens", registry=registry)
+        self.requests = Counter(
+            "specdec:requests", "Finished requests by finish reason", ["finish_reason"], registry=registry
+        )
+        self.requests_running = Gauge(
+            "specdec:requests_running", "Requests in flight at the gateway (queue depth)", registry=registry
+        )
+        self.spikes = Counter(
+            "specdec:latency_spikes", "Rounds with a latency spike, by stage", ["stage"], registry=registry
+        )
+        self.fallbacks = Counter(
+            "specdec:drafter_fallbacks", "Requests that went on without their drafter", registry=registry
+        )
+
+
+class DrafterMetrics:
+    """The drafter's metrics, on `registry`.
+
+    Families:
+        specdec:drafter_sessions        open draft sessions (gauge)
+        specdec:drafter_blocks_total    blocks sent
+        specdec:drafter_tokens_total    draft tokens sent
+        specdec:drafter_step_seconds    histogram: one draft token's compute
+
+    PromQL:
+        Draft tokens/s:              rate(specdec:drafter_tokens_total[1m])
+        Mean tokens per block:       rate(specdec:drafter_tokens_total[5m]) / rate(specdec:drafter_blocks_total[5m])
+        p99 draft-token compute:     histogram_quantile(0.99, rate(specdec:drafter_step_seconds_bucket[5m]))
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.sessions = Gauge("specdec:drafter_sessions", "Open draft sessions", registry=registry)
+        self.blocks = Counter("specdec:drafter_blocks", "Blocks sent", registry=registry)
+        self.tokens = Counter("specdec:drafter_tokens", "Draft tokens sent", registry=registry)
+        self.step_seconds = Histogram(
+            "specdec:drafter_step_seconds", "One draft token's compute",
+            buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1), registry=registry,
+        )
+
+
+class VerifierMetrics:
+    """The verifier's metrics (the target engine and its draft board), on `registry`.
+
+    Families:
+        specdec:verifier_sessions                       open verify sessions (requests in the engine)
+        specdec:verifier_engine_steps_total             engine steps
+        specdec:verifier_step_seconds                   histogram: engine step wall time
+        specdec:verifier_batch_size                     histogram: requests per engine step
+        specdec:verifier_computed_tokens_total          tokens the target computed
+        specdec:verifier_withheld_draft_tokens_total    drafts adaptive gamma left unverified
+        specdec:verifier_step_cost_ms{term}             fitted step cost: term="base" | "per_token"
+        specdec:verifier_draft_wait_seconds_total       engine time spent waiting for drafts
+
+    PromQL:
+        Queue depth:                specdec:verifier_sessions
+        Mean batch size:            rate(specdec:verifier_batch_size_sum[5m]) / rate(specdec:verifier_batch_size_count[5m])
+        Share of time waiting for drafts:
+            rate(specdec:verifier_draft_wait_seconds_total[5m])
+              / (rate(specdec:verifier_draft_wait_seconds_total[5m]) + rate(specdec:verifier_step_seconds_sum[5m]))
+        Adaptive gamma back-off:    rate(specdec:verifier_withheld_draft_tokens_total[5m]) (drafts left
+                                    unverified because they would cost throughput), with the fitted step
+                                    cost specdec:verifier_step_cost_ms{term="base"|"per_token"}
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.sessions = Gauge(
+            "specdec:verifier_sessions", "Open verify sessions (requests in the engine)", registry=registry
+        )
+        self.engine_steps = Counter("specdec:verifier_engine_steps", "Engine steps", registry=registry)
+        self.step_seconds = Histogram(
+            "specdec:verifier_step_seconds", "Engine step wall time",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=registry,
+        )
+        self.batch_size = Histogram(
+            "specdec:verifier_batch_size", "Requests per engine step", buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=registry,
+        )
+        self.computed_tokens = Counter(
+            "specdec:verifier_computed_tokens", "Tokens the target computed (prefill + 1 + drafts)", registry=registry
+        )
+        self.withheld_draft_tokens = Counter(
+            "specdec:verifier_withheld_draft_tokens",
+            "Drafts that arrived but adaptive gamma left unverified (saturation back-off)", registry=registry,
+        )
+        self.step_cost_ms = Gauge(
+            "specdec:verifier_step_cost_ms", "Fitted engine step cost T(n) = base + per_token * n, milliseconds",
+            ["term"], registry=registry,
+        )
+        self.draft_wait_seconds = Counter(
+            "specdec:verifier_draft_wait_seconds", "Engine time spent waiting for drafts", registry=registry
+        )

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from specdec import telemetry
 from specdec.config import VerifierConfig
 from verifier import vllm_hooks
@@ -64,9 +66,13 @@ class GenerationRequest:
 
 
 class TargetEngine:
-    """Owns the vLLM engine and its stepping thread."""
+    """Owns the vLLM engine and its stepping thread.
 
-    def __init__(self, cfg: VerifierConfig, model_path: str) -> None:
+    `metrics`: the verifier's (engine steps, batch sizes, step cost; shared with the draft
+    board); None gives the engine a throwaway registry of its own (tools).
+    """
+
+    def __init__(self, cfg: VerifierConfig, model_path: str, metrics: telemetry.VerifierMetrics | None = None) -> None:
         configure_vllm_env(cfg)
         vllm_hooks.check_vllm_version()
         from verifier.proposer import DraftBoard
@@ -74,12 +80,14 @@ class TargetEngine:
         if cfg.cpu_sampler_fix and vllm_hooks.apply_cpu_sampler_fix():
             log.info("installed the CPU rejection-sampler fix (vLLM issue #55005)")
         self.cfg = cfg
+        self.metrics = metrics if metrics is not None else telemetry.VerifierMetrics(CollectorRegistry())
         self.board = DraftBoard(
             max_model_len=cfg.max_model_len,
             wait_s=cfg.draft_wait_ms / 1e3,
             wait_slack=cfg.draft_wait_slack,
             wait_margin_s=cfg.draft_wait_margin_ms / 1e3,
             adaptive=cfg.adaptive_gamma,
+            metrics=self.metrics,
         )
         self.engine = vllm_hooks.build_engine(cfg, model_path, self.board)
         self._step_tokens = 0  # tokens the engine scheduled in the current step
@@ -244,12 +252,13 @@ class TargetEngine:
             self.steps += 1
             if self._decode_step:
                 self.board.cost.observe(self._step_tokens, step_ms)
-            telemetry.VERIFIER_STEP_COST.labels("base").set(self.board.cost.base_ms)
-            telemetry.VERIFIER_STEP_COST.labels("per_token").set(self.board.cost.per_token_ms)
-            telemetry.VERIFIER_STEPS.inc()
-            telemetry.VERIFIER_STEP.observe(step_ms / 1e3)
-            telemetry.VERIFIER_DRAFT_WAIT.inc(wait_ms / 1e3)
-            telemetry.VERIFIER_BATCH.observe(len(outputs))
+            m = self.metrics
+            m.step_cost_ms.labels("base").set(self.board.cost.base_ms)
+            m.step_cost_ms.labels("per_token").set(self.board.cost.per_token_ms)
+            m.engine_steps.inc()
+            m.step_seconds.observe(step_ms / 1e3)
+            m.draft_wait_seconds.inc(wait_ms / 1e3)
+            m.batch_size.observe(len(outputs))
             for out in outputs:
                 live = self._live.get(out.request_id)  # RequestOutput carries our (external) id
                 if live is None:
@@ -274,7 +283,7 @@ class TargetEngine:
         self.board.record(live.engine_id, len(proposal), accepted)
         computed, live.computed = live.computed, 0
         queue_ms = (live.first_scheduled - live.submitted) * 1e3 if live.generated == 0 and live.first_scheduled else 0.0
-        telemetry.VERIFIER_COMPUTED.inc(computed)
+        self.metrics.computed_tokens.inc(computed)
         live.generated += len(tokens)
         verdict = Verdict(start, tokens, len(proposal), accepted, finish, computed, batch_size, step_ms, wait_ms, queue_ms)
         if finish is not None:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from specdec import telemetry
 from verifier.budget import Acceptance, StepCost, allocate, worth_waiting
@@ -67,7 +68,11 @@ class _Entry:
 
 
 class DraftBoard:
-    """Thread-safe drafts by engine request id, shared by the gRPC side and the proposer."""
+    """Thread-safe drafts by engine request id, shared by the gRPC side and the proposer.
+
+    `metrics`: the verifier's (withheld drafts are counted there); None gives the board a
+    throwaway registry of its own (tests, tools).
+    """
 
     def __init__(
         self,
@@ -76,7 +81,9 @@ class DraftBoard:
         wait_slack: float = 0.5,
         wait_margin_s: float = 0.05,
         adaptive: bool = False,
+        metrics: telemetry.VerifierMetrics | None = None,
     ) -> None:
+        self.metrics = metrics if metrics is not None else telemetry.VerifierMetrics(CollectorRegistry())
         self._cond = threading.Condition()
         self._entries: dict[str, _Entry] = {}
         self.max_model_len = max_model_len  # the engine's: no draft past it
@@ -265,7 +272,7 @@ class DraftBoard:
                     self._entries[rid].proposals[len(ctx)] = d
         self.waited_s += time.monotonic() - t0
         if withheld:
-            telemetry.VERIFIER_WITHHELD.inc(withheld)
+            self.metrics.withheld_draft_tokens.inc(withheld)
         return drafts
 
     def take_proposal(self, req_id: str, length: int) -> list[int]:

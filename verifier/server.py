@@ -12,6 +12,7 @@ import logging
 import os
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from specdec import serving, telemetry
 from specdec.config import VerifierConfig
@@ -42,13 +43,17 @@ def verdict_pb(v: Verdict) -> "pb.VerifyResponse":
 
 
 class VerifierServicer(rpc.VerifierServiceServicer):
-    def __init__(self, cfg: VerifierConfig) -> None:
+    """The verifier; its metrics (telemetry.VerifierMetrics, shared with the engine and its
+    draft board) live on `registry`."""
+
+    def __init__(self, cfg: VerifierConfig, registry: CollectorRegistry) -> None:
         from specdec.models import resolve
 
         self.cfg = cfg
         self.model_name = cfg.model
         self.tracer = telemetry.setup_tracing("verifier")
-        self.engine = TargetEngine(cfg, str(resolve(cfg.model)))
+        self.metrics = telemetry.VerifierMetrics(registry)
+        self.engine = TargetEngine(cfg, str(resolve(cfg.model)), self.metrics)
         self._ids: set[str] = set()
 
     def _request(self, req: "pb.VerifyOpen") -> GenerationRequest:
@@ -82,7 +87,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
             attributes={"specdec.request_id": req.request_id, "specdec.gamma": req.gamma,
                         "gen_ai.usage.input_tokens": len(req.prompt_token_ids)},
         )
-        telemetry.VERIFIER_SESSIONS.inc()
+        self.metrics.sessions.inc()
         self._ids.add(req.request_id)
         self.engine.submit(req, lambda v: loop.call_soon_threadsafe(verdicts.put_nowait, v))
         vocab = self.engine.vocab_size
@@ -135,7 +140,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                     return
         finally:
             span.end()
-            telemetry.VERIFIER_SESSIONS.dec()
+            self.metrics.sessions.dec()
             reader.cancel()
             self._ids.discard(req.request_id)
             if not finished:  # cancelled, failed or invalid: free the engine's slot
@@ -154,8 +159,8 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         )
 
 
-def _build(cfg: VerifierConfig) -> VerifierServicer:
-    servicer = VerifierServicer(cfg)  # starts the engine thread on the process's CPUs
+def _build(cfg: VerifierConfig, registry: CollectorRegistry) -> VerifierServicer:
+    servicer = VerifierServicer(cfg, registry)  # starts the engine thread on the process's CPUs
     if cfg.io_cpus:
         # this thread (the asyncio loop) and the gRPC threads it starts move off the engine's
         # CPUs: on a CPU-only host the network I/O would otherwise steal the target's core
@@ -166,5 +171,6 @@ def _build(cfg: VerifierConfig) -> VerifierServicer:
 
 async def main(cfg: VerifierConfig) -> None:
     await serving.serve(
-        "verifier", cfg, lambda: _build(cfg), rpc.add_VerifierServiceServicer_to_server, "specdec.v1.VerifierService"
+        "verifier", cfg, lambda registry: _build(cfg, registry), rpc.add_VerifierServiceServicer_to_server,
+        "specdec.v1.VerifierService",
     )

@@ -58,12 +58,22 @@ def generate_all(address: str, specs: list["pb.GenerationSpec"], concurrency: in
     return asyncio.run(_generate_all(address, specs, concurrency))
 
 
+def _metrics_text(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
 def scrape(port: int) -> dict[str, float]:
     """{sample name with labels: value} from a service's /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     out = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_metrics_text(port)):
         for s in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+def scrape_families(port: int) -> set[str]:
+    """The metric family names on a service's /metrics, sampled or not: counters without
+    _total, and without the X_created series the text format shows as families of their own."""
+    families = {family.name for family in text_string_to_metric_families(_metrics_text(port))}
+    return {name for name in families if not (name.endswith("_created") and name[: -len("_created")] in families)}

@@ -1,8 +1,19 @@
-"""Prometheus /metrics on every service: scraped, parsed, and moving as requests run."""
+"""Prometheus /metrics on every service: scraped, parsed, moving as requests run, and each
+service's own (its families and the shared ones, none of the other services')."""
 
 from __future__ import annotations
 
-from gen import generate_all, scrape, spec
+from gen import generate_all, scrape, scrape_families, spec
+from prometheus_client import CollectorRegistry
+
+from specdec import __version__, telemetry
+
+METRICS = {"gateway": telemetry.GatewayMetrics, "drafter": telemetry.DrafterMetrics, "verifier": telemetry.VerifierMetrics}
+
+
+def _own_families(service: str) -> set[str]:
+    """The specdec: families a service's metrics class defines (family names, as scraped)."""
+    return {m.name for m in METRICS[service](CollectorRegistry()).registry.collect()}
 
 
 def test_metrics_move(services) -> None:
@@ -26,3 +37,13 @@ def test_metrics_move(services) -> None:
     assert moved("dr", "specdec:drafter_blocks_total") > 0
     assert moved("ve", "specdec:verifier_engine_steps_total") > 0
     assert moved("ve", "specdec:verifier_computed_tokens_total") >= 160
+
+
+def test_each_service_exports_only_its_own_families(services) -> None:
+    running = {"gateway": services.gateways["mid"], "drafter": services.drafters["mid"], "verifier": services.verifier}
+    for service, svc in running.items():
+        families = scrape_families(svc.metrics_port)
+        specdec = {f for f in families if f.startswith("specdec:")}
+        assert specdec == _own_families(service) | {"specdec:build_info"}, service
+        assert any(f.startswith("process_") for f in families) and any(f.startswith("python_gc_") for f in families)
+        assert scrape(svc.metrics_port)[f"specdec:build_info{{service={service},version={__version__}}}"] == 1

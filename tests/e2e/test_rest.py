@@ -173,4 +173,6 @@ def test_the_gateway_serves_the_bridge_and_metrics(services) -> None:
     assert done.usage.completion_tokens == 8
     text = httpx.get(f"{url}/metrics/", timeout=10).text
     assert "specdec:spec_decode_num_drafts_total" in text
+    assert 'specdec:build_info{service="gateway"' in text  # the gateway's registry: no drafter/verifier families
+    assert "specdec:verifier_" not in text and "specdec:drafter_sessions" not in text
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200

@@ -14,6 +14,7 @@ import time
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gateway.rounds import Plan, Round, Stats
 from gateway.server import _upstream
@@ -67,7 +68,8 @@ class Stub:
 
 def _round(verifier: FakeCall, drafter: FakeCall) -> Round:
     plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=3), gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
-    return Round(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector())
+    metrics = telemetry.GatewayMetrics(CollectorRegistry())  # each round its own, to read back
+    return Round(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector(), metrics)
 
 
 def _verdict(start: int, tokens: list[int], finish: bool = False, **kw) -> "pb.VerifyResponse":
@@ -102,6 +104,10 @@ def test_a_target_prefill_longer_than_the_deadline_does_not_fall_back() -> None:
     assert not r.stats.fallback_reason
     assert r.stats.drafted == 2 and r.stats.accepted == 2
     assert r.stats.drafter_prefill_ms == 1.0
+    registry = r.metrics.registry
+    assert registry.get_sample_value("specdec:spec_decode_num_draft_tokens_total") == 2
+    assert registry.get_sample_value("specdec:spec_decode_num_accepted_tokens_per_pos_total", {"position": "1"}) == 1
+    assert registry.get_sample_value("specdec:drafter_fallbacks_total") == 0
 
 
 def test_a_drafter_silent_after_a_commit_falls_back_and_releases_the_verifier() -> None:
@@ -124,6 +130,7 @@ def test_a_drafter_silent_after_a_commit_falls_back_and_releases_the_verifier() 
     assert waited >= TIMEOUT_S * 0.9  # not before the deadline (asyncio may round timers slightly)
     assert drafter.cancelled
     assert r.stats.completion_tokens == 3  # the generation went on
+    assert r.metrics.registry.get_sample_value("specdec:drafter_fallbacks_total") == 1
 
 
 def test_a_drafter_stream_error_mid_generation_falls_back_and_verdicts_continue() -> None:

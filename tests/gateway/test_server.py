@@ -5,16 +5,19 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from gateway.rounds import Plan
 from gateway.server import GatewayServicer
+from specdec import telemetry
 from specdec.wire import pb
 
 
 def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list:
     servicer = GatewayServicer.__new__(GatewayServicer)  # no channels: only _chunks is exercised
     servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    servicer.metrics = telemetry.GatewayMetrics(CollectorRegistry())
 
     async def verdicts():
         for m in messages:

@@ -1,14 +1,17 @@
-"""Spike detection, the span file format, and `specdec traces` on synthetic spans."""
+"""Spike detection, the span file format, `specdec traces` on synthetic spans, and each
+service's metrics registry (its own families and the shared ones, nothing else)."""
 
 from __future__ import annotations
 
 import json
 
+import prometheus_client
+import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from specdec import traces
+from specdec import __version__, telemetry, traces
 from specdec.telemetry import SPIKE_WARMUP, JsonLinesExporter, SpikeDetector
 
 
@@ -55,3 +58,83 @@ def test_exported_spans_and_trace_inspection(tmp_path) -> None:
     assert "3 rounds in 1 requests" in text and "verify" in text and "req-1" in text
     line = traces.timeline(spans, records[0]["trace_id"])
     assert "SPIKE: verify" in line and line.count("\n") >= 5
+
+
+METRICS = {"gateway": telemetry.GatewayMetrics, "drafter": telemetry.DrafterMetrics, "verifier": telemetry.VerifierMetrics}
+# each service's families as exposed (counters with _total), the contract with dashboards and tests
+FAMILIES = {
+    "gateway": {
+        "specdec:spec_decode_num_drafts_total", "specdec:spec_decode_num_draft_tokens_total",
+        "specdec:spec_decode_num_accepted_tokens_total", "specdec:spec_decode_num_accepted_tokens_per_pos_total",
+        "specdec:accepted_length", "specdec:rounds_total", "specdec:round_stage_seconds",
+        "specdec:generation_tokens_total", "specdec:prompt_tokens_total", "specdec:requests_total",
+        "specdec:requests_running", "specdec:latency_spikes_total", "specdec:drafter_fallbacks_total",
+    },
+    "drafter": {
+        "specdec:drafter_sessions", "specdec:drafter_blocks_total", "specdec:drafter_tokens_total",
+        "specdec:drafter_step_seconds",
+    },
+    "verifier": {
+        "specdec:verifier_sessions", "specdec:verifier_engine_steps_total", "specdec:verifier_step_seconds",
+        "specdec:verifier_batch_size", "specdec:verifier_computed_tokens_total",
+        "specdec:verifier_withheld_draft_tokens_total", "specdec:verifier_step_cost_ms",
+        "specdec:verifier_draft_wait_seconds_total",
+    },
+}
+
+
+def _exposed(registry: prometheus_client.CollectorRegistry) -> dict[str, list]:
+    """{sample name: samples} in the registry's exposition (what /metrics serves)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = prometheus_client.generate_latest(registry).decode()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def _families(names) -> set[str]:
+    """specdec: sample names as family names: histograms without _bucket/_count/_sum,
+    counters as X_total (their X_created left out)."""
+    out = set()
+    for name in names:
+        if name.startswith("specdec:") and not name.endswith("_created"):
+            for suffix in ("_bucket", "_count", "_sum"):
+                name = name.removesuffix(suffix)
+            out.add(name)
+    return out
+
+
+@pytest.mark.parametrize("service", sorted(METRICS))
+def test_a_service_registry_exposes_its_own_families_and_the_shared_ones(service: str) -> None:
+    registry = telemetry.service_registry(service)
+    metrics = METRICS[service](registry)
+    assert metrics.registry is registry
+    # labelled families show up once a label value is used
+    for labelled in ("accepted_per_pos", "requests", "spikes", "round_stage", "step_cost_ms"):
+        if hasattr(metrics, labelled):
+            getattr(metrics, labelled).labels("0")
+    exposed = _exposed(registry)
+    own = _families(exposed) - {"specdec:build_info"}
+    assert own == FAMILIES[service]
+    for other, families in FAMILIES.items():
+        if other != service:
+            assert not own & families, f"{service} exposes {other}'s {own & families}"
+    # the shared families
+    (info,) = exposed["specdec:build_info"]
+    assert info.labels == {"service": service, "version": __version__} and info.value == 1
+    assert any(name.startswith("process_") for name in exposed)
+    assert any(name.startswith("python_gc_") for name in exposed)
+    assert "python_info" in exposed
+
+
+def test_services_registries_are_independent_and_the_default_registry_holds_none() -> None:
+    gateway = telemetry.GatewayMetrics(telemetry.service_registry("gateway"))
+    again = telemetry.GatewayMetrics(telemetry.service_registry("gateway"))  # no duplicate-name clash
+    gateway.rounds.inc(3)
+    assert gateway.registry.get_sample_value("specdec:rounds_total") == 3
+    assert again.registry.get_sample_value("specdec:rounds_total") == 0
+    default = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
+    assert "specdec:" not in default

@@ -166,9 +166,8 @@ def test_second_pull_is_instant(cache: Path, capsys: pytest.CaptureFixture[str])
         assert (folder / MARKER).read_text().strip() == hashlib.sha256(JOINED).hexdigest()
     assert not (cache / "pip").exists() or not any((cache / "pip").iterdir())
 
-    start = time.monotonic()
+    # a second pull does no work: nothing fetched, nothing converted (asserted, not timed)
     assert pull("fake", fetch=fetch, convert=must_not_convert) == folders
-    assert time.monotonic() - start < 1.0
     assert fetch.calls == 2
     assert installed("fake") == folders
     entry = next(m for m in list_models() if m["name"] == "fake")
