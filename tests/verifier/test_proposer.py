@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import pytest
+from board_waits import during_wait, never_waits
 
 from verifier import proposer
 from verifier.proposer import DraftBoard
 
-# A drafter announced as this slow (ms per token) is waited for up to the board's wait_s in
-# these tests, so a draft offered from a timer always arrives within the wait.
+# A drafter announced as this slow (ms per token) may be waited for the board's whole wait_s.
 SLOW_PACE_MS = 10_000.0
 
 
@@ -52,28 +51,29 @@ def test_budget_stops_at_max_tokens() -> None:
 
 def test_waits_for_a_block_until_it_arrives() -> None:
     b = _board(wait_s=5.0)
-    threading.Timer(0.05, b.offer, args=("r", 3, [4, 4, 4])).start()
-    t0 = time.monotonic()
+    waits = during_wait(b, lambda: b.offer("r", 3, [4, 4, 4]))
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[4, 4, 4]]
-    assert time.monotonic() - t0 < 2.0
+    assert len(waits) == 1  # returned as soon as the block was there
 
 
 def test_does_not_wait_when_drafter_ended_or_has_nothing() -> None:
     b = _board(wait_s=5.0)
     b.end("r")
-    t0 = time.monotonic()
+    never_waits(b)
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
     b2 = _board(wait_s=5.0)
     b2.offer("r", 3, [])  # "nothing for position 3"
+    never_waits(b2)
     assert b2.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
-    assert time.monotonic() - t0 < 1.0
 
 
 def test_wait_is_bounded() -> None:
     b = _board(wait_s=0.1)
+    waits = during_wait(b)  # nothing arrives: real waits
     t0 = time.monotonic()
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
-    assert 0.09 < time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 >= 0.09  # it did wait (Condition.wait may wake a little early)
+    assert waits and all(0 < w <= 0.1 for w in waits)
 
 
 def test_preview_reaches_the_session() -> None:
@@ -89,16 +89,14 @@ def test_preview_reaches_the_session() -> None:
 def test_partial_blocks_are_awaited_until_gamma_or_final() -> None:
     b = _board(wait_s=5.0)
     b.offer("r", 3, [4], final=False, committed=3)  # a slow drafter streams token by token
-    threading.Timer(0.05, b.offer, args=("r", 4, [5], False, 3)).start()
-    threading.Timer(0.10, b.offer, args=("r", 5, [6], False, 3)).start()
+    during_wait(b, lambda: b.offer("r", 4, [5], False, 3), lambda: b.offer("r", 5, [6], False, 3))
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[4, 5, 6]]
     b.register("s", gamma=3, prompt_len=2, max_tokens=100)
     b.ready("s", SLOW_PACE_MS)
     b.offer("s", 3, [4], final=False, committed=3)
-    threading.Timer(0.05, b.offer, args=("s", 4, [5], True, 3)).start()  # the drafter stops at 2
-    t0 = time.monotonic()
+    waits = during_wait(b, lambda: b.offer("s", 4, [5], True, 3))  # the drafter stops at 2
     assert b.propose_batch([("s", np.array([1, 2, 5]))], 8) == [[4, 5]]
-    assert time.monotonic() - t0 < 2.0
+    assert len(waits) == 1  # `final`: no wait for the third
 
 
 def test_redraft_replaces_stale_drafts_before_it() -> None:
@@ -107,9 +105,8 @@ def test_redraft_replaces_stale_drafts_before_it() -> None:
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[7, 8, 9]]
     # the target rejected 7 and said 4; the re-draft for position 4 arrives before the next propose
     b.offer("r", 4, [6, 6, 6], committed=4)
-    t0 = time.monotonic()
+    never_waits(b)
     assert b.propose_batch([("r", np.array([1, 2, 5, 4]))], 8) == [[6, 6, 6]]
-    assert time.monotonic() - t0 < 0.2
 
 
 def test_redraft_at_the_end_of_the_chain_is_not_an_extension() -> None:
@@ -118,36 +115,33 @@ def test_redraft_at_the_end_of_the_chain_is_not_an_extension() -> None:
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[7, 8, 9]]
     # 7 and 8 accepted, 9 rejected for 4: the re-draft starts where the chain ended
     b.offer("r", 6, [1, 1, 1], committed=6)
-    t0 = time.monotonic()
+    never_waits(b)
     assert b.propose_batch([("r", np.array([1, 2, 5, 7, 8, 4]))], 8) == [[1, 1, 1]]
-    assert time.monotonic() - t0 < 0.2
 
 
 def test_a_drafter_still_prefilling_is_not_waited_for() -> None:
     """No `ready` yet: the drafter's prefill is not done, its drafts cannot be expected."""
     b = DraftBoard(wait_s=5.0)
     b.register("r", gamma=3, prompt_len=2, max_tokens=100)
-    t0 = time.monotonic()
+    never_waits(b)
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
-    assert time.monotonic() - t0 < 1.0
     b.offer("r", 3, [4, 4, 4])  # a block proves the prefill done, whatever the order of arrival
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[4, 4, 4]]
 
 
 def test_the_wait_is_capped_by_the_drafters_pace() -> None:
-    """3 missing drafts at 20 ms each: the step waits ~3 x 20 x 1.5 + 50 = 140 ms, not wait_s (5 s)."""
+    """3 missing drafts at 20 ms each: the step waits 3 x 20 x 1.5 + 50 = 140 ms, not wait_s (5 s)."""
     b = _board(wait_s=5.0, pace_ms=20.0)
-    t0 = time.monotonic()
+    waits = during_wait(b)  # nothing arrives: real waits
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
-    assert 0.13 < time.monotonic() - t0 < 2.5
+    assert 0 < waits[0] <= 0.14 and all(w <= 0.14 for w in waits)
 
 
 def test_end_releases_a_waiting_step_at_once() -> None:
     b = _board(wait_s=5.0)
-    threading.Timer(0.05, b.end, args=("r",)).start()
-    t0 = time.monotonic()
+    waits = during_wait(b, lambda: b.end("r"))
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
-    assert time.monotonic() - t0 < 2.5
+    assert len(waits) == 1  # no second wait after `end`
 
 
 def test_pace_is_measured_from_arrivals(monkeypatch) -> None:
