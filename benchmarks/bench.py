@@ -151,7 +151,10 @@ def plan(gammas: list[int], concurrency: list[int], cpus: list[int], workloads: 
         for g in (*extra, g0):
             runs.append({"system": "specdec", "kind": "specdec", "gamma": g, "concurrency": [c], "cores": one,
                          "workload": name})
-    return runs
+    # the in-process baselines first, then the specdec rows: the three services stay up from
+    # the first specdec row to the last, and never share the machine's memory with a
+    # baseline's engine (the qwen-coder target alone holds ~11 GB)
+    return sorted(runs, key=lambda r: r["kind"] == "specdec")
 
 
 def _requests_in(run: dict[str, Any], n_prompts: int) -> int:
@@ -485,6 +488,8 @@ def main(args: argparse.Namespace) -> int:
             workload_prompts_ = prompts[run["workload"]]
             common = {"target": target, "threads": len(run["cores"]), "prompts": workload_prompts_, "max_tokens": args.max_tokens,
                       "dtype": args.dtype, "warmup_prompt": warmup, "concurrency": run["concurrency"]}
+            if run["kind"] != "specdec":
+                cluster.stop()  # never a baseline's engine beside the services (memory)
             if run["kind"] == "vllm":
                 spec = None
                 if run.get("method") == "draft_model":
