@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from specdec.acceptance import expected_tokens  # E(alpha, gamma): tokens per target step
+from specdec.models import PAIRS
 
 QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "gammas": "1,2,4,8", "concurrency": "1,4,16",
          "workloads": "code,long,c8"}
@@ -429,7 +430,7 @@ def _cpu_model() -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", choices=["qwen-coder", "tiny"], default="qwen-coder")
+    p.add_argument("--models", choices=sorted(PAIRS), default="qwen-coder")
     p.add_argument("--prompts", type=int, default=3, help="prompts from the built-in code set (batch-1 rows run each)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (ignore_eos)")
     p.add_argument("--gammas", default="1,2,4,8")
@@ -446,7 +447,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from specdec.launch import PAIR_ROLES
     from specdec.models import resolve
 
     if args.quick:
@@ -455,7 +455,8 @@ def main(args: argparse.Namespace) -> int:
     t_start = time.time()
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    target_ref, draft_ref, tok_ref = PAIR_ROLES[args.models]
+    pair = PAIRS[args.models]
+    target_ref, draft_ref, tok_ref = pair.target, pair.draft, pair.tokenizer
     target, draft = str(resolve(target_ref)), str(resolve(draft_ref))
     from transformers import AutoTokenizer
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from specdec import config
+from specdec.models import PAIRS, prepare
 
 
 def serve_config(args: argparse.Namespace) -> object:
@@ -74,22 +75,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
 
-def _pull_pair(pair: str) -> None:
-    if pair == "tiny":
-        from specdec.models import tiny
-        from specdec.config import cache_dir
-
-        tiny.build(cache_dir() / "tiny")
-    else:
-        from specdec.models import pull
-
-        pull.pull(pair)
-
-
 def _up(args: argparse.Namespace) -> None:
     from specdec.launch import Cluster
 
-    _pull_pair(args.models)
+    prepare(args.models)
     cluster = Cluster(
         pair=args.models, draft=args.draft, gateway_port=args.port, drafter_port=args.drafter_port,
         verifier_port=args.verifier_port, log_dir=Path(args.log_dir), pin=not args.no_pin,
@@ -199,7 +188,7 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from specdec.launch import Cluster, free_port
 
-    _pull_pair(args.models)
+    prepare(args.models)
     ports = [free_port() for _ in range(3)]
     off = ["--metrics-port", "0"]  # a one-shot run needs no metrics or REST ports
     cluster = Cluster(pair=args.models, gateway_port=ports[0], drafter_port=ports[1], verifier_port=ports[2],
@@ -225,7 +214,7 @@ def _models(args: argparse.Namespace) -> int:
             print(json.dumps(m))
         print(json.dumps({"name": "tiny", "roles": ["target", "draft-same", "draft-mid", "draft-far"], "built": "on use"}))
     elif args.action == "pull":
-        _pull_pair(args.name)
+        prepare(args.name)
         print(f"{args.name}: ready")
     else:
         print(resolve(args.name, pull=False))
@@ -238,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
 
     up = sub.add_parser("up", help="start the three services locally")
-    up.add_argument("--models", default="qwen-coder", choices=["qwen-coder", "tiny"])
+    up.add_argument("--models", default="qwen-coder", choices=sorted(PAIRS))
     up.add_argument("--draft", help="draft model reference (default: the pair's draft)")
     up.add_argument("--port", type=int, default=config.DEFAULT_GATEWAY_PORT)
     up.add_argument("--drafter-port", type=int, default=config.DEFAULT_DRAFTER_PORT)
@@ -254,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
 
     demo = sub.add_parser("demo", help="start the services, run one generation with stats, stop")
-    demo.add_argument("--models", default="qwen-coder", choices=["qwen-coder", "tiny"])
+    demo.add_argument("--models", default="qwen-coder", choices=sorted(PAIRS))
     demo.add_argument("--prompt", default="def quicksort(items: list[int]) -> list[int]:\n")
     demo.add_argument("--log-dir", default="logs")
     demo.set_defaults(func=lambda a: _demo(_demo_defaults(a)), token_ids=False)

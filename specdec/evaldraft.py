@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from specdec.acceptance import expected_tokens
+from specdec.models import PAIRS
 
-DEFAULT_TARGET = "qwen-coder/target"
-DEFAULT_DRAFT = "qwen-coder/draft"
+DEFAULT_TARGET = PAIRS["qwen-coder"].target
+DEFAULT_DRAFT = PAIRS["qwen-coder"].draft
 DEFAULT_GAMMAS = (1, 2, 4, 8)
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_TIMING_STEPS = 10

@@ -18,11 +18,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-# registry pair -> (verifier model, default draft model, tokenizer)
-PAIR_ROLES = {
-    "qwen-coder": ("qwen-coder/target", "qwen-coder/draft", "qwen-coder/target"),
-    "tiny": ("tiny/target", "tiny/draft-mid", "tiny/target"),
-}
+from specdec.models import PAIRS
+
 
 
 def free_port() -> int:
@@ -130,7 +127,8 @@ class Cluster:
     services: list[Service] = field(default_factory=list)
 
     def start(self, timeout_s: float = 900.0) -> None:
-        target, default_draft, tokenizer = PAIR_ROLES[self.pair]
+        pair = PAIRS[self.pair]
+        target, default_draft, tokenizer = pair.target, pair.draft, pair.tokenizer
         target_cpus, draft_cpus = split_cpus() if self.pin else (None, None)
         threads = str(len(target_cpus)) if target_cpus else "0"
         # the verifier's network I/O runs beside the drafter, the target's core only computes

@@ -16,11 +16,42 @@ Pairs:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.config import cache_dir
 
 TINY = "tiny"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A servable draft/target pair: the model reference each service uses by default."""
+
+    name: str
+    target: str  # the verifier's model
+    draft: str  # the drafter's default model
+    tokenizer: str  # the gateway's (the target's tokenizer)
+
+
+# The one registry of servable pairs (`--models` of up, demo and bench; `models pull`). Where a
+# pulled pair's weights come from is `pull.PAIRS`; the tiny pair is built by `tiny.py`.
+PAIRS: dict[str, Pair] = {
+    "qwen-coder": Pair("qwen-coder", "qwen-coder/target", "qwen-coder/draft", "qwen-coder/target"),
+    TINY: Pair(TINY, f"{TINY}/target", f"{TINY}/draft-mid", f"{TINY}/target"),
+}
+
+
+def prepare(pair: str) -> dict[str, Path]:
+    """Make every role of a pair available locally (build the tiny pair, pull the others);
+    returns role -> folder."""
+    if pair == TINY:
+        from specdec.models import tiny
+
+        return tiny.build(cache_dir() / TINY)
+    from specdec.models import pull
+
+    return pull.pull(pair)
 
 
 def resolve(ref: str, pull: bool = True) -> Path:
@@ -35,17 +66,12 @@ def resolve(ref: str, pull: bool = True) -> Path:
     if "/" not in ref:
         raise FileNotFoundError(f"model {ref!r}: not a folder and not a registry name PAIR/ROLE")
     pair, role = ref.split("/", 1)
-    if pair == TINY:
-        from specdec.models import tiny
-
-        folders = tiny.build(cache_dir() / "tiny")
+    if pull or pair == TINY:
+        folders = prepare(pair)
     else:
         from specdec.models import pull as pull_mod
 
-        if pull:
-            folders = pull_mod.pull(pair)
-        else:
-            folders = pull_mod.installed(pair)
+        folders = pull_mod.installed(pair)
     if role not in folders:
         raise FileNotFoundError(f"model {ref!r}: pair {pair!r} has roles {sorted(folders)}")
     return folders[role]
