@@ -362,6 +362,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _legend(ax: Any) -> None:
+    if ax.get_legend_handles_labels()[0]:  # a run without the code workload has nothing to plot
+        ax.legend(fontsize=8)
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """speedup vs gamma (batch 1); throughput and p99 ITL vs concurrency (the code workload)."""
     import matplotlib
@@ -386,7 +391,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set(xlabel="gamma (speculative tokens)", ylabel="decode speedup over vLLM target-only", title="batch 1", xscale="log", xticks=[1, 2, 4, 8])
     ax.set_xticklabels(["1", "2", "4", "8"])
     ax.minorticks_off()
-    ax.legend(fontsize=8)
+    _legend(ax)
     for ax, key, label in ((axes[1], "throughput_tok_s", "throughput, tokens/s"), (axes[2], "itl_p99_ms", "p99 inter-chunk latency, ms")):
         series: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
@@ -398,7 +403,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set(xlabel="concurrent requests", ylabel=label, xscale="log", xticks=[1, 4, 16])
         ax.set_xticklabels(["1", "4", "16"])
         ax.minorticks_off()
-        ax.legend(fontsize=8)
+        _legend(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
