@@ -123,7 +123,7 @@ def test_verifier_errors_keep_their_status(services, gateway_address: str) -> No
             second = stub.Generate(pb.GenerateRequest(spec=spec(GOOD, 4, request_id="dup")), timeout=60)
             second = (await asyncio.gather(second, return_exceptions=True))[0]
             tokens = list(first_chunk.token_ids)
-            async for chunk in long:
+            while (chunk := await long.read()) is not grpc.aio.EOF:
                 tokens.extend(chunk.token_ids)
             return tokens, second
 
