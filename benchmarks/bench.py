@@ -74,6 +74,10 @@ from specdec.models import PAIRS
 
 QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "gammas": "1,2,4,8", "concurrency": "1,4,16",
          "workloads": "code,long,c8"}
+# The smoke run checks that every field is filled: on the tiny pair the target steps faster than
+# the drafter drafts, so adaptive gamma and the pace-capped wait would rightly verify few drafts;
+# here every step verifies, and waits for, its full gamma.
+QUICK_VERIFIER_ARGS = ("--no-adaptive-gamma", "--draft-wait-margin-ms", "2000")
 DEFAULT_GAMMA = 4  # the gamma of the concurrency sweeps and the one-off baselines
 WORKLOADS = ("code", "long", "c8")
 LONG_PROMPT_TOKENS = 1000
@@ -191,8 +195,8 @@ class SpecdecCluster:
     """The three services for the specdec rows: started on first use, restarted when a row
     needs another drafter setting, stopped at the end."""
 
-    def __init__(self, pair: str, out: Path, dtype: str) -> None:
-        self.pair, self.out, self.dtype = pair, out, dtype
+    def __init__(self, pair: str, out: Path, dtype: str, verifier_args: tuple[str, ...] = ()) -> None:
+        self.pair, self.out, self.dtype, self.verifier_args = pair, out, dtype, list(verifier_args)
         self.cluster: Any = None
         self.quantize = ""
 
@@ -206,7 +210,7 @@ class SpecdecCluster:
             self.cluster = Cluster(
                 pair=self.pair, gateway_port=free_port(), drafter_port=free_port(), verifier_port=free_port(),
                 log_dir=self.out / "logs",
-                extra_args={"verifier": [*off, "--dtype", self.dtype, "--no-prefix-caching"],
+                extra_args={"verifier": [*off, "--dtype", self.dtype, "--no-prefix-caching", *self.verifier_args],
                             "drafter": [*off, "--dtype", self.dtype, "--quantize", quantize],
                             "gateway": [*off, "--rest-port", "0"]},
             )
@@ -485,7 +489,7 @@ def main(args: argparse.Namespace) -> int:
           f"concurrency {concurrency}, {len(runs)} runs, {total} requests; target core {cpus[0]}, "
           f"drafter core {cpus[-1]}", file=sys.stderr)
     rows: list[dict[str, Any]] = []
-    cluster = SpecdecCluster(args.models, out, args.dtype)
+    cluster = SpecdecCluster(args.models, out, args.dtype, QUICK_VERIFIER_ARGS if args.quick else ())
     bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
     try:
         for run in runs:

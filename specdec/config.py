@@ -158,7 +158,7 @@ class VerifierConfig:
         "decodes those requests plainly. Within it, a step waits for a request's missing drafts only as long "
         "as they are expected to take: the missing tokens x the drafter's measured ms per token (announced in "
         "its `ready`, then measured from arrivals) x (1 + draft_wait_slack), plus draft_wait_margin_ms. A "
-        "request whose drafter has not finished its prefill (no `ready` yet) is not waited for.")
+        "request whose drafter has not finished its prefill (no `ready` yet) is waited for the margin alone.")
     draft_wait_slack: float = setting(
         0.5, "A step waits for missing drafts up to their expected arrival x (1 + this); see draft_wait_ms.")
     draft_wait_margin_ms: float = setting(

@@ -59,8 +59,12 @@ class Services:
             # --no-adaptive-gamma: the tests verify the acceptance rule at every requested gamma. With
             # adaptive gamma the tiny target, whose step cost is mostly per token, would rightly
             # verify few drafts under the suites' concurrency (its budgets: tests/verifier/test_budget.py).
+            # --draft-wait-margin-ms: for the same reason every step waits for its drafts (up to
+            # draft_wait_ms): the tiny target steps faster than the tiny drafter drafts, so the pace
+            # cap would rightly skip most of them (the cap: tests/verifier/test_proposer.py,
+            # tests/e2e/test_slow_prefill.py).
             ["--model", "tiny/target", "--max-gamma", str(MAX_GAMMA), "--threads", "1", "--max-num-seqs", "64",
-             "--no-adaptive-gamma"],
+             "--no-adaptive-gamma", "--draft-wait-margin-ms", "2000"],
         )
 
     def start_pair(self, draft: str, verifier: Service) -> tuple[Service, Service]:

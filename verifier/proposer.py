@@ -11,11 +11,12 @@ request's row to the board (`preview`, then `propose_batch`), which:
      step cost and the request's recent acceptance (verifier.budget: this is adaptive
      gamma, and the back-off to plain decoding when the verifier is saturated);
   3. waits for a block that continues that context, and returns its first budget tokens.
-     A row is waited for only while its drafts can be expected: its drafter has announced
-     `ready` (its prefill is done) and has not ended, and the wait stays within the
-     drafts' expected arrival (missing tokens x the drafter's pace x (1 + slack), plus a
-     margin); the whole step waits at most `wait_s`, and with `adaptive` only while the
-     missing drafts are worth the wait. A request with no block in time gets [] and
+     A row is waited for only while its drafts can be expected: its drafter has not
+     ended, and the wait stays within the drafts' expected arrival (missing tokens x the
+     drafter's pace x (1 + slack), plus a margin; a drafter that has not announced `ready`
+     yet, i.e. is still prefilling or is stalled, gets the margin alone); the whole step
+     waits at most `wait_s`, and with `adaptive` only while the missing drafts are worth
+     the wait. A request with no block in time gets [] and
      decodes plainly this step.
 vLLM then verifies the drafts in its next step with its own scheduler, KV cache (no
 recompute of verified tokens) and rejection sampler (one-hot q, which is exact).
@@ -199,8 +200,10 @@ class DraftBoard:
     def _expected_wait_s(self, req_id: str, missing: int) -> float:
         """How long a row's `missing` drafts may be waited for (see the module docstring)."""
         e = self._entries.get(req_id)
-        if e is None or not e.ready or missing <= 0:
+        if e is None or missing <= 0:
             return 0.0
+        if not e.ready:  # still prefilling (or stalled): its pace is unknown, the margin only
+            return min(self.wait_s, self.wait_margin_s)
         return min(self.wait_s, missing * e.pace_ms / 1e3 * (1.0 + self.wait_slack) + self.wait_margin_s)
 
     def preview(self, req_id: str, start: int, tokens: list[int]) -> None:

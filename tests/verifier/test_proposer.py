@@ -119,12 +119,13 @@ def test_redraft_at_the_end_of_the_chain_is_not_an_extension() -> None:
     assert b.propose_batch([("r", np.array([1, 2, 5, 7, 8, 4]))], 8) == [[1, 1, 1]]
 
 
-def test_a_drafter_still_prefilling_is_not_waited_for() -> None:
-    """No `ready` yet: the drafter's prefill is not done, its drafts cannot be expected."""
-    b = DraftBoard(wait_s=5.0)
+def test_a_drafter_still_prefilling_is_waited_for_the_margin_only() -> None:
+    """No `ready` yet: the drafter is still prefilling (or stalled), its pace is unknown."""
+    b = DraftBoard(wait_s=5.0, wait_margin_s=0.05)
     b.register("r", gamma=3, prompt_len=2, max_tokens=100)
-    never_waits(b)
+    waits = during_wait(b)  # nothing arrives: real waits
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
+    assert waits and all(0 < w <= 0.05 for w in waits)
     b.offer("r", 3, [4, 4, 4])  # a block proves the prefill done, whatever the order of arrival
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[4, 4, 4]]
 
