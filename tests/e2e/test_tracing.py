@@ -54,14 +54,32 @@ def traced(tmp_path_factory, tiny_target):
         phases = []
         for gateway, batch in zip(gateways, (prompts(tok, 2 * PER_PHASE)[:PER_PHASE], prompts(tok, 2 * PER_PHASE)[PER_PHASE:])):
             phases.append(generate_all(gateway.address, [spec(p, 120, gamma=4, ignore_eos=True) for p in batch], 1))
-        # spans of a session are exported when it ends: wait until every request's spans are in
-        want = sum(r.stats.target_steps + 1 for phase in phases for r in phase)
-        deadline = time.monotonic() + 30
-        while len(traces.rounds(traces.load([path]))) < want and time.monotonic() < deadline:
+        # spans of a session are exported when it ends (each service in its own process): wait,
+        # bounded, until every request's rounds and the three services' session spans are in
+        responses = [r for phase in phases for r in phase]
+        deadline = time.monotonic() + 60
+        while not _complete(traces.load([path]), responses) and time.monotonic() < deadline:
             time.sleep(0.2)
         yield traces.load([path]), phases
     finally:
         s.stop()
+
+
+SESSION_SPANS = {("gateway", "specdec.generate"), ("drafter", "specdec.draft_session"),
+                 ("verifier", "specdec.verify_session")}
+
+
+def _complete(spans: list, responses: list) -> bool:
+    """Every request's round spans, and its session span from each service, are in the file."""
+    if len(traces.rounds(spans)) < sum(r.stats.target_steps + 1 for r in responses):
+        return False
+    traced = traces.request_ids(spans)  # trace id -> request id
+    names: dict[str, set] = {}
+    for s in spans:
+        names.setdefault(s["trace_id"], set()).add((s["service"], s["name"]))
+    return {r.request_id for r in responses} <= set(traced.values()) and all(
+        SESSION_SPANS <= names.get(tid, set()) for tid in traced
+    )
 
 
 def test_one_trace_links_the_three_services(traced) -> None:
