@@ -31,17 +31,30 @@ def generation_spec(
     seed: int | None = None,
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    min_tokens: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    logprobs: int | None = None,
+    include_stop_str_in_output: bool = False,
+    skip_special_tokens: bool | None = None,
 ) -> "pb.GenerationSpec":
     """A GenerationSpec: a text prompt or token ids; None / empty leaves a field to the
-    gateway's defaults (max_tokens, gamma, drafter) or to plain sampling (top_p, seed).
+    gateway's defaults (max_tokens, gamma, drafter) or to plain sampling (top_p, seed,
+    repetition_penalty, logprobs: none, skip_special_tokens: true). The fields mean what
+    vLLM's SamplingParams of the same names mean (protos/specdec/v1/common.proto).
     `drafter` is a method name ("model", "ngram", "none"); ValueError names the known ones."""
-    sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos)
-    if max_tokens is not None:
-        sampling.max_tokens = max_tokens
-    if top_p is not None:
-        sampling.top_p = top_p
-    if seed is not None:
-        sampling.seed = seed
+    sampling = pb.SamplingParams(
+        temperature=temperature, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, min_tokens=min_tokens,
+        stop_token_ids=list(stop_token_ids), include_stop_str_in_output=include_stop_str_in_output,
+    )
+    for name, value in (("max_tokens", max_tokens), ("top_p", top_p), ("seed", seed),
+                        ("repetition_penalty", repetition_penalty), ("logprobs", logprobs),
+                        ("skip_special_tokens", skip_special_tokens)):
+        if value is not None:
+            setattr(sampling, name, value)
     spec = pb.GenerationSpec(sampling=sampling, drafter=draft_method(drafter), request_id=request_id)
     if isinstance(prompt, str):
         spec.prompt_text = prompt
@@ -60,6 +73,37 @@ def stats_dict(stats: "pb.SpeculationStats") -> dict[str, Any]:
     out = MessageToDict(stats, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
     out["drafter"] = draft_method_name(stats.drafter) or "none"
     return out
+
+
+def vllm_spec_metrics(stats: "pb.SpeculationStats") -> dict[str, Any]:
+    """A request's speculation under vLLM's per-request names (vLLM's SpeculativeDecodingMetrics,
+    `metrics.speculative_decoding` of its OpenAI responses):
+
+        num_spec_steps            target steps that verified drafts (our speculative_steps)
+        num_draft_tokens          draft tokens verified (drafted_tokens)
+        num_accepted_draft_tokens draft tokens accepted (accepted_tokens)
+        acceptance_histogram      [num_spec_tokens + 1]: [j] = steps that accepted exactly j drafts
+        mean_acceptance_length    1 + accepted / spec steps (the bonus token counted)
+        draft_acceptance_rate     accepted / drafted
+        num_spec_tokens           the request's gamma
+
+    The histogram comes from accepted_per_position: a step accepts a prefix of its drafts, so
+    steps accepting >= i drafts is accepted_per_position[i - 1] (all steps for i = 0).
+    """
+    at_least = [stats.speculative_steps, *stats.accepted_per_position]  # [i]: steps accepting >= i
+    size = max(stats.gamma, len(stats.accepted_per_position)) + 1
+    at_least += [0] * (size + 1 - len(at_least))
+    histogram = [at_least[j] - at_least[j + 1] for j in range(size)]
+    steps, accepted, drafted = stats.speculative_steps, stats.accepted_tokens, stats.drafted_tokens
+    return {
+        "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "acceptance_histogram": histogram,
+        "num_spec_steps": steps,
+        "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": drafted,
+        "num_spec_tokens": stats.gamma,
+    }
 
 
 class GatewayClient:

@@ -1,6 +1,6 @@
-"""An OpenAI-compatible REST bridge for the gateway (FastAPI).
+"""An OpenAI-compatible REST bridge for the gateway (FastAPI), at parity with vLLM's server.
 
-    POST /v1/completions        OpenAI completions (+ `gamma`, `drafter`; usage.speculation)
+    POST /v1/completions        OpenAI completions (+ `gamma`, `drafter`)
     POST /v1/chat/completions   OpenAI chat completions (the tokenizer's chat template)
     GET  /v1/models             the one model served
     GET  /health                200 when the gateway answers its health check, else 503
@@ -8,8 +8,19 @@
 The bridge is only a gRPC client of specdec.v1.GatewayService: it turns a request
 into a `GenerationSpec`, calls `Generate` (or `GenerateStream` for `stream: true`,
 answered as server-sent events) and reshapes the answer. The gateway stays the one
-place that validates requests: its INVALID_ARGUMENT ("spec.sampling.top_p: ...")
+place that validates values: its INVALID_ARGUMENT ("spec.sampling.top_p: ...")
 becomes a 400 whose `param` names the OpenAI field (`top_p`).
+
+Parity with vLLM 0.32's OpenAI server: every request field vLLM accepts is either
+honoured as vLLM honours it (a field of CompletionRequest / ChatRequest below), or, when
+set to anything but vLLM's default, refused with 400 naming it and saying why (`REFUSED`).
+A field vLLM does not know is a 400 too, as in OpenAI's API. Nothing is silently dropped.
+
+Speculation stats: `metrics.speculative_decoding` carries them under vLLM's names
+(mean_acceptance_length, draft_acceptance_rate, acceptance_histogram, num_spec_steps,
+num_accepted_draft_tokens, num_draft_tokens, num_spec_tokens), beside vLLM's per-request
+timings, where vLLM puts them (the response; the last usage chunk of a stream);
+`usage.speculation` keeps specdec's own SpeculationStats (an alias kept for older clients).
 
 Serve it next to the gRPC server, in the same event loop:
 
@@ -24,9 +35,9 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import grpc
@@ -34,9 +45,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.client import AsyncGatewayClient, generation_spec, stats_dict
+from gateway.client import AsyncGatewayClient, generation_spec, stats_dict, vllm_spec_metrics
+from specdec.config import MAX_LOGPROBS
 from specdec.wire import DRAFT_METHOD_NAMES, finish_reason_name, pb
 
 GATEWAY_SERVICE = "specdec.v1.GatewayService"
@@ -55,36 +67,112 @@ GRPC_ERRORS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
 }
 
+# vLLM 0.32 request fields the bridge does not honour: field -> (the values that mean "off",
+# which are accepted as vLLM's defaults, the reason any other value is refused).
+_TEXT_ONLY = "specdec serves text and token-id prompts only (no multimodal or embedding inputs)"
+_NO_CONSTRAINTS = ("token constraints are not carried to the verifier yet; vLLM's rejection sampler "
+                   "supports them, so this can come later")
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "min_p": ((None, 0, 0.0), "vLLM does not support min_p with speculative decoding "
+              "(SamplingParams._validate_spec_decode), and every specdec request runs on a speculative engine"),
+    "logit_bias": ((None, {}), "vLLM does not support logit_bias with speculative decoding "
+                   "(SamplingParams._validate_spec_decode)"),
+    "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported, as in vLLM"),
+    "best_of": ((None, 1), "best_of is not supported (vLLM 0.32 dropped it too); send n=1"),
+    "use_beam_search": ((False,), "beam search is not speculative decoding: run it on vLLM itself"),
+    "length_penalty": ((1, 1.0), "length_penalty applies only to beam search, which specdec does not run"),
+    "watermarking": ((None, False), "watermarking is not supported"),
+    "truncate_prompt_tokens": ((None,), "prompts are not truncated: send one that fits the model's context"),
+    "truncation_side": ((None,), "prompts are not truncated: send one that fits the model's context"),
+    "allowed_token_ids": ((None,), _NO_CONSTRAINTS),
+    "bad_words": ((None, []), _NO_CONSTRAINTS),
+    "structured_outputs": ((None,), "structured outputs (guided decoding) are not supported"),
+    "prompt_logprobs": ((None,), "the prompt's log-probabilities are not computed (the output's are: logprobs)"),
+    "logprob_token_ids": ((None, []), "log-probabilities of chosen token ids are not supported (use logprobs)"),
+    "prompt_embeds": ((None,), _TEXT_ONLY),
+    "mm_payload": (("tensors",), _TEXT_ONLY),
+    "return_mm_kwargs": ((None, False), _TEXT_ONLY),
+    "media_io_kwargs": ((None, {}), _TEXT_ONLY),
+    "mm_processor_kwargs": ((None, {}), _TEXT_ONLY),
+    "priority": ((0,), "no priority scheduling: the verifier serves requests first come, first served"),
+    "session_id": ((None,), "sessions are not supported"),
+    "routed_experts_prompt_start": ((0,), "MoE routing export is not supported"),
+    "return_token_offsets": ((None, False), "token offsets are not returned"),
+    "return_prompt_text": ((None, False), "the prompt text is not returned"),
+    "cache_salt": ((None,), "the verifier's prefix cache is not partitioned per request"),
+    "kv_transfer_params": ((None,), "disaggregated prefill (KV transfer) is not supported"),
+    "ec_transfer_params": ((None,), "encoder cache transfer is not supported"),
+    "vllm_xargs": ((None, {}), "no custom logits processors run, so extra arguments would be ignored"),
+    "repetition_detection": ((None,), "repetition detection is not supported"),
+    "thinking_token_budget": ((None,), "thinking budgets need a reasoning parser, which the bridge does not run"),
+    "stream_interval": ((None, 1), "specdec streams every target step's tokens as soon as they are verified"),
+    "spaces_between_special_tokens": ((True,), "fast tokenizers ignore it; only true is supported"),
+    "tools": ((None, []), "tool calling is not supported by the bridge"),
+    "tool_choice": ((None, "none"), "tool calling is not supported by the bridge"),
+    "reasoning_effort": ((None,), "reasoning controls are not supported by the bridge"),
+    "chat_template": ((None,), "request-supplied chat templates are refused (vLLM also refuses them unless "
+                      "started with --trust-request-chat-template)"),
+}
+
 
 # ---------------------------------------------------------------------------- requests
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(BaseModel):
-    """Fields both endpoints take: OpenAI's sampling fields and our speculation knobs."""
+    """Fields both endpoints take: OpenAI's and vLLM's sampling fields and our speculation
+    knobs. Each means what it means in vLLM's server; other fields are checked against
+    REFUSED (`refuse_extras`)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: Int32 | None = None
     temperature: float | None = None  # OpenAI's default is 1.0; 0 is greedy
     top_p: float | None = None
+    top_k: Int32 | None = None
     seed: UInt64 | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    stop_token_ids: list[Int32] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: UInt32 = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    skip_special_tokens: bool = True
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id; like vLLM, only accepted
+    request_id: str | None = Field(None, max_length=256, description="the response id's suffix, as in vLLM")
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    add_special_tokens: bool | None = None
+    response_format: dict[str, Any] | None = None
     gamma: UInt32 | None = Field(None, description="draft tokens per target step (extension)")
     drafter: Literal[DRAFT_METHOD_NAMES] | None = Field(None, description="drafter method (extension)")  # type: ignore[valid-type]
 
     def token_limit(self) -> int | None:
         return self.max_tokens
 
+    def top_logprobs_count(self) -> int | None:
+        """How many alternatives to report per position; None: no logprobs."""
+        return None
+
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str]
     max_tokens: Int32 | None = 16  # OpenAI's default for completions
+    echo: bool | None = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -95,6 +183,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = None
 
     def template_dict(self) -> dict[str, str]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
@@ -104,9 +193,23 @@ class ChatMessage(BaseModel):
 class ChatRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int32 | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = 0
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    include_reasoning: bool = True  # no reasoning parser runs (as in vLLM without --reasoning-parser)
+    parallel_tool_calls: bool | None = True  # no tools are accepted, so there is nothing to parallelise
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def top_logprobs_count(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---------------------------------------------------------------------------- errors
@@ -154,41 +257,141 @@ def _validation_error(err: RequestValidationError) -> APIError:
     return APIError(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param)
 
 
+def refuse_extras(req: _GenerationRequest) -> None:
+    """400 for a field the bridge does not honour: one of vLLM's (REFUSED) set to anything but
+    its default, with the reason, or one vLLM does not know either."""
+    for name, value in (req.model_extra or {}).items():
+        if name in REFUSED:
+            off, reason = REFUSED[name]
+            if any(value == v and type(value) is type(v) or value is v for v in off):
+                continue
+            raise APIError(400, f"{name}: not supported: {reason}", name)
+        raise APIError(400, f"{name}: unknown field (not part of the OpenAI or vLLM API); remove it", name)
+
+
 # ---------------------------------------------------------------------------- spec
 
 
 def build_spec(req: _GenerationRequest, prompt: str | list[int], request_id: str) -> "pb.GenerationSpec":
     """The GenerationSpec of a request. Unset fields stay unset (the gateway's defaults)."""
-    if req.n != 1:
+    refuse_extras(req)
+    if req.n not in (None, 1):
         raise APIError(400, f"n: only n=1 is supported, got {req.n}", "n")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise APIError(400, "response_format: only {\"type\": \"text\"} is supported: structured outputs "
+                            "(json_object, json_schema, structural_tag) are not", "response_format")
     return generation_spec(
         prompt, max_tokens=req.token_limit(), gamma=req.gamma, drafter=req.drafter or "", request_id=request_id,
         temperature=1.0 if req.temperature is None else req.temperature,  # 0 is greedy in both APIs
-        top_p=req.top_p, seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        top_p=req.top_p, top_k=req.top_k or 0, seed=req.seed,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0, repetition_penalty=req.repetition_penalty,
+        min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids or [], logprobs=req.top_logprobs_count(),
+        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
     )
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """A completion's prompt: text or token ids; one prompt per request."""
-    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
-        if len(req.prompt) > 1:
-            raise APIError(400, f"prompt: batches of prompts are not supported ({len(req.prompt)} given); "
+def completion_prompt(tokenizer: Any, req: CompletionRequest) -> tuple[list[int], str]:
+    """A completion's prompt as token ids (the text tokenised as vLLM does: special tokens
+    added unless add_special_tokens is false) and as text (for `echo`); one prompt per request."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) > 1:
+            raise APIError(400, f"prompt: batches of prompts are not supported ({len(prompt)} given); "
                                 "send one prompt per request", "prompt")
-        return req.prompt[0]
-    return req.prompt  # type: ignore[return-value]
+        prompt = prompt[0]
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo: echo with logprobs needs the prompt's log-probabilities, which specdec "
+                            "does not compute; drop echo or logprobs", "echo")
+    if isinstance(prompt, str):
+        ids = list(tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens is not False))
+        return ids, prompt
+    return list(prompt), tokenizer.decode(prompt)  # type: ignore[arg-type]
 
 
 def chat_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:
     """The chat rendered by the tokenizer's template, as token ids (the template already
-    holds any special tokens, so none are added)."""
+    holds any special tokens, so none are added unless add_special_tokens is true)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, "continue_final_message: cannot be combined with add_generation_prompt "
+                            "(set add_generation_prompt to false), as in vLLM", "continue_final_message")
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
     try:
         text = tokenizer.apply_chat_template([m.template_dict() for m in req.messages], tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message, **kwargs)
     except Exception as err:  # jinja2's TemplateError (raise_exception in templates) or ValueError
         raise APIError(400, f"messages: the chat template rejected them: {err}", "messages") from err
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens)))
+
+
+def chat_echo(req: ChatRequest) -> str:
+    """What vLLM's chat `echo` prepends: the last message's content when it is the assistant's."""
+    if not req.echo or req.messages[-1].role != "assistant":
+        return ""
+    return req.messages[-1].template_dict()["content"]
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+def _token_text(tokenizer: Any, token_id: int, as_id: bool) -> str:
+    """A token as vLLM's server names it: its own text, or "token_id:N" (return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_id else tokenizer.decode([token_id])
+
+
+def _position(lp: "pb.TokenLogprobs") -> list[tuple[int, float]]:
+    """One position's entries in vLLM's order: the sampled token first, then the top k by
+    rank (the sampled token once, at the front, when it is among them)."""
+    entries = {lp.token_id: lp.logprob}
+    for tid, value in zip(lp.top_token_ids, lp.top_logprobs):
+        entries.setdefault(tid, value)
+    return list(entries.items())
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, -9999.0)  # -inf is not JSON; OpenAI's floor
+
+
+@dataclass
+class LogprobsShaper:
+    """Turns the gateway's TokenLogprobs into an endpoint's `logprobs` object, as vLLM builds it
+    (vllm/entrypoints/openai/{completion,chat_completion}/serving.py); `offset` carries the
+    completions text offset across a stream's chunks."""
+
+    tokenizer: Any
+    top: int  # alternatives asked for
+    as_ids: bool = False
+    offset: int = 0
+
+    def completion(self, logprobs: Sequence["pb.TokenLogprobs"]) -> dict[str, Any]:
+        out: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for lp in logprobs:
+            token = _token_text(self.tokenizer, lp.token_id, self.as_ids)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(_clamp(lp.logprob))
+            # OpenAI's completions give the sampled token plus the top k: k + 1 entries at most
+            out["top_logprobs"].append({_token_text(self.tokenizer, tid, self.as_ids): _clamp(v)
+                                        for i, (tid, v) in enumerate(_position(lp)) if i <= self.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(token)
+        return out
+
+    def chat(self, logprobs: Sequence["pb.TokenLogprobs"]) -> dict[str, Any]:
+        content = []
+        for lp in logprobs:
+            token = _token_text(self.tokenizer, lp.token_id, self.as_ids)
+            top = [(_token_text(self.tokenizer, tid, self.as_ids), _clamp(v))
+                   for i, (tid, v) in enumerate(_position(lp)) if i < self.top]
+            content.append({"token": token, "logprob": _clamp(lp.logprob), "bytes": list(token.encode("utf-8", "replace")),
+                            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))}
+                                             for t, v in top]})
+        return {"content": content}
 
 
 # ---------------------------------------------------------------------------- responses
@@ -203,6 +406,7 @@ class Shape:
     id_prefix: str
     prompt_param: str
     choice: Callable[[str, str | None, bool], dict[str, Any]]  # (text, finish, streaming) -> choice
+    logprobs: Callable[[LogprobsShaper, Sequence["pb.TokenLogprobs"]], dict[str, Any]]
     opening_delta: dict[str, Any] | None = None  # first streamed choice delta, if any
 
 
@@ -218,9 +422,33 @@ def _chat_choice(text: str, finish: str | None, streaming: bool) -> dict[str, An
     return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
 
 
-COMPLETION = Shape("text_completion", "text_completion", "cmpl-", "prompt", _completion_choice)
-CHAT = Shape("chat.completion", "chat.completion.chunk", "chatcmpl-", "messages", _chat_choice,
+COMPLETION = Shape("text_completion", "text_completion", "cmpl-", "prompt", _completion_choice, LogprobsShaper.completion)
+CHAT = Shape("chat.completion", "chat.completion.chunk", "chatcmpl-", "messages", _chat_choice, LogprobsShaper.chat,
              opening_delta={"role": "assistant", "content": ""})
+
+
+@dataclass
+class Answer:
+    """What one request's answer needs beside the gateway's chunks."""
+
+    shape: Shape
+    head: dict[str, Any]
+    prompt_ids: list[int]
+    echo: str = ""  # text put before the output (completions' and chat's `echo`)
+    logprobs: LogprobsShaper | None = None
+    token_ids: bool = False  # return_token_ids
+    started: float = field(default_factory=time.perf_counter)
+
+    def choice(self, text: str, finish: str | None, streaming: bool, ids: Sequence[int],
+               logprobs: Sequence["pb.TokenLogprobs"]) -> dict[str, Any]:
+        c = self.shape.choice(text, finish, streaming)
+        if self.logprobs is not None and (logprobs or not streaming):
+            c["logprobs"] = self.shape.logprobs(self.logprobs, logprobs)
+        if self.token_ids:
+            c["token_ids"] = list(ids)
+            if self.shape is COMPLETION:
+                c["prompt_token_ids"] = self.prompt_ids
+        return c
 
 
 def usage_dict(usage: "pb.Usage", stats: "pb.SpeculationStats") -> dict[str, Any]:
@@ -228,7 +456,20 @@ def usage_dict(usage: "pb.Usage", stats: "pb.SpeculationStats") -> dict[str, Any
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "speculation": stats_dict(stats),
+        "speculation": stats_dict(stats),  # specdec's names; `metrics.speculative_decoding` has vLLM's
+    }
+
+
+def metrics_dict(stats: "pb.SpeculationStats", tokens: int, first_ms: float, total_ms: float) -> dict[str, Any]:
+    """vLLM's per-request `metrics` object (PerRequestMetrics: timings, and the speculation
+    under vLLM's names), measured at the bridge."""
+    return {
+        "time_to_first_token_ms": first_ms,
+        "generation_time_ms": total_ms,
+        "queue_time_ms": None,
+        "mean_itl_ms": (total_ms - first_ms) / (tokens - 1) if tokens > 1 else None,
+        "tokens_per_second": tokens / total_ms * 1e3 if total_ms > 0 else None,
+        "speculative_decoding": vllm_spec_metrics(stats),
     }
 
 
@@ -259,28 +500,40 @@ async def _open_stream(client: AsyncGatewayClient, spec: "pb.GenerationSpec", pr
 
 
 async def stream_events(
-    shape: Shape, head: dict[str, Any], chunks: AsyncGenerator["pb.GenerateStreamResponse", None], include_usage: bool,
+    answer: Answer, chunks: AsyncGenerator["pb.GenerateStreamResponse", None], include_usage: bool,
 ) -> AsyncIterator[str]:
     """The server-sent events of one streamed generation: a chunk per gateway chunk with
-    text or a finish reason, the usage chunk when asked for, then [DONE]. An error after
-    the first byte is sent as an error event (the status line is gone by then)."""
+    text or a finish reason, the usage chunk (with vLLM's `metrics`) when asked for, then
+    [DONE]. An error after the first byte is sent as an error event (the status line is
+    gone by then)."""
+    shape, head = answer.shape, {**answer.head, "object": answer.shape.chunk_object}
     extra = {"usage": None} if include_usage else {}
     if shape.opening_delta is not None:
         yield _sse({**head, "choices": [{"index": 0, "delta": shape.opening_delta, "logprobs": None,
                                          "finish_reason": None}], **extra})
-    last = None
+    if answer.echo:
+        yield _sse({**head, "choices": [answer.choice(answer.echo, None, True, [], [])], **extra})
+        if answer.logprobs is not None:
+            answer.logprobs.offset += len(answer.echo)
+    last, first_ms, tokens = None, 0.0, 0
     try:
         async with aclosing(chunks):  # leaving early (client gone) cancels the call now, not at GC
             async for chunk in chunks:
                 finish = finish_reason_name(chunk.finish_reason)
-                if chunk.text or finish:
-                    yield _sse({**head, "choices": [shape.choice(chunk.text, finish, True)], **extra})
+                if chunk.token_ids and not first_ms:
+                    first_ms = (time.perf_counter() - answer.started) * 1e3
+                tokens += len(chunk.token_ids)
+                if chunk.text or finish or chunk.logprobs:
+                    choice = answer.choice(chunk.text, finish, True, chunk.token_ids, chunk.logprobs)
+                    yield _sse({**head, "choices": [choice], **extra})
                 last = chunk
     except grpc.aio.AioRpcError as err:
         yield _sse(grpc_error(err, shape.prompt_param).body())
         return
     if include_usage and last is not None:
-        yield _sse({**head, "choices": [], "usage": usage_dict(last.usage, last.stats)})
+        total_ms = (time.perf_counter() - answer.started) * 1e3
+        yield _sse({**head, "choices": [], "usage": usage_dict(last.usage, last.stats),
+                    "metrics": metrics_dict(last.stats, tokens, first_ms, total_ms)})
     yield _sse("[DONE]")
 
 
@@ -312,34 +565,43 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str) -> FastAPI:
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         return _validation_error(err).response()
 
-    async def generate(req: _GenerationRequest, prompt: str | list[int], shape: Shape) -> Any:
+    async def generate(req: _GenerationRequest, prompt_ids: list[int], shape: Shape, echo: str = "") -> Any:
         """Run one request through the gateway and answer it in `shape`."""
         if req.model and req.model != model_name:
             raise APIError(404, f"model: the model {req.model!r} does not exist; this server has {model_name!r}",
                            "model", code="model_not_found")
-        request_id = uuid.uuid4().hex
-        spec = build_spec(req, prompt, request_id)
-        head = {"id": shape.id_prefix + request_id, "object": shape.object, "created": int(time.time()),
-                "model": model_name}
+        request_id = req.request_id or uuid.uuid4().hex
+        spec = build_spec(req, prompt_ids, request_id)
+        answer = Answer(
+            shape, {"id": shape.id_prefix + request_id, "object": shape.object, "created": int(time.time()),
+                    "model": model_name},
+            prompt_ids, echo=echo, token_ids=bool(req.return_token_ids),
+            logprobs=None if not spec.sampling.HasField("logprobs") else
+            LogprobsShaper(tokenizer, spec.sampling.logprobs, bool(req.return_tokens_as_token_ids)),
+        )
         if req.stream:
             chunks = await _open_stream(state["gateway"], spec, shape.prompt_param)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = stream_events(shape, {**head, "object": shape.chunk_object}, chunks, include_usage)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return StreamingResponse(stream_events(answer, chunks, include_usage), media_type="text/event-stream")
         try:
             r = await state["gateway"].generate(spec)
         except grpc.aio.AioRpcError as err:
             raise grpc_error(err, shape.prompt_param) from err
-        return {**head, "choices": [shape.choice(r.text, finish_reason_name(r.finish_reason), False)],
-                "usage": usage_dict(r.usage, r.stats)}
+        if answer.logprobs is not None:
+            answer.logprobs.offset = len(echo)
+        choice = answer.choice(echo + r.text, finish_reason_name(r.finish_reason), False, r.token_ids, r.logprobs)
+        extra = {"prompt_token_ids": prompt_ids} if answer.token_ids and shape is CHAT else {}
+        return {**answer.head, "choices": [choice], "usage": usage_dict(r.usage, r.stats), **extra,
+                "metrics": metrics_dict(r.stats, len(r.token_ids), r.first_token_ms, r.total_ms)}
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest) -> Any:
-        return await generate(req, completion_prompt(req), COMPLETION)
+        ids, text = completion_prompt(tokenizer, req)
+        return await generate(req, ids, COMPLETION, echo=text if req.echo and not req.return_token_ids else "")
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatRequest) -> Any:
-        return await generate(req, chat_prompt(tokenizer, req), CHAT)
+        return await generate(req, chat_prompt(tokenizer, req), CHAT, echo=chat_echo(req))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -42,6 +42,7 @@ class Chunk:
     drafted: int
     accepted: int
     finish_reason: int
+    logprobs: list["pb.TokenLogprobs"] = field(default_factory=list)  # [len(token_ids)] when asked for
 
 
 class GatewayServicer(rpc.GatewayServiceServicer):
@@ -97,7 +98,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         sampling.CopyFrom(spec.sampling)
         if not sampling.HasField("max_tokens"):
             sampling.max_tokens = min(self.cfg.default_max_tokens, target.max_model_len - len(prompt))
-        check_sampling("spec.sampling", sampling, len(prompt), target.max_model_len)
+        check_sampling("spec.sampling", sampling, len(prompt), target.max_model_len, target.vocab_size)
         return Plan(spec.request_id or uuid.uuid4().hex, prompt, sampling, gamma, drafter)
 
     def _round(self, plan: Plan, context: grpc.aio.ServicerContext) -> Round:
@@ -110,17 +111,24 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         reason or a stop sequence.
 
         A preview's tokens are streamed at once; its verdict then adds only what the preview
-        did not carry (with the step's drafted/accepted counts). A verifier error ends the
+        did not carry (with the step's drafted/accepted counts). A request that asks for
+        logprobs gets its tokens with the verdicts, which carry them. A verifier error ends the
         call with the verifier's status code ("verifier: ...").
         """
-        text = TextStream(self.tokenizer, list(round_.plan.sampling.stop))
+        sampling = round_.plan.sampling
+        text = TextStream(self.tokenizer, list(sampling.stop), include_stop=sampling.include_stop_str_in_output,
+                          skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True)
+        with_logprobs = sampling.HasField("logprobs")
         finish = pb.FINISH_REASON_ABORT
         sent = len(round_.plan.prompt_token_ids)  # position up to which tokens reached the client
         self.metrics.requests_running.inc()
         self.metrics.prompt_tokens.inc(len(round_.plan.prompt_token_ids))
         try:
             async for v in _upstream(round_.verdicts(), context):
-                new = list(v.token_ids[max(0, sent - v.start_position):])
+                if v.preview and with_logprobs:
+                    continue  # the verdict brings these tokens with their logprobs
+                skip = max(0, sent - v.start_position)
+                new = list(v.token_ids[skip:])
                 sent = max(sent, v.start_position + len(v.token_ids))
                 if v.preview:
                     if new:
@@ -131,11 +139,11 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                             return
                     continue
                 finish = v.finish_reason
-                delta = text.add(new, final=finish != pb.FINISH_REASON_UNSPECIFIED)
+                delta = text.add(new, final=finish != pb.FINISH_REASON_UNSPECIFIED, stop_token=v.stop_token)
                 if text.stopped:
                     finish = pb.FINISH_REASON_STOP
                 if new or v.drafted or finish != pb.FINISH_REASON_UNSPECIFIED:
-                    yield Chunk(delta, new, v.drafted, v.accepted, finish)
+                    yield Chunk(delta, new, v.drafted, v.accepted, finish, list(v.logprobs[skip:]))
                 if text.stopped:
                     return  # leaving the loop cancels the verifier's request
         finally:
@@ -157,12 +165,13 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         t0 = time.perf_counter()
         first_ms = 0.0
         round_ = self._round(plan, context)
-        text, ids, finish = [], [], pb.FINISH_REASON_UNSPECIFIED
+        text, ids, logprobs, finish = [], [], [], pb.FINISH_REASON_UNSPECIFIED
         async for chunk in self._chunks(round_, context):
             if not first_ms:
                 first_ms = (time.perf_counter() - t0) * 1e3
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs)
             finish = chunk.finish_reason
         return pb.GenerateResponse(
             request_id=plan.request_id,
@@ -173,6 +182,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             stats=round_.stats.to_pb(),
             total_ms=(time.perf_counter() - t0) * 1e3,
             first_token_ms=first_ms,
+            logprobs=logprobs,
         )
 
     async def GenerateStream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:  # noqa: N802
@@ -191,6 +201,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                 finish_reason=chunk.finish_reason,
                 usage=pb.Usage(prompt_tokens=len(plan.prompt_token_ids), completion_tokens=n) if last else None,
                 stats=round_.stats.to_pb() if last else None,
+                logprobs=chunk.logprobs,
             )
 
     async def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Incremental detokenisation with stop sequences."""
+"""Incremental detokenisation with stop sequences, as vLLM's detokenizer does it."""
 
 from __future__ import annotations
 
@@ -10,24 +10,35 @@ class TextStream:
 
     Text that could still be the start of a stop sequence, or that ends in an
     incomplete UTF-8 character, is held back until the next tokens decide it.
+
+    `include_stop`: keep the stop sequence that ended the text (vLLM's
+    include_stop_str_in_output), and the text of a stop token (see `add`).
+    `skip_special_tokens`: leave special tokens' text out (vLLM's default).
     """
 
-    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+    def __init__(self, tokenizer: Any, stops: list[str], include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.emitted = ""
         self.stopped = False
 
-    def add(self, token_ids: list[int], final: bool = False) -> str:
-        """Append tokens; return the new text (empty when held back)."""
+    def add(self, token_ids: list[int], final: bool = False, stop_token: bool = False) -> str:
+        """Append tokens; return the new text (empty when held back). `stop_token`: the last of
+        `token_ids` is the end-of-sequence or stop token id that ended the generation; as in
+        vLLM, its text is left out unless include_stop."""
+        if stop_token and not self.include_stop:
+            token_ids = token_ids[:-1]
         self.ids.extend(token_ids)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         hold = 0
         for stop in self.stops:
             at = full.find(stop)
             if at >= 0:
-                full, self.stopped, final = full[:at], True, True
+                full, self.stopped, final = full[: at + len(stop) if self.include_stop else at], True, True
         if not final:
             if full.endswith("\ufffd"):
                 hold = 1

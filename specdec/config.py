@@ -33,6 +33,10 @@ DEFAULT_HOST = "127.0.0.1"
 # Hard limit on gamma; the issue tracker's users tune gamma in 1..8, vLLM caps at 32.
 MAX_GAMMA_LIMIT = 32
 
+# Most alternatives a request may ask log-probabilities for (vLLM's `max_logprobs` default,
+# which the verifier's engine is built with; OpenAI allows 20 for chat's top_logprobs).
+MAX_LOGPROBS = 20
+
 T = TypeVar("T")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from specdec.config import MAX_GAMMA_LIMIT
+from specdec.config import MAX_GAMMA_LIMIT, MAX_LOGPROBS
 
 
 class InvalidField(ValueError):
@@ -40,8 +40,10 @@ def check_sampling(
     sampling: Any,
     prompt_len: int | None = None,
     max_model_len: int | None = None,
+    vocab_size: int | None = None,
 ) -> None:
-    """Check a specdec.v1.SamplingParams; `max_tokens` must be set by the caller's defaults first."""
+    """Check a specdec.v1.SamplingParams; `max_tokens` must be set by the caller's defaults first.
+    `vocab_size` bounds stop_token_ids when given."""
     if sampling.temperature < 0 or sampling.temperature != sampling.temperature:
         raise InvalidField(f"{field}.temperature", f"{sampling.temperature} must be >= 0")
     if sampling.HasField("top_p") and not 0.0 < sampling.top_p <= 1.0:
@@ -61,3 +63,16 @@ def check_sampling(
     for i, s in enumerate(sampling.stop):
         if not s:
             raise InvalidField(f"{field}.stop[{i}]", "must not be empty")
+    for name in ("presence_penalty", "frequency_penalty"):  # vLLM's and OpenAI's range
+        value = getattr(sampling, name)
+        if not -2.0 <= value <= 2.0:
+            raise InvalidField(f"{field}.{name}", f"{value} must be in [-2, 2]")
+    if sampling.HasField("repetition_penalty") and not 0.0 < sampling.repetition_penalty <= 1e4:
+        raise InvalidField(f"{field}.repetition_penalty", f"{sampling.repetition_penalty} must be > 0")
+    if sampling.min_tokens > sampling.max_tokens:
+        raise InvalidField(f"{field}.min_tokens",
+                           f"{sampling.min_tokens} must be <= max_tokens ({sampling.max_tokens})")
+    if vocab_size is not None:
+        check_token_ids(f"{field}.stop_token_ids", sampling.stop_token_ids, vocab_size, allow_empty=True)
+    if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
+        raise InvalidField(f"{field}.logprobs", f"{sampling.logprobs} is more than the {MAX_LOGPROBS} allowed")

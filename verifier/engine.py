@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -48,6 +48,19 @@ class Verdict:
     draft_wait_ms: float = 0.0
     queue_ms: float = 0.0  # first verdict: submitted -> first scheduled
     preview: bool = False  # tokens sampled in a step still running (see VerifyResponse.preview)
+    logprobs: list["TokenLogprobs"] = field(default_factory=list)  # [len(token_ids)] when asked for
+    stop_token: bool = False  # the last token is the stop token (EOS or a stop_token_id) that ended it
+
+
+@dataclass
+class TokenLogprobs:
+    """The target's log-probabilities at one generated position (specdec.v1.TokenLogprobs)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int]  # [k] best first
+    top_logprobs: list[float]  # [k]
 
 
 @dataclass
@@ -63,6 +76,12 @@ class GenerationRequest:
     max_tokens: int
     ignore_eos: bool
     gamma: int
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None  # alternatives per position to report; None: no logprobs
 
 
 class TargetEngine:
@@ -184,6 +203,12 @@ class TargetEngine:
                     seed=req.seed,
                     max_tokens=req.max_tokens,
                     ignore_eos=req.ignore_eos,
+                    presence_penalty=req.presence_penalty,
+                    frequency_penalty=req.frequency_penalty,
+                    repetition_penalty=req.repetition_penalty,
+                    min_tokens=req.min_tokens,
+                    stop_token_ids=req.stop_token_ids or None,
+                    logprobs=req.logprobs,
                     detokenize=False,
                     output_kind=RequestOutputKind.DELTA,
                 )
@@ -222,7 +247,7 @@ class TargetEngine:
         room = req.max_tokens - (start - len(req.prompt_token_ids))
         safe = tokens[: max(0, room)]
         for i, t in enumerate(safe):
-            if t in self._stop_ids:
+            if t in self._stop_ids or t in req.stop_token_ids:
                 safe = safe[:i]
                 break
         if safe:
@@ -275,6 +300,10 @@ class TargetEngine:
             finish = finish or "length"
         if out.finished and finish is None:
             finish = "stop"
+        logprobs = _logprobs(completion.logprobs, tokens, live.req.logprobs) if live.req.logprobs is not None else []
+        # vLLM's stop_reason: None for end-of-sequence, the id for a stop_token_id (no stop strings here)
+        stop_token = finish == "stop" and bool(tokens) and completion.finish_reason == "stop" and (
+            completion.stop_reason is None or completion.stop_reason == tokens[-1])
         start = live.position
         proposal = self.board.take_proposal(live.engine_id, start)
         accepted = 0
@@ -285,7 +314,8 @@ class TargetEngine:
         queue_ms = (live.first_scheduled - live.submitted) * 1e3 if live.generated == 0 and live.first_scheduled else 0.0
         self.metrics.computed_tokens.inc(computed)
         live.generated += len(tokens)
-        verdict = Verdict(start, tokens, len(proposal), accepted, finish, computed, batch_size, step_ms, wait_ms, queue_ms)
+        verdict = Verdict(start, tokens, len(proposal), accepted, finish, computed, batch_size, step_ms, wait_ms, queue_ms,
+                          logprobs=logprobs, stop_token=stop_token)
         if finish is not None:
             self._live.pop(live.req.request_id, None)
             self._by_engine_id.pop(live.engine_id, None)
@@ -293,6 +323,19 @@ class TargetEngine:
             if not out.finished:
                 self.engine.abort_request([live.engine_id], internal=True)
         live.callback(verdict)
+
+
+def _logprobs(positions: Any, tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """vLLM's per-position logprobs for the `tokens` kept, as TokenLogprobs. vLLM gives each
+    position as {token id: Logprob(logprob, rank)}: the sampled token, then the k most likely
+    (ranks 1..k; the sampled token appears once, first, when it is among them)."""
+    out = []
+    for token, entries in zip(tokens, positions or []):
+        sampled = entries[token]
+        top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entries.items() if lp.rank is not None and lp.rank <= k)
+        out.append(TokenLogprobs(token, sampled.logprob, sampled.rank or 0,
+                                 [tid for _, tid, _ in top], [lp for _, _, lp in top]))
+    return out
 
 
 @dataclass

@@ -39,6 +39,10 @@ def verdict_pb(v: Verdict) -> "pb.VerifyResponse":
         draft_wait_ms=v.draft_wait_ms,
         queue_ms=v.queue_ms,
         preview=v.preview,
+        logprobs=[pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                                   top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+                  for lp in v.logprobs],
+        stop_token=v.stop_token,
     )
 
 
@@ -64,7 +68,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.engine.vocab_size)
         check_gamma("open.gamma", req.gamma, self.cfg.max_gamma)
         sp = req.sampling
-        check_sampling("open.sampling", sp, len(req.prompt_token_ids), self.cfg.max_model_len)
+        check_sampling("open.sampling", sp, len(req.prompt_token_ids), self.cfg.max_model_len, self.engine.vocab_size)
         return GenerationRequest(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
@@ -75,6 +79,12 @@ class VerifierServicer(rpc.VerifierServiceServicer):
             max_tokens=sp.max_tokens,
             ignore_eos=sp.ignore_eos,
             gamma=req.gamma,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+            min_tokens=sp.min_tokens,
+            stop_token_ids=list(sp.stop_token_ids),
+            logprobs=sp.logprobs if sp.HasField("logprobs") else None,
         )
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802

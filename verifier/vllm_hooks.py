@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-from specdec.config import VerifierConfig
+from specdec.config import MAX_LOGPROBS, VerifierConfig
 
 if TYPE_CHECKING:  # no numpy/torch at import: configure_vllm_env must run before their thread pools start
     import numpy as np
@@ -190,6 +190,7 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard) -> Any
         enforce_eager=cfg.enforce_eager,
         enable_prefix_caching=cfg.prefix_caching,
         kv_cache_memory_bytes=int(cfg.kv_cache_gib * (1 << 30)),
+        max_logprobs=MAX_LOGPROBS,
         speculative_config={
             "method": "custom_class",
             "model": PROPOSER_CLASS,

@@ -32,3 +32,16 @@ def test_held_back_prefix_is_released() -> None:
     assert t.add(_ids("aE")) == "a"
     assert t.add(_ids("x")) == "Ex"
     assert t.add(_ids("EN"), final=True) == "EN"
+
+
+def test_include_stop_keeps_the_stop_sequence() -> None:
+    t = TextStream(CharTokenizer(), ["END"], include_stop=True)
+    assert t.add(_ids("abENDcd")) == "abEND"
+    assert t.stopped
+
+
+def test_stop_token_text_is_left_out_unless_included() -> None:
+    t = TextStream(CharTokenizer(), [])
+    assert t.add(_ids("ab;"), final=True, stop_token=True) == "ab"
+    t = TextStream(CharTokenizer(), [], include_stop=True)
+    assert t.add(_ids("ab;"), final=True, stop_token=True) == "ab;"

@@ -1,0 +1,121 @@
+"""The REST bridge's request and response shaping (gateway/rest.py), without services."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.client import vllm_spec_metrics
+from gateway.rest import (
+    CHAT,
+    COMPLETION,
+    REFUSED,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    LogprobsShaper,
+    build_spec,
+    refuse_extras,
+)
+from specdec.wire import pb
+
+
+class Tok:
+    """token id n decodes to the n-th letter."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def _lp(token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> "pb.TokenLogprobs":
+    return pb.TokenLogprobs(token_id=token, logprob=logprob, rank=rank,
+                            top_token_ids=[t for t, _ in top], top_logprobs=[v for _, v in top])
+
+
+def test_completion_logprobs_are_shaped_as_vllm_does() -> None:
+    # position 0: the sampled token is the best; position 1: it is outside the top 2
+    lps = [_lp(0, -0.1, 1, [(0, -0.1), (1, -2.5)]), _lp(3, -4.0, 5, [(1, -0.5), (2, -1.0)])]
+    out = LogprobsShaper(Tok(), 2).completion(lps)
+    assert out["tokens"] == ["a", "d"] and out["token_logprobs"] == pytest.approx([-0.1, -4.0])
+    # the sampled token first, then the top k: k + 1 entries at most, the sampled token once
+    assert list(out["top_logprobs"][0]) == ["a", "b"]
+    assert list(out["top_logprobs"][1]) == ["d", "b", "c"]
+    assert out["text_offset"] == [0, 1]
+
+
+def test_chat_logprobs_take_the_first_k_entries() -> None:
+    lps = [_lp(3, -4.0, 5, [(1, -0.5), (2, -1.0)])]
+    (entry,) = LogprobsShaper(Tok(), 2).chat(lps)["content"]
+    assert entry["token"] == "d" and entry["bytes"] == [ord("d")]
+    assert [t["token"] for t in entry["top_logprobs"]] == ["d", "b"]  # vLLM's order: sampled first
+    (entry,) = LogprobsShaper(Tok(), 0, as_ids=True).chat(lps)["content"]
+    assert entry["token"] == "token_id:3" and entry["top_logprobs"] == []
+
+
+def test_vllm_metrics_histogram_from_per_position_counts() -> None:
+    stats = pb.SpeculationStats(gamma=4, speculative_steps=10, accepted_per_position=[8, 5, 2, 1],
+                                accepted_tokens=16, drafted_tokens=40)
+    m = vllm_spec_metrics(stats)
+    h = m["acceptance_histogram"]
+    assert h == [2, 3, 3, 1, 1] and sum(h) == m["num_spec_steps"] == 10
+    assert sum(j * n for j, n in enumerate(h)) == m["num_accepted_draft_tokens"] == 16
+    assert m["draft_acceptance_rate"] == pytest.approx(0.4) and m["mean_acceptance_length"] == pytest.approx(2.6)
+    assert m["num_spec_tokens"] == 4
+    assert vllm_spec_metrics(pb.SpeculationStats())["acceptance_histogram"] == [0]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"min_p": 0.1}, "min_p"),
+    ({"logit_bias": {"10": 5}}, "logit_bias"),
+    ({"best_of": 2}, "best_of"),
+    ({"priority": 3}, "priority"),
+    ({"foo_bar": 1}, "foo_bar"),
+    ({"use_beam_search": True}, "use_beam_search"),
+])
+def test_unsupported_fields_are_refused_by_name(extra: dict[str, Any], param: str) -> None:
+    req = CompletionRequest(prompt="x", **extra)
+    with pytest.raises(APIError) as info:
+        refuse_extras(req)
+    assert info.value.status == 400 and info.value.param == param
+    if param in REFUSED:
+        assert REFUSED[param][1] in info.value.message  # with the reason
+
+
+def test_defaults_of_refused_fields_pass() -> None:
+    """Clients that send vLLM's defaults explicitly (vllm bench serve, SDKs) are served."""
+    refuse_extras(CompletionRequest(prompt="x", min_p=0.0, priority=0, use_beam_search=False, logit_bias=None,
+                                    length_penalty=1.0, tools=None, spaces_between_special_tokens=True))
+    with pytest.raises(APIError):  # False is not the default 0 of priority
+        refuse_extras(CompletionRequest(prompt="x", priority=False))
+
+
+def test_spec_carries_every_honoured_field() -> None:
+    req = CompletionRequest(prompt="x", max_tokens=9, temperature=0, top_k=5, seed=3, stop="\n", stop_token_ids=[7],
+                            ignore_eos=True, min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5,
+                            repetition_penalty=1.2, logprobs=3, include_stop_str_in_output=True,
+                            skip_special_tokens=False)
+    s = build_spec(req, [1, 2], "r").sampling
+    assert (s.max_tokens, s.top_k, s.seed, list(s.stop), list(s.stop_token_ids)) == (9, 5, 3, ["\n"], [7])
+    assert s.ignore_eos and s.min_tokens == 2 and s.logprobs == 3 and s.include_stop_str_in_output
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, -0.5) and s.repetition_penalty == pytest.approx(1.2)
+    assert s.HasField("skip_special_tokens") and not s.skip_special_tokens
+    assert not build_spec(CompletionRequest(prompt="x"), [1], "r").sampling.HasField("logprobs")
+
+
+def test_chat_logprobs_fields() -> None:
+    chat = dict(messages=[{"role": "user", "content": "hi"}])
+    assert build_spec(ChatRequest(**chat, logprobs=True, top_logprobs=2), [1], "r").sampling.logprobs == 2
+    assert build_spec(ChatRequest(**chat, logprobs=True), [1], "r").sampling.logprobs == 0
+    with pytest.raises(APIError) as info:
+        build_spec(ChatRequest(**chat, top_logprobs=2), [1], "r")
+    assert info.value.param == "top_logprobs"
+    with pytest.raises(APIError) as info:
+        build_spec(ChatRequest(**chat, response_format={"type": "json_object"}), [1], "r")
+    assert info.value.param == "response_format"
+    assert build_spec(ChatRequest(**chat, max_completion_tokens=5, response_format={"type": "text"}),
+                      [1], "r").sampling.max_tokens == 5
+
+
+def test_shapes_differ_in_logprobs_layout() -> None:
+    assert COMPLETION.logprobs is LogprobsShaper.completion and CHAT.logprobs is LogprobsShaper.chat
