@@ -4,33 +4,51 @@
     specdec serve drafter|verifier|gateway ...    start one service (multi-host deployments)
     specdec generate "text" [--json] ...          a completion and its speculation stats
     specdec demo [--models qwen-coder|tiny]       up + one generation with stats + down
-    specdec models list | pull NAME | path REF    the model registry
+    specdec models list [--json] | pull PAIR | path PAIR[/ROLE]   the model registry
     specdec eval-draft [--target T --draft D]     draft agreement, step costs, predicted speedups
     specdec traces FILE... [--request ID]         slowest rounds, spikes by stage, one request's timeline
     specdec bench [--quick]                       specdec vs vLLM and transformers, side by side
+
+An error you can fix prints one line, `specdec: error: <what is wrong>; <what to do>`, and
+exits with status 2 (an unexpected one: status 1, Ctrl-C: 130). `specdec --debug COMMAND`
+or SPECDEC_DEBUG=1 prints the traceback too.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from specdec import config
+from specdec.errors import UserError
 from specdec.models import PAIRS, prepare
 
 
 def serve_config(args: argparse.Namespace) -> object:
-    """The config of `specdec serve KIND`: defaults < `SPECDEC_<FIELD>` < the flags given."""
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "kind", "func")}
-    return config.from_env(config.SERVICE_CONFIGS[args.kind], **overrides)
+    """The config of `specdec serve KIND`: defaults < `SPECDEC_<FIELD>` < the flags given.
+
+    A value the config rejects (a `SPECDEC_*` variable argparse never saw) is a UserError."""
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "kind", "func", "debug")}
+    try:
+        return config.from_env(config.SERVICE_CONFIGS[args.kind], **overrides)
+    except ValueError as err:
+        raise UserError(f"invalid {args.kind} setting: {err}",
+                        f"check its SPECDEC_* environment variables (`specdec serve {args.kind} --help` "
+                        "lists them)") from err
 
 
 def _serve(args: argparse.Namespace) -> None:
+    import asyncio
+
     from specdec.serving import setup_logging
 
     setup_logging()
@@ -75,6 +93,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
 
+def _start(cluster: Any) -> None:
+    """Start a `launch.Cluster`; a service that exits or never gets ready is a UserError
+    pointing at its log (the cluster has stopped the others)."""
+    try:
+        cluster.start()
+    except (RuntimeError, TimeoutError) as err:
+        raise UserError(f"a service did not start: {err}", "its log says why") from err
+
+
 def _up(args: argparse.Namespace) -> None:
     from specdec.launch import Cluster
 
@@ -84,7 +111,7 @@ def _up(args: argparse.Namespace) -> None:
         verifier_port=args.verifier_port, log_dir=Path(args.log_dir), pin=not args.no_pin,
     )
     print(f"starting verifier, drafter and gateway ({args.models}); logs in {args.log_dir}", file=sys.stderr)
-    cluster.start()
+    _start(cluster)
     print(f"ready: gateway on 127.0.0.1:{args.port} (Ctrl-C stops)", file=sys.stderr)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the services on SIGTERM too
     try:
@@ -100,10 +127,17 @@ def _up(args: argparse.Namespace) -> None:
 def _spec(args: argparse.Namespace):  # -> pb.GenerationSpec
     from gateway.client import generation_spec
 
-    prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
+    try:
+        prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
+    except ValueError:
+        raise UserError(f"--token-ids: {args.prompt!r} is not a comma-separated list of token ids",
+                        'pass ids like "1,2,3", or drop --token-ids to send the prompt as text') from None
     return generation_spec(
         prompt, max_tokens=args.max_tokens, gamma=args.gamma, drafter=args.drafter or "", temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
+        stop_token_ids=args.stop_token_ids or [], logprobs=args.logprobs,
     )
 
 
@@ -133,10 +167,16 @@ def _generate(args: argparse.Namespace) -> int:
     from specdec.wire import pb
 
     spec = _spec(args)
-    with GatewayClient(args.address, timeout_s=args.timeout) as client:
+    with GatewayClient(args.address, timeout_s=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                       tls_key=args.tls_key, api_key=args.api_key or os.environ.get("SPECDEC_API_KEY")) as client:
+        try:
+            grpc.channel_ready_future(client.channel).result(timeout=args.connect_timeout)
+        except grpc.FutureTimeoutError:
+            raise UserError(f"cannot reach the gateway at {args.address} (no connection in {args.connect_timeout:g} s)",
+                            "start one with `specdec up`, or pass --address HOST:PORT of a running gateway") from None
         t0 = time.perf_counter()
         first_ms = 0.0
-        text, ids, last = [], [], None
+        text, ids, logprobs, last = [], [], [], None
         try:
             for chunk in client.stream(spec):
                 if not first_ms:
@@ -146,10 +186,13 @@ def _generate(args: argparse.Namespace) -> int:
                     sys.stdout.flush()
                 text.append(chunk.text)
                 ids.extend(chunk.token_ids)
+                logprobs.extend({"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank,
+                                 "top": dict(zip(lp.top_token_ids, lp.top_logprobs))} for lp in chunk.logprobs)
                 last = chunk
         except grpc.RpcError as err:
-            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 2
+            if not args.json and text:
+                print(file=sys.stderr)  # end the partial completion's line
+            raise rpc_error(err, f"the gateway at {args.address}") from err
     total_ms = (time.perf_counter() - t0) * 1e3
     if args.json:
         print(json.dumps({
@@ -161,10 +204,33 @@ def _generate(args: argparse.Namespace) -> int:
             "stats": stats_dict(last.stats),
             "total_ms": round(total_ms, 1),
             "first_token_ms": round(first_ms, 1),
+            **({"logprobs": logprobs} if args.logprobs is not None else {}),
         }))
     else:
         print("\n---", file=sys.stderr)
         print(format_stats(last.stats, last.usage, total_ms, first_ms), file=sys.stderr)
+    return 0
+
+
+def _certs_doc() -> str:
+    from specdec import certs
+
+    return certs.__doc__ or ""
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdec.certs import write_certs
+
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    try:
+        paths = write_certs(Path(args.dir), hosts, days=args.days, overwrite=args.force,
+                            ca_dir=Path(args.ca) if args.ca else None)
+    except FileExistsError as err:
+        raise UserError(str(err).split(";")[0], "pass --force to replace them, or choose another DIR") from None
+    for path in paths:
+        print(path)
     return 0
 
 
@@ -180,9 +246,22 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop sequence (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
+    p.add_argument("--stop-token-ids", type=lambda v: [int(t) for t in v.split(",")], metavar="IDS",
+                   help="comma-separated token ids that end the generation")
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: the target's logprob of each token and of its K best alternatives")
+    p.add_argument("--tls-ca", default="", metavar="PATH", help="connect with TLS, verifying the gateway with this CA")
+    p.add_argument("--tls-cert", default="", metavar="PATH", help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key", default="", metavar="PATH", help="its private key")
+    p.add_argument("--api-key", default=None, help="sent as `authorization: Bearer KEY` (default: $SPECDEC_API_KEY)")
     p.add_argument("--drafter", choices=DRAFT_METHOD_NAMES, help="default: the gateway's")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds")
+    p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the gateway's connection")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -195,7 +274,7 @@ def _demo(args: argparse.Namespace) -> int:
                       log_dir=Path(args.log_dir),
                       extra_args={"verifier": off, "drafter": off, "gateway": [*off, "--rest-port", "0"]})
     print(f"starting verifier, drafter and gateway ({args.models}); logs in {args.log_dir}", file=sys.stderr)
-    cluster.start()
+    _start(cluster)
     try:
         print(f"prompt: {args.prompt!r}\n", file=sys.stderr)
         args.address = f"127.0.0.1:{ports[0]}"
@@ -204,25 +283,92 @@ def _demo(args: argparse.Namespace) -> int:
         cluster.stop()
 
 
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def format_models(entries: list[dict[str, Any]]) -> str:
+    """`specdec models list` as a table: one row per role of each pair (`models.list_pairs()`)."""
+    rows = [("PAIR", "ROLE", "STATUS", "SIZE", "FOLDER", "UPSTREAM")]
+    for pair in entries:
+        tiny = pair["name"] == "tiny"
+        for role in pair["roles"]:
+            if role["installed"]:
+                status, folder = ("built" if tiny else "pulled"), str(role["path"])
+            else:
+                status = "not built" if tiny else "not pulled"
+                folder = f"(`specdec models pull {pair['name']}`{', or on first use' if tiny else ''})"
+            rows.append((pair["name"], role["role"], status, _size(role["size"]), folder, role["upstream"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+
+
 def _models(args: argparse.Namespace) -> int:
-    from specdec.models import resolve
+    from specdec import models
 
     if args.action == "list":
-        from specdec.models import pull
-
-        for m in pull.list_models():
-            print(json.dumps(m))
-        print(json.dumps({"name": "tiny", "roles": ["target", "draft-same", "draft-mid", "draft-far"], "built": "on use"}))
+        entries = models.list_pairs()
+        print(json.dumps(entries, indent=2, default=str) if args.json else format_models(entries))
     elif args.action == "pull":
-        prepare(args.name)
+        models.prepare(args.name)
         print(f"{args.name}: ready")
-    else:
-        print(resolve(args.name, pull=False))
+    elif "/" in args.name or Path(args.name).expanduser().is_dir():
+        print(models.resolve(args.name, pull=False))  # one model: its folder
+    else:  # a pair: every role's folder
+        folders = models.folders(args.name)
+        width = max(len(role) for role in folders)
+        for role, folder in folders.items():
+            print(f"{role.ljust(width)}  {folder}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    """`specdec models list|pull|path`."""
+    p = sub.add_parser("models", help="list, pull or locate models",
+                       description="The model registry: pairs of a target and its draft (specdec/models/).")
+    actions = p.add_subparsers(dest="action", required=True, metavar="{list,pull,path}")
+    ls = actions.add_parser("list", help="every pair and role: pulled or not, size, folder")
+    ls.add_argument("--json", action="store_true", help="one JSON array (the folders as strings)")
+    pull = actions.add_parser("pull", help="download, verify and convert a pair once (tiny: build it)")
+    pull.add_argument("name", nargs="?", default="qwen-coder", metavar="PAIR", help="default: qwen-coder")
+    path = actions.add_parser("path", help="the folder of each role of PAIR, or of one PAIR/ROLE")
+    path.add_argument("name", nargs="?", default="qwen-coder", metavar="PAIR[/ROLE]",
+                      help="a pair (every role's folder) or PAIR/ROLE (that folder); default: qwen-coder")
+    p.set_defaults(func=_models)
+
+
+# Subcommands defined in the tools' own modules, imported only when one of them runs (or shows
+# its --help): the others get a placeholder with the same help line (tests/specdec/test_cli.py
+# checks they match).
+_TOOLS = {
+    "eval-draft": "measure a draft's agreement with the target and predict speedups",
+    "traces": "inspect exported spans: slowest rounds, spikes, one request's timeline",
+    "bench": "specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
+}
+
+
+def _add_tool(sub: argparse._SubParsersAction, name: str) -> None:
+    if name == "eval-draft":
+        from specdec import evaldraft
+
+        evaldraft.add_parser(sub)
+    elif name == "traces":
+        from specdec import traces
+
+        traces.add_parser(sub)
+    else:
+        from benchmarks import bench
+
+        bench.add_parser(sub)
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The `specdec` parser for `argv`: only the tool `argv` names (if any) is imported."""
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error (or SPECDEC_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
 
@@ -248,20 +394,105 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--log-dir", default="logs")
     demo.set_defaults(func=lambda a: _demo(_demo_defaults(a)), token_ids=False)
 
-    models = sub.add_parser("models", help="list, pull or locate models")
-    models.add_argument("action", choices=["list", "pull", "path"])
-    models.add_argument("name", nargs="?", default="qwen-coder", help="pair (pull) or PAIR/ROLE (path)")
-    models.set_defaults(func=_models)
+    _add_models(sub)
 
-    from benchmarks import bench
-    from specdec import evaldraft, traces
+    certs = sub.add_parser("certs", help="write a development CA and the services' and a client's certificates",
+                           description=_certs_doc())
+    certs.add_argument("dir", metavar="DIR", help="folder to write them to")
+    certs.add_argument("--hosts", default="", help="comma-separated DNS names and IP addresses the services are "
+                       "reached at (localhost and 127.0.0.1 are always added)")
+    certs.add_argument("--days", type=int, default=365, help="validity (default: 365)")
+    certs.add_argument("--ca", default=None, metavar="DIR", help="issue from the CA in DIR (its ca.pem, ca-key.pem) "
+                       "instead of a new one: rotation, or more hosts")
+    certs.add_argument("--force", action="store_true", help="replace certificates already in DIR")
+    certs.set_defaults(func=_certs)
 
-    evaldraft.add_parser(sub)
-    traces.add_parser(sub)
-    bench.add_parser(sub)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    for name, help in _TOOLS.items():
+        if name == command:
+            _add_tool(sub, name)
+        else:
+            sub.add_parser(name, help=help, add_help=False)
+    return parser
 
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+
+def rpc_error(err: Exception, peer: str) -> UserError:
+    """A failed gRPC call to `peer` ("the gateway at HOST:PORT") as a UserError: what the
+    status code means for the caller, and what to do."""
+    code = getattr(err, "code", lambda: None)()
+    name = getattr(code, "name", "UNKNOWN")
+    details = getattr(err, "details", lambda: "")() or str(err)
+    if name == "UNAVAILABLE":
+        return UserError(f"{peer} is unavailable ({details})",
+                         "check that it is running (`specdec up` starts one) and the address")
+    if name == "DEADLINE_EXCEEDED":
+        return UserError(f"{peer} did not finish in time ({details})", "raise --timeout, or ask for fewer tokens")
+    if name in ("INVALID_ARGUMENT", "OUT_OF_RANGE", "FAILED_PRECONDITION"):
+        return UserError(f"{peer} refused the request: {details}", "fix the value it names")
+    if name in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        return UserError(f"{peer} refused the request ({name}): {details}", "check the credentials it expects")
+    if name == "RESOURCE_EXHAUSTED":
+        return UserError(f"{peer} is over a limit: {details}", "retry later, or ask its operator to raise the limit")
+    return UserError(f"{peer} failed ({name}): {details}", "its log says why")
+
+
+def _debug_env() -> bool:
+    return os.environ.get("SPECDEC_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def explain(err: BaseException) -> tuple[str, int]:
+    """What `specdec` prints for an exception (`<what>; <what to do>`) and its exit status:
+    2 for errors the user can fix, 1 for unexpected ones."""
+    if isinstance(err, UserError):
+        return str(err), 2
+    if isinstance(err, subprocess.CalledProcessError):
+        cmd = err.cmd if isinstance(err.cmd, str) else " ".join(map(str, err.cmd))
+        cmd = cmd if len(cmd) <= 80 else cmd[:77] + "..."
+        return f"`{cmd}` failed with exit status {err.returncode}; its output above says why", 2
+    if isinstance(err, OSError):
+        what = f"{err.strerror}: {err.filename}" if err.strerror and err.filename else str(err)
+        if isinstance(err, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+            return f"{what}; check the path", 2
+        if isinstance(err, PermissionError):
+            return f"{what}; check its permissions", 2
+        return f"{what}; check the system's state (ports, disk, network) and retry", 2
+    grpc = sys.modules.get("grpc")
+    if grpc is not None and isinstance(err, grpc.RpcError):
+        return str(rpc_error(err, "a service")), 2
+    return (f"unexpected {type(err).__name__}: {err}; rerun as `specdec --debug ...` (or with SPECDEC_DEBUG=1) "
+            "for the traceback, and report it"), 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `specdec ARGV...` (default: the process's arguments) and return its exit status.
+
+    Every error ends as one line on stderr, `specdec: error: <what>; <what to do>`: status 2
+    for errors the user can fix (argparse's usage errors included), 1 for unexpected ones;
+    Ctrl-C returns 130 quietly. With `--debug` or SPECDEC_DEBUG=1 the traceback comes first.
+    `specdec serve` always logs the traceback of an unexpected error: a service's stderr is
+    its log, and a crash there is not rerun by hand.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    debug = args.debug or _debug_env()
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        return 130
+    except BrokenPipeError:  # `specdec ... | head`: the reader left
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        except (OSError, ValueError):
+            pass
+        return 1
+    except Exception as err:  # noqa: BLE001 (the one place errors become messages)
+        message, status = explain(err)
+        if debug or (status == 1 and args.command == "serve"):
+            traceback.print_exc()
+        print(f"specdec: error: {' '.join(message.split())}", file=sys.stderr)
+        return status
 
 
 def _demo_defaults(args: argparse.Namespace) -> argparse.Namespace:

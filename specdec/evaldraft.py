@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.acceptance import expected_tokens
+from specdec.errors import UserError
 from specdec.models import PAIRS
 
 DEFAULT_TARGET = PAIRS["qwen-coder"].target
@@ -52,7 +53,7 @@ DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_TIMING_STEPS = 10
 
 
-class EvalDraftError(ValueError):
+class EvalDraftError(UserError, ValueError):
     """A bad input: reported to the user as one line, without a traceback."""
 
 
@@ -400,12 +401,9 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    try:
-        report = evaluate(args.target, args.draft, load_prompts(args.prompts, args.limit), args.gammas,
-                          args.max_new_tokens, args.timing_steps, quantize=args.quantize)
-    except (EvalDraftError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    # a bad input (EvalDraftError, a model not found) is a UserError: `specdec` prints it as one line
+    report = evaluate(args.target, args.draft, load_prompts(args.prompts, args.limit), args.gammas,
+                      args.max_new_tokens, args.timing_steps, quantize=args.quantize)
     print(format_table(report), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
         text = json.dumps(report.to_dict(), indent=2)

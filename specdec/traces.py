@@ -16,17 +16,26 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from specdec.errors import UserError
 from specdec.telemetry import STAGES
 
 Span = dict[str, Any]
 
 
 def load(paths: Iterable[str | Path]) -> list[Span]:
-    """Every span record in the files (see telemetry.span_record)."""
+    """Every span record in the files (see telemetry.span_record); a line that is not JSON
+    is a UserError naming the file and line."""
     spans: list[Span] = []
     for path in paths:
         with open(path) as f:
-            spans.extend(json.loads(line) for line in f if line.strip())
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    spans.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise UserError(f"{path}:{number}: not a JSON span record ({err.msg})",
+                                    "pass the JSON-lines files that SPECDEC_TRACE_FILE writes") from None
     return spans
 
 
@@ -120,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
     if args.request:
         matches = [t for t, rid in request_ids(spans).items() if rid == args.request]
         if not matches:
-            print(f"no request {args.request!r} in these files")
-            return 1
+            raise UserError(f"no request {args.request!r} in {', '.join(args.files)}",
+                            "the summary (`specdec traces FILE...` alone) names the requests they hold")
         trace_id = matches[0]
     print(timeline(spans, trace_id) if trace_id else summary(spans, args.top))
     return 0

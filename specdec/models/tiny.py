@@ -117,6 +117,17 @@ def _build_models(tok_dir: Path, out: Path) -> None:
         tokenizer.save_pretrained(out / role)
 
 
+def folders(root: Path) -> dict[str, Path]:
+    """The tiny pair's folders under `root`, keyed by role, whether built or not."""
+    final = Path(root) / _recipe_hash()
+    return {role: final / role for role in ROLES}
+
+
+def is_built(root: Path) -> bool:
+    """Whether `build(root)` has completed for this recipe (it would return at once)."""
+    return (Path(root) / _recipe_hash() / _MARKER).exists()
+
+
 def build(root: Path) -> dict[str, Path]:
     """Build (once) and return the tiny pair's folders, keyed by role.
 
@@ -125,8 +136,8 @@ def build(root: Path) -> dict[str, Path]:
     """
     root = Path(root)
     final = root / _recipe_hash()
-    if (final / _MARKER).exists():
-        return {role: final / role for role in ROLES}
+    if is_built(root):
+        return folders(root)
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
@@ -137,8 +148,8 @@ def build(root: Path) -> dict[str, Path]:
         try:
             os.replace(work, final)
         except OSError:  # another process finished first
-            if not (final / _MARKER).exists():
+            if not is_built(root):
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {role: final / role for role in ROLES}
+    return folders(root)

@@ -1,0 +1,307 @@
+"""Every `specdec` command in README.md's shell blocks works, on the tiny pair.
+
+The README says each of its `specdec` commands also runs on the tiny pair with `qwen-coder`
+replaced by `tiny` (`qwen-coder/draft` by `tiny/draft-mid`). This module takes every line of
+its ```bash / ```sh / ```console / ``` blocks that runs `specdec` (after any VAR=value
+assignments), makes that replacement and:
+
+- runs the local ones (models, eval-draft) as they are;
+- starts `specdec up` as documented (env assignments included, free ports added, /metrics and
+  REST off), runs `specdec generate` lines against it (`--address` added) and `specdec traces`
+  lines on the spans it wrote (`ID` replaced by a real request id), then stops it with Ctrl-C,
+  which must end it cleanly;
+- only parses the commands listed in NOT_RUN (long-running services, full benchmarks, runs on
+  the real pair), each with its reason: their flags must exist and their values parse (and, for
+  `serve`, build the service's config and name models the registry knows).
+
+A command fails its test when it exits non-zero or prints a traceback. A synopsis's optional
+`[...]` parts are included; `a|b` alternatives must agree after the replacement. `make` lines
+are not `specdec` lines (`make demo` and `make bench` run elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from specdec import cli, models
+from specdec.launch import free_port
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
+# The README's own rule: qwen-coder -> tiny; qwen-coder/draft -> the tiny pair's default draft.
+REPLACE = (("qwen-coder/draft", models.PAIRS["tiny"].draft), ("qwen-coder", "tiny"))
+TRACEBACK = "Traceback (most recent call last)"
+TIMEOUT_S = 300
+
+# Documented commands this test does not run, exactly as the README writes them (comment
+# dropped), with the reason. test_not_run_lists_only_readme_commands keeps this list honest.
+_SERVICE = "a long-running service; `specdec up` (run here) starts the same `specdec serve` commands"
+_BENCH = "the full benchmark takes minutes even on tiny; `specdec bench --quick` runs in tests/benchmarks/test_bench.py"
+_QWEN_DEFAULTS = ("no pair on the line to replace (eval-draft's defaults are the qwen-coder pair); the same "
+                  "command on tiny runs from the `specdec eval-draft --target ... --draft ...` line")
+NOT_RUN = {
+    ".venv/bin/specdec serve drafter --host 0.0.0.0 --port 50052 --model qwen-coder/draft --threads 4": _SERVICE,
+    "specdec serve verifier --model qwen-coder/target --port 50053": _SERVICE,
+    "specdec serve drafter  --model qwen-coder/draft  --port 50052": _SERVICE,
+    "specdec serve gateway  --drafter-address HOST:50052 --verifier-address HOST:50053 --tokenizer qwen-coder/target":
+        _SERVICE,
+    "specdec serve verifier --host 10.0.0.1 --model qwen-coder/target": _SERVICE,
+    "specdec serve drafter --host 10.0.0.2 --model qwen-coder/draft": _SERVICE,
+    "SPECDEC_API_KEYS=sk-team-a specdec serve gateway --host 10.0.0.3 --drafter-address 10.0.0.2:50052 "
+    "--verifier-address 10.0.0.1:50053": _SERVICE,
+    "specdec bench --models qwen-coder --out bench-results": _BENCH,
+    "specdec bench --models qwen-coder --workloads long,c8 --systems target-only,specdec --out bench-long-c8": _BENCH,
+    "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 64": _QWEN_DEFAULTS,
+    "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 48 --limit 4 --gammas 4 --quantize int8":
+        _QWEN_DEFAULTS,
+}
+# Commands that need a running gateway (or what it exported) and long-running ones.
+AGAINST_UP = {"generate", "traces"}
+LONG_RUNNING = {"serve", "bench", "demo"}
+
+
+@dataclass(frozen=True)
+class Command:
+    """One documented command: the README's text and what the test runs."""
+
+    text: str  # as the README writes it, comment dropped (NOT_RUN's key)
+    env: tuple[tuple[str, str], ...]  # leading VAR=value assignments
+    argv: tuple[str, ...]  # after `specdec`, replaced for the tiny pair, synopsis expanded
+
+    @property
+    def name(self) -> str:
+        return self.argv[0] if self.argv else ""
+
+
+def _strip_comment(line: str) -> str:
+    """The line without a trailing `# comment` (a `#` outside quotes after a space)."""
+    quote = ""
+    for i, ch in enumerate(line):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def _expand(tokens: list[str]) -> list[str]:
+    """A synopsis's tokens with `[...]` groups included and `a|b` alternatives (equal after
+    the tiny replacement) made one."""
+    out = []
+    for token in tokens:
+        if token.startswith("["):
+            token = token[1:]
+        if token.endswith("]"):
+            token = token[:-1]
+        if "|" in token:
+            choices = set(token.split("|"))
+            assert len(choices) == 1, f"cannot pick one of the alternatives {token!r} for the tiny pair"
+            token = choices.pop()
+        if token:
+            out.append(token)
+    return out
+
+
+def readme_commands(text: str) -> list[Command]:
+    """Every `specdec` command line of the shell blocks of a README's text."""
+    commands, lang = [], None
+    for raw in text.splitlines():
+        fence = re.match(r"^\s*```\s*([\w-]*)", raw)
+        if fence:
+            lang = None if lang is not None else fence.group(1).lower()
+            continue
+        if lang not in SHELL_LANGS:
+            continue
+        line = raw.strip()
+        if lang == "console" and line.startswith("$ "):
+            line = line[2:]
+        words = [w for w in line.split() if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", w)]
+        if not words or Path(words[0]).name != "specdec":
+            continue  # not a `specdec` line (output, make, python, pip ...)
+        line = _strip_comment(line)
+        tokens = shlex.split(line)
+        env = []
+        while tokens and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", tokens[0]):
+            env.append(tuple(tokens.pop(0).split("=", 1)))
+        if not tokens or Path(tokens[0]).name != "specdec":
+            continue
+        replaced = line
+        for old, new in REPLACE:
+            replaced = replaced.replace(old, new)
+        argv = _expand(shlex.split(replaced)[len(env) + 1:])
+        commands.append(Command(line, tuple(env), tuple(argv)))
+    return commands
+
+
+COMMANDS = readme_commands(README.read_text())
+RUN = [c for c in COMMANDS if c.text not in NOT_RUN and c.name not in AGAINST_UP and c.name != "up"]
+PARSE = [c for c in COMMANDS if c.text in NOT_RUN]
+
+
+def _ids(commands: list[Command]) -> list[str]:
+    return [c.text for c in commands]
+
+
+def specdec_cmd() -> list[str]:
+    """The venv's `specdec` console script (what `.venv/bin/specdec` is), or the module."""
+    script = Path(sys.executable).with_name("specdec")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "specdec.cli"]
+
+
+def run(cmd: Command, cwd: Path, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """Run a documented command in `cwd`; fail its test on a non-zero exit or a traceback."""
+    env = {**os.environ, **dict(cmd.env)}
+    proc = subprocess.run([*specdec_cmd(), *cmd.argv, *extra], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    shown = f"`{shlex.join(['specdec', *cmd.argv, *extra])}`"
+    assert TRACEBACK not in proc.stdout + proc.stderr, f"{shown} printed a traceback:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{shown} exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder every documented command runs in (relative paths like spans.jsonl land here)."""
+    return tmp_path_factory.mktemp("readme")
+
+
+@dataclass
+class Up:
+    """`specdec up` as the README starts it, with what the commands that need it use."""
+
+    proc: subprocess.Popen[str]
+    argv: tuple[str, ...]
+    address: str
+    request_id: str
+    log: Path
+
+
+def _stop(proc: subprocess.Popen[str], sig: int) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+@pytest.fixture(scope="module")
+def up(workdir: Path) -> Iterator[Up]:
+    """The README's `specdec up` lines (all the same command on tiny; their env assignments
+    together, e.g. SPECDEC_TRACE_FILE), on free ports with /metrics and REST off; one
+    generation is made so the traces hold a known request id."""
+    lines = [c for c in COMMANDS if c.name == "up"]
+    assert lines, "README.md has no `specdec up` line"
+    assert len({c.argv for c in lines}) == 1, f"the `specdec up` lines differ on tiny: {[c.argv for c in lines]}"
+    ports = [free_port() for _ in range(3)]
+    argv = (*lines[0].argv, "--port", str(ports[0]), "--drafter-port", str(ports[1]), "--verifier-port", str(ports[2]))
+    env = {**os.environ, "SPECDEC_METRICS_PORT": "0", "SPECDEC_REST_PORT": "0"}
+    for line in lines:
+        env.update(dict(line.env))
+    log = workdir / "up.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*specdec_cmd(), *argv], cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while "ready: gateway" not in log.read_text():
+            assert proc.poll() is None, f"`specdec up` exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"`specdec up` not ready in {TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
+            time.sleep(0.5)
+        address = f"127.0.0.1:{ports[0]}"
+        gen = Command("(fixture)", (), ("generate", "def add(a, b):", "--max-tokens", "16", "--json"))
+        request_id = json.loads(run(gen, workdir, ("--address", address)).stdout)["request_id"]
+        trace_file = env.get("SPECDEC_TRACE_FILE")
+        if trace_file:  # spans are written as they end: wait (bounded) for this request's
+            from specdec import traces
+            from specdec.errors import UserError
+
+            path = workdir / trace_file
+            while time.monotonic() < deadline:
+                try:
+                    if path.exists() and request_id in traces.request_ids(traces.load([path])).values():
+                        break
+                except UserError:  # a line being written
+                    pass
+                time.sleep(0.2)
+        yield Up(proc, tuple(argv), address, request_id, log)
+    finally:
+        _stop(proc, signal.SIGINT)
+        try:  # whatever `up` left running in its process group (nothing, when it stopped cleanly)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_readme_has_runnable_commands() -> None:
+    names = {c.name for c in COMMANDS}
+    assert {"up", "generate", "models", "eval-draft", "traces", "serve"} <= names, names
+    assert RUN and PARSE
+
+
+def test_not_run_lists_only_readme_commands() -> None:
+    """NOT_RUN cannot rot: each entry is a command the README has, verbatim."""
+    texts = {c.text for c in COMMANDS}
+    assert sorted(set(NOT_RUN) - texts) == [], "NOT_RUN entries that README.md no longer has"
+
+
+@pytest.mark.parametrize("cmd", PARSE, ids=_ids(PARSE))
+def test_not_run_command_parses(cmd: Command) -> None:
+    """A command not run here still has flags that exist and values that parse."""
+    argv = list(cmd.argv)
+    args = cli.build_parser(argv).parse_args(argv)
+    if cmd.name == "serve":
+        cfg = cli.serve_config(args)
+        for field in ("model", "tokenizer"):
+            if ref := getattr(cfg, field, ""):
+                assert models.resolve(ref, pull=False).is_dir()
+
+
+@pytest.mark.parametrize("cmd", RUN, ids=_ids(RUN))
+def test_command_runs(cmd: Command, workdir: Path) -> None:
+    assert cmd.name not in LONG_RUNNING, (
+        f"`{cmd.text}` would not end here: run it in a fixture (as `specdec up`) or add it to NOT_RUN with the reason")
+    run(cmd, workdir)
+
+
+AGAINST = [c for c in COMMANDS if c.name in AGAINST_UP and c.text not in NOT_RUN]
+
+
+@pytest.mark.parametrize("cmd", AGAINST, ids=_ids(AGAINST))
+def test_command_runs_against_up(cmd: Command, up: Up, workdir: Path) -> None:
+    """`generate` against the gateway `specdec up` started; `traces` on the spans it wrote."""
+    if cmd.name == "generate":
+        run(cmd, workdir, ("--address", up.address))
+    else:
+        argv = tuple(up.request_id if a == "ID" else a for a in cmd.argv)
+        run(Command(cmd.text, cmd.env, argv), workdir)
+
+
+UP = [c for c in COMMANDS if c.name == "up"]
+
+
+@pytest.mark.parametrize("cmd", UP, ids=_ids(UP))
+def test_up_starts(cmd: Command, up: Up) -> None:
+    assert up.argv[:len(cmd.argv)] == cmd.argv and up.proc.poll() is None
+
+
+def test_up_stops_on_ctrl_c(up: Up) -> None:
+    """Ctrl-C stops `specdec up` and its three services: exit 0, no traceback."""
+    assert _stop(up.proc, signal.SIGINT) == 0, up.log.read_text()[-4000:]
+    assert TRACEBACK not in up.log.read_text()
