@@ -119,6 +119,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.vocab_size = int(self.model.config.vocab_size)
         self.tracer = telemetry.setup_tracing("drafter")
         self.metrics = telemetry.DrafterMetrics(registry)
+        self.slots = serving.SessionSlots("drafter", cfg.max_sessions)
         token_ms = self._calibrate()
         self.worker = DraftWorker(token_ms, self.metrics)
         self.worker.start()
@@ -180,6 +181,10 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         )
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        async with self.slots.hold(context):
+            await self._draft(context)
+
+    async def _draft(self, context: grpc.aio.ServicerContext) -> None:
         opened, session = await serving.open_session(context, self._open)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[BlockOut | Ready | BaseException | None] = asyncio.Queue()

@@ -106,20 +106,47 @@ def vllm_spec_metrics(stats: "pb.SpeculationStats") -> dict[str, Any]:
     }
 
 
-class GatewayClient:
-    """Blocking client, for scripts, the CLI and benchmarks. One channel per client."""
+def _channel_options() -> list[tuple[str, Any]]:
+    return [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
-    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.channel = grpc.insecure_channel(address)
+
+def _credentials(tls_ca: str, tls_cert: str, tls_key: str) -> grpc.ChannelCredentials | None:
+    """TLS credentials when any TLS file is given (the CA verifies the gateway; cert + key: mTLS)."""
+    if not (tls_ca or tls_cert or tls_key):
+        return None
+    from specdec.security import channel_credentials
+
+    return channel_credentials(tls_ca, tls_cert, tls_key)
+
+
+def _auth(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+class GatewayClient:
+    """Blocking client, for scripts, the CLI and benchmarks. One channel per client.
+
+    `tls_ca` (and `tls_cert` + `tls_key` for mTLS): connect with TLS; `api_key`: sent as
+    `authorization: Bearer KEY` with every call."""
+
+    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, tls_ca: str = "", tls_cert: str = "",
+                 tls_key: str = "", api_key: str | None = None) -> None:
+        creds = _credentials(tls_ca, tls_cert, tls_key)
+        self.channel = (grpc.secure_channel(address, creds, options=_channel_options()) if creds
+                        else grpc.insecure_channel(address, options=_channel_options()))
         self.stub = rpc.GatewayServiceStub(self.channel)
         self.timeout_s = timeout_s
+        self.metadata = _auth(api_key)
 
     def generate(self, spec: "pb.GenerationSpec") -> "pb.GenerateResponse":
-        return self.stub.Generate(pb.GenerateRequest(spec=spec), wait_for_ready=True, timeout=self.timeout_s)
+        return self.stub.Generate(pb.GenerateRequest(spec=spec), wait_for_ready=True, timeout=self.timeout_s,
+                                  metadata=self.metadata)
 
     def stream(self, spec: "pb.GenerationSpec") -> Iterator["pb.GenerateStreamResponse"]:
         """Chunks as the gateway sends them; the last one carries the finish reason, usage and stats."""
-        return self.stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), wait_for_ready=True, timeout=self.timeout_s)
+        return self.stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), wait_for_ready=True,
+                                        timeout=self.timeout_s, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -133,22 +160,27 @@ class GatewayClient:
 
 class AsyncGatewayClient:
     """asyncio client, for the REST bridge and concurrent tests. Make it inside the event
-    loop that uses it (a grpc.aio channel belongs to one loop)."""
+    loop that uses it (a grpc.aio channel belongs to one loop). TLS and `api_key` as in
+    GatewayClient; a call's own `metadata` (the REST bridge forwards its caller's key) wins."""
 
-    def __init__(self, address: str, timeout_s: float | None = DEFAULT_TIMEOUT_S, wait_for_ready: bool = True) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
+    def __init__(self, address: str, timeout_s: float | None = DEFAULT_TIMEOUT_S, wait_for_ready: bool = True, *,
+                 tls_ca: str = "", tls_cert: str = "", tls_key: str = "", api_key: str | None = None) -> None:
+        creds = _credentials(tls_ca, tls_cert, tls_key)
+        self.channel = (grpc.aio.secure_channel(address, creds, options=_channel_options()) if creds
+                        else grpc.aio.insecure_channel(address, options=_channel_options()))
         self.stub = rpc.GatewayServiceStub(self.channel)
         self.timeout_s = timeout_s
         self.wait_for_ready = wait_for_ready
+        self.metadata = _auth(api_key)
 
-    async def generate(self, spec: "pb.GenerationSpec") -> "pb.GenerateResponse":
+    async def generate(self, spec: "pb.GenerationSpec", metadata: Any = None) -> "pb.GenerateResponse":
         return await self.stub.Generate(pb.GenerateRequest(spec=spec), timeout=self.timeout_s,
-                                        wait_for_ready=self.wait_for_ready)
+                                        wait_for_ready=self.wait_for_ready, metadata=metadata or self.metadata)
 
-    def stream(self, spec: "pb.GenerationSpec") -> grpc.aio.UnaryStreamCall:
+    def stream(self, spec: "pb.GenerationSpec", metadata: Any = None) -> grpc.aio.UnaryStreamCall:
         """The GenerateStream call: `await call.read()` or `async for chunk in call`; cancel() stops it."""
         return self.stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), timeout=self.timeout_s,
-                                        wait_for_ready=self.wait_for_ready)
+                                        wait_for_ready=self.wait_for_ready, metadata=metadata or self.metadata)
 
     async def chunks(self, spec: "pb.GenerationSpec") -> AsyncIterator["pb.GenerateStreamResponse"]:
         async for chunk in self.stream(spec):

@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.client import AsyncGatewayClient, generation_spec, stats_dict, vllm_spec_metrics
 from specdec.config import MAX_LOGPROBS
+from specdec.security import KeyStore
 from specdec.wire import DRAFT_METHOD_NAMES, finish_reason_name, pb
 
 GATEWAY_SERVICE = "specdec.v1.GatewayService"
@@ -63,6 +64,8 @@ UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 # gRPC status -> (HTTP status, OpenAI error type)
 GRPC_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
 }
@@ -219,16 +222,17 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _param(field_path: str, prompt_param: str) -> str:
@@ -245,7 +249,13 @@ def grpc_error(err: grpc.aio.AioRpcError, prompt_param: str = "prompt") -> APIEr
     param = None
     if err.code() == grpc.StatusCode.INVALID_ARGUMENT and ":" in details:
         param = _param(details.split(":", 1)[0], prompt_param)
-    return APIError(status, details, param, type_, err.code().name.lower())
+    headers = {}
+    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        retry = dict(err.trailing_metadata() or ()).get("retry-after")
+        headers["Retry-After"] = str(retry or 1)
+    if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+        headers["WWW-Authenticate"] = "Bearer"
+    return APIError(status, details, param, type_, err.code().name.lower(), headers)
 
 
 def _validation_error(err: RequestValidationError) -> APIError:
@@ -477,11 +487,11 @@ def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _open_stream(client: AsyncGatewayClient, spec: "pb.GenerationSpec", prompt_param: str,
+async def _open_stream(client: AsyncGatewayClient, spec: "pb.GenerationSpec", prompt_param: str, metadata: Any = (),
                        ) -> AsyncGenerator["pb.GenerateStreamResponse", None]:
     """Start GenerateStream and wait for its first chunk, so a rejected request still
     gets a plain HTTP error; the iterator yields every chunk and cancels the call if left early."""
-    call = client.stream(spec)
+    call = client.stream(spec, metadata=metadata)
     try:
         first = await call.read()
     except grpc.aio.AioRpcError as err:
@@ -540,10 +550,25 @@ async def stream_events(
 # ---------------------------------------------------------------------------- app
 
 
-def build_app(gateway_address: str, tokenizer: Any, model_name: str) -> FastAPI:
+def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeyStore | None = None,
+              metrics_auth: bool = False, metrics_app: Any = None) -> FastAPI:
     """The REST bridge for the gateway at `gateway_address`. `tokenizer` (the target's)
-    renders chat templates; `model_name` is the model id the API reports and accepts."""
+    renders chat templates; `model_name` is the model id the API reports and accepts.
+
+    API keys: a request's `Authorization` header travels to the gateway with the call, and
+    the gateway checks it (401 / 429 come back from there). `keys` (the gateway's KeyStore)
+    guards the routes that do not call the gateway: /v1/models, and /metrics (`metrics_app`,
+    mounted there) when `metrics_auth`. /health stays open."""
     state: dict[str, Any] = {}
+
+    def authorize(request: Request) -> None:
+        if keys is not None and keys.enabled and keys.identify(request.headers.get("authorization")) is None:
+            raise APIError(401, "missing or unknown API key: send `Authorization: Bearer <key>`", None,
+                           "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+
+    def forwarded(request: Request) -> tuple[tuple[str, str], ...]:
+        auth = request.headers.get("authorization")
+        return (("authorization", auth),) if auth else ()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -565,7 +590,8 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str) -> FastAPI:
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         return _validation_error(err).response()
 
-    async def generate(req: _GenerationRequest, prompt_ids: list[int], shape: Shape, echo: str = "") -> Any:
+    async def generate(req: _GenerationRequest, prompt_ids: list[int], shape: Shape, metadata: Any,
+                       echo: str = "") -> Any:
         """Run one request through the gateway and answer it in `shape`."""
         if req.model and req.model != model_name:
             raise APIError(404, f"model: the model {req.model!r} does not exist; this server has {model_name!r}",
@@ -580,11 +606,11 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str) -> FastAPI:
             LogprobsShaper(tokenizer, spec.sampling.logprobs, bool(req.return_tokens_as_token_ids)),
         )
         if req.stream:
-            chunks = await _open_stream(state["gateway"], spec, shape.prompt_param)
+            chunks = await _open_stream(state["gateway"], spec, shape.prompt_param, metadata)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(stream_events(answer, chunks, include_usage), media_type="text/event-stream")
         try:
-            r = await state["gateway"].generate(spec)
+            r = await state["gateway"].generate(spec, metadata=metadata)
         except grpc.aio.AioRpcError as err:
             raise grpc_error(err, shape.prompt_param) from err
         if answer.logprobs is not None:
@@ -595,16 +621,18 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str) -> FastAPI:
                 "metrics": metrics_dict(r.stats, len(r.token_ids), r.first_token_ms, r.total_ms)}
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, request: Request) -> Any:
         ids, text = completion_prompt(tokenizer, req)
-        return await generate(req, ids, COMPLETION, echo=text if req.echo and not req.return_token_ids else "")
+        return await generate(req, ids, COMPLETION, forwarded(request),
+                              echo=text if req.echo and not req.return_token_ids else "")
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(req: ChatRequest) -> Any:
-        return await generate(req, chat_prompt(tokenizer, req), CHAT, echo=chat_echo(req))
+    async def chat_completions(req: ChatRequest, request: Request) -> Any:
+        return await generate(req, chat_prompt(tokenizer, req), CHAT, forwarded(request), echo=chat_echo(req))
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        authorize(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specdec"}]}
 
     @app.get("/health")
@@ -619,4 +647,15 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str) -> FastAPI:
             detail = f"{err.code().name}: {err.details()}"
         return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
 
+    if metrics_app is not None:
+        if metrics_auth:
+            @app.middleware("http")
+            async def _metrics_key(request: Request, call_next: Any) -> Any:
+                if request.url.path.startswith("/metrics"):
+                    try:
+                        authorize(request)
+                    except APIError as err:
+                        return err.response()
+                return await call_next(request)
+        app.mount("/metrics", metrics_app)
     return app

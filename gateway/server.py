@@ -5,17 +5,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
 
 from gateway.rounds import Plan, Round
 from gateway.text import TextStream
-from specdec import serving, telemetry
+from specdec import security, serving, telemetry
 from specdec.config import GatewayConfig
 from specdec.validation import InvalidField, check_gamma, check_sampling, check_token_ids
 from specdec.wire import DRAFT_METHOD_NAMES, draft_method, finish_reason_name, pb, rpc
@@ -24,6 +27,8 @@ log = logging.getLogger("specdec.gateway")
 
 # How long a request waits for an unreachable verifier before failing with its status.
 VERIFIER_INFO_TIMEOUT_S = 30.0
+# After a certificate rotation, how long calls on the old channels may take to finish.
+CHANNEL_DRAIN_S = 3600.0
 
 
 @dataclass
@@ -60,11 +65,44 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self.metrics = telemetry.GatewayMetrics(registry)
         self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer))
-        self._verifier_channel = grpc.aio.insecure_channel(cfg.verifier_address)
-        self._drafter_channel = grpc.aio.insecure_channel(cfg.drafter_address)
-        self.verifier = rpc.VerifierServiceStub(self._verifier_channel)
-        self.drafter = rpc.DrafterServiceStub(self._drafter_channel)
+        self.keys = security.KeyStore.from_config(cfg)
+        self.limits = security.RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, cfg.max_streams_per_key)
+        self._client_files = security.CertFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+        self._channels: list[grpc.aio.Channel] = []
+        self._connect()
         self._target: TargetInfo | None = None
+
+    def _connect(self) -> None:
+        """(Re)make the channels to the verifier and the drafter (TLS when tls_ca is set). A
+        certificate rotation makes new ones for new requests; calls on the old ones finish."""
+        self._client_files.read()
+        old, self._channels = self._channels, [security.client_channel(self.cfg.verifier_address, self.cfg),
+                                               security.client_channel(self.cfg.drafter_address, self.cfg)]
+        self.verifier = rpc.VerifierServiceStub(self._channels[0])
+        self.drafter = rpc.DrafterServiceStub(self._channels[1])
+        for channel in old:
+            asyncio.get_running_loop().create_task(channel.close(grace=CHANNEL_DRAIN_S))
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, context: grpc.aio.ServicerContext) -> AsyncIterator[str]:
+        """Authenticate and rate-limit one call: UNAUTHENTICATED without a known API key (when
+        keys are configured), RESOURCE_EXHAUSTED with `retry-after` (seconds, trailing metadata)
+        over the key's limits. Yields the key id (never the key)."""
+        metadata = dict(context.invocation_metadata() or ())
+        key = self.keys.identify(metadata.get("authorization")) if self.keys.enabled else "anonymous"
+        if key is None:
+            self.metrics.refused.labels("unauthenticated").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or unknown API key: send `authorization: Bearer <key>`")
+        admission = self.limits.acquire(key)
+        if not admission.ok:
+            self.metrics.refused.labels("rate_limited").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.reason,
+                                trailing_metadata=(("retry-after", self.limits.retry_after_header(admission)),))
+        try:
+            yield key
+        finally:
+            self.limits.release(key)
 
     async def target_info(self) -> TargetInfo:
         """The verifier's limits, asked once (waits for the verifier to come up)."""
@@ -77,6 +115,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
 
     async def plan(self, spec: "pb.GenerationSpec") -> Plan:
         """Validate a request and fill in the defaults; raises InvalidField."""
+        if self._client_files.changed():
+            self._connect()
         target = await self.target_info()
         if spec.prompt_text and spec.prompt_token_ids:
             raise InvalidField("spec.prompt_token_ids", "give either prompt_text or prompt_token_ids, not both")
@@ -88,6 +128,10 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             prompt = list(spec.prompt_token_ids)
             if not prompt:
                 raise InvalidField("spec.prompt_text", "the prompt is empty (set prompt_text or prompt_token_ids)")
+        limit = self.cfg.max_prompt_tokens or target.max_model_len - 1
+        if len(prompt) > limit:
+            raise InvalidField("spec.prompt_token_ids", f"the prompt has {len(prompt)} tokens, more than "
+                               f"{'max_prompt_tokens' if self.cfg.max_prompt_tokens else 'max_model_len - 1'} ({limit})")
         check_token_ids("spec.prompt_token_ids", prompt, target.vocab_size)
         gamma = spec.gamma if spec.HasField("gamma") else min(self.cfg.default_gamma, target.max_gamma)
         check_gamma("spec.gamma", gamma, target.max_gamma)
@@ -161,6 +205,15 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             raise
 
     async def Generate(self, request, context) -> "pb.GenerateResponse":  # noqa: N802
+        async with self.admitted(context):
+            return await self._generate(request, context)
+
+    async def GenerateStream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:  # noqa: N802
+        async with self.admitted(context):
+            async for chunk in self._generate_stream(request, context):
+                yield chunk
+
+    async def _generate(self, request, context) -> "pb.GenerateResponse":
         plan = await self._checked_plan(request.spec, context)
         t0 = time.perf_counter()
         first_ms = 0.0
@@ -185,7 +238,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             logprobs=logprobs,
         )
 
-    async def GenerateStream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:  # noqa: N802
+    async def _generate_stream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:
         plan = await self._checked_plan(request.spec, context)
         round_ = self._round(plan, context)
         n = 0
@@ -205,7 +258,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             )
 
     async def close(self) -> None:
-        await asyncio.gather(self._verifier_channel.close(), self._drafter_channel.close())
+        await asyncio.gather(*(channel.close() for channel in self._channels))
 
 
 async def _upstream(verdicts: AsyncIterator["pb.VerifyResponse"], context: grpc.aio.ServicerContext):
@@ -217,30 +270,74 @@ async def _upstream(verdicts: AsyncIterator["pb.VerifyResponse"], context: grpc.
         await context.abort(err.code(), f"verifier: {err.details()}")
 
 
-async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: asyncio.Event) -> None:
-    """Serve the REST bridge beside the gRPC server until `stop` is set."""
+async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: asyncio.Event, local: str) -> None:
+    """Serve the REST bridge beside the gRPC server until `stop` is set: HTTPS with the
+    gateway's certificate (re-read when it changes or on SIGHUP), calling the gateway on its
+    private `local` socket; the caller's API key travels with each call, so the gateway checks
+    it as it checks a gRPC client's."""
     import prometheus_client
     import uvicorn
 
     from gateway.rest import build_app
 
-    app = build_app(f"127.0.0.1:{cfg.port}", servicer.tokenizer, cfg.tokenizer)
-    app.mount("/metrics", prometheus_client.make_asgi_app(servicer.metrics.registry))  # as on metrics_port
+    app = build_app(local, servicer.tokenizer, cfg.tokenizer, keys=servicer.keys, metrics_auth=cfg.metrics_auth,
+                    metrics_app=prometheus_client.make_asgi_app(servicer.metrics.registry))
 
     class Server(uvicorn.Server):
         def capture_signals(self):  # type: ignore[override]
             return contextlib.nullcontext()  # serving.serve owns SIGINT/SIGTERM
 
-    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.rest_port, log_level="warning"))
+    tls: dict[str, Any] = {}
+    if security.tls_enabled(cfg):
+        import ssl
+
+        tls = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key}
+        if cfg.tls_ca:
+            tls["ssl_ca_certs"] = cfg.tls_ca
+        if cfg.tls_client_auth == "require":
+            tls["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+    elif not security.is_loopback(cfg.host):
+        log.warning("gateway: serving PLAINTEXT HTTP (REST bridge) on %s:%d, which other hosts can reach; set "
+                    "SPECDEC_TLS_CERT / SPECDEC_TLS_KEY", cfg.host, cfg.rest_port)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.rest_port, log_level="warning", **tls)
+    server = Server(config)
     task = asyncio.create_task(server.serve())
+    reload = asyncio.create_task(_reload_rest_certificates(config, cfg)) if tls else None
     await stop.wait()
     server.should_exit = True
     await task
+    if reload is not None:
+        reload.cancel()
+
+
+async def _reload_rest_certificates(config: Any, cfg: GatewayConfig, every_s: float = 1.0) -> None:
+    """Load the REST bridge's certificate into its SSL context again when its files change (or
+    after SIGHUP); new connections get the new one. (gRPC servers check at each handshake.)"""
+    files = security.CertFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    files.read()
+    while True:
+        await asyncio.sleep(every_s)
+        if config.ssl is None or not files.changed():
+            continue
+        try:
+            files.read()
+            config.ssl.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+            if cfg.tls_ca:
+                config.ssl.load_verify_locations(cfg.tls_ca)
+            log.info("REST bridge certificates reloaded from %s", cfg.tls_cert)
+        except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+            log.warning("REST bridge certificate reload failed (%s); keeping the current ones", err)
 
 
 async def main(cfg: GatewayConfig) -> None:
-    await serving.serve(
-        "gateway", cfg, lambda registry: GatewayServicer(cfg, registry), rpc.add_GatewayServiceServicer_to_server,
-        "specdec.v1.GatewayService",
-        also=(lambda servicer, stop: rest_bridge(cfg, servicer, stop)) if cfg.rest_port else None,
-    )
+    local_dir = tempfile.mkdtemp(prefix="specdec-gateway-")  # 0700: only this user reaches the socket
+    local = f"unix:{local_dir}/grpc.sock"
+    try:
+        await serving.serve(
+            "gateway", cfg, lambda registry: GatewayServicer(cfg, registry), rpc.add_GatewayServiceServicer_to_server,
+            "specdec.v1.GatewayService",
+            also=(lambda servicer, stop: rest_bridge(cfg, servicer, stop, local)) if cfg.rest_port else None,
+            local_address=local if cfg.rest_port else "",
+        )
+    finally:
+        shutil.rmtree(local_dir, ignore_errors=True)

@@ -90,7 +90,31 @@ def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, 
 
 
 @dataclass
-class DrafterConfig:
+class TransportConfig:
+    """What every service sets the same way: TLS (specdec.security) and its gRPC limits."""
+
+    tls_cert: str = setting(
+        "", "PEM certificate chain this service presents: with tls_key, its gRPC server (and the gateway's "
+        "REST bridge) serves TLS, and the gateway presents it as its client certificate to the drafter and "
+        "verifier. Re-read when the file changes or on SIGHUP.", metavar="PATH")
+    tls_key: str = setting("", "PEM private key of tls_cert.", metavar="PATH")
+    tls_ca: str = setting(
+        "", "PEM CA bundle: the gateway verifies the drafter and verifier with it (and then connects with TLS); "
+        "with tls_client_auth=require a server accepts only clients whose certificate chains to it.",
+        metavar="PATH")
+    tls_client_auth: str = setting(
+        "none", "require: mutual TLS, only clients with a certificate from tls_ca are served (none: any client).",
+        choices=("none", "require"))
+    max_message_mb: float = setting(16.0, "Largest gRPC message received or sent, MiB (over it: RESOURCE_EXHAUSTED).")
+    keepalive_time_s: float = setting(
+        20.0, "gRPC keepalive: clients ping an idle connection this often and servers accept pings at half "
+        "this interval, so both sides agree (no GOAWAY too_many_pings).")
+    keepalive_timeout_s: float = setting(
+        10.0, "A peer that does not answer a keepalive ping within this many seconds is treated as gone.")
+
+
+@dataclass
+class DrafterConfig(TransportConfig):
     """The drafter service: a small causal LM (and a model-free n-gram drafter)."""
 
     host: str = setting(DEFAULT_HOST, "Bind address.", metavar="ADDR")
@@ -121,6 +145,9 @@ class DrafterConfig:
         "argmax (off). vLLM verifies drafts as one-hot, accepting x with probability p(x): argmax drafts "
         "maximise that, so off is the default; either way the output is exact.")
     q_top_k: int = setting(16, "Sampled drafts are drawn from the draft's top-k tokens (renormalised), k = this.")
+    max_sessions: int = setting(
+        256, "Most draft sessions at once; one more is refused with RESOURCE_EXHAUSTED (its gateway then "
+        "decodes it plainly).")
     ngram_max: int = setting(4, "n-gram drafter: longest suffix to look up in the context.")
     ngram_min: int = setting(1, "n-gram drafter: shortest suffix to look up in the context.")
     metrics_port: int = setting(9092, "Prometheus /metrics port (0: off).")
@@ -130,7 +157,7 @@ class DrafterConfig:
 
 
 @dataclass
-class VerifierConfig:
+class VerifierConfig(TransportConfig):
     """The verifier service: vLLM holding the target model."""
 
     host: str = setting(DEFAULT_HOST, "Bind address.", metavar="ADDR")
@@ -142,6 +169,9 @@ class VerifierConfig:
         "Largest gamma a request may use; the vLLM engine is built with num_speculative_tokens = max_gamma.")
     max_model_len: int = setting(2048, "Context length of the engine (prompt + completion tokens).")
     max_num_seqs: int = setting(32, "Engine batch size limit (requests decoded together).")
+    max_sessions: int = setting(
+        512, "Most Verify sessions at once (running and queued in the engine); one more is refused with "
+        "RESOURCE_EXHAUSTED naming this limit.")
     dtype: str = setting("float32", "Target model dtype: float32 or bfloat16.")
     kv_cache_gib: float = setting(
         1.0, "KV cache size in GiB (required on CPU: vLLM's utilisation check fails on these VMs).")
@@ -187,7 +217,7 @@ class VerifierConfig:
 
 
 @dataclass
-class GatewayConfig:
+class GatewayConfig(TransportConfig):
     """The gateway: runs the rounds between one drafter and one verifier per request."""
 
     host: str = setting(DEFAULT_HOST, "Bind address.", metavar="ADDR")
@@ -215,6 +245,23 @@ class GatewayConfig:
         8000,
         "OpenAI-compatible REST bridge (/v1/completions, /v1/chat/completions, /v1/models, /health, "
         "/metrics) port (0: off).")
+    max_prompt_tokens: int = setting(
+        0, "Longest prompt accepted, tokens, checked before any work (0: the verifier's max_model_len - 1).")
+    api_keys: str = setting(
+        "", "API keys (comma-separated) clients must send as `authorization: Bearer KEY` (gRPC metadata, REST "
+        "header); only their SHA-256 hashes are kept. Empty (and no api_key_file): no authentication.",
+        metavar="KEYS")
+    api_key_file: str = setting("", "File of API keys, one per line (# comments), added to api_keys.",
+                                metavar="PATH")
+    metrics_auth: bool = setting(
+        False, "The REST bridge's /metrics needs an API key too (health checks stay open). The metrics_port "
+        "listener has no authentication: bind it to a private address or set it to 0.")
+    rate_limit_rps: float = setting(
+        0.0, "Requests per second per API key (token bucket; 0: unlimited); over it: RESOURCE_EXHAUSTED / 429 "
+        "with Retry-After.")
+    rate_limit_burst: int = setting(0, "Token bucket capacity per API key (0: rate_limit_rps, at least 1).")
+    max_streams_per_key: int = setting(
+        0, "Generations in flight per API key (0: unlimited); over it: RESOURCE_EXHAUSTED / 429.")
     spike_factor: float = setting(
         3.0,
         "Latency spikes: a stage spikes above max(spike_min_ms, spike_factor x its rolling p95), or above "

@@ -38,15 +38,24 @@ class Service:
     log_path: Path | None = None
     metrics_port: int = 0
     rest_port: int = 0  # gateways: the REST bridge
+    host: str = "127.0.0.1"
+    # (ca, cert, key) when the service serves TLS: health checks connect with them
+    tls: tuple[str, str, str] | None = None
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the health check says SERVING; raise if the process died or timed out."""
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
+        if self.tls:
+            from specdec.security import channel_credentials
+
+            channel = grpc.secure_channel(self.address, channel_credentials(*self.tls))
+        else:
+            channel = grpc.insecure_channel(self.address)
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
@@ -78,12 +87,14 @@ def start_service(
     cpus: set[int] | None = None,
     env: dict[str, str] | None = None,
     metrics_port: int | None = None,
+    prefix: list[str] | None = None,
 ) -> Service:
     """Start `specdec serve KIND --port PORT ARGS...`, optionally pinned to `cpus`.
 
     metrics_port None keeps the service's configured /metrics port; 0 turns it off.
+    `prefix` runs the command under another (`ip netns exec NS`: another network namespace).
     """
-    cmd = [sys.executable, "-m", "specdec.cli", "serve", kind, "--port", str(port), *args]
+    cmd = [*(prefix or []), sys.executable, "-m", "specdec.cli", "serve", kind, "--port", str(port), *args]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
     out = None

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -13,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from specdec import security
 from specdec.telemetry import service_registry
 from specdec.validation import InvalidField
 
@@ -44,6 +46,26 @@ async def open_session(context: grpc.aio.ServicerContext, build: Callable[[Any],
         raise  # unreachable: abort raises
 
 
+class SessionSlots:
+    """At most `limit` sessions of a service at once (0: unlimited); one more is refused with
+    RESOURCE_EXHAUSTED naming the limit, before any work."""
+
+    def __init__(self, service: str, limit: int) -> None:
+        self.service, self.limit, self.active = service, limit, 0
+
+    @contextlib.asynccontextmanager
+    async def hold(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        if self.limit and self.active >= self.limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.service}: max_sessions ({self.limit}) sessions are open; retry later, or raise "
+                                f"SPECDEC_MAX_SESSIONS / add replicas")
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+
 class Servicer(Protocol):
     """What `serve` needs of a service implementation besides its RPCs."""
 
@@ -60,6 +82,7 @@ async def serve(
     add_to_server: Callable[[S, grpc.aio.Server], None],
     service: str,
     also: Callable[[S, asyncio.Event], Awaitable[None]] | None = None,
+    local_address: str = "",
 ) -> None:
     """Run one gRPC service until SIGINT/SIGTERM, then stop gracefully.
 
@@ -71,13 +94,18 @@ async def serve(
     `service` is the full service name for health checks and reflection.
     `also(servicer, stop_event)` runs beside the server in the same loop (the gateway's REST
     bridge) and must return once the event is set.
+    TLS, message sizes and keepalive come from cfg (specdec.security; a plaintext port other
+    hosts can reach is warned about). `local_address` (a `unix:` path in a private folder) is
+    served too, in plaintext: the REST bridge in the same process calls the gateway there.
+    SIGHUP re-reads the TLS certificates.
     """
-    server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
-    )
-    bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    security.check_tls_settings(cfg)
+    server = grpc.aio.server(options=security.grpc_options(cfg, server=True))
+    bound = security.add_port(server, name, f"{cfg.host}:{cfg.port}", cfg)
     if bound == 0:
         raise OSError(f"{name}: cannot bind {cfg.host}:{cfg.port}")
+    if local_address and server.add_insecure_port(local_address) == 0:
+        raise OSError(f"{name}: cannot bind {local_address}")
     registry = service_registry(name)
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.host, registry=registry)
@@ -95,6 +123,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, security.request_reload)  # re-read the TLS certificates
     side = asyncio.create_task(also(servicer, stop)) if also is not None else None
     try:
         await stop.wait()

@@ -219,6 +219,7 @@ class GatewayMetrics:
         specdec:generation_tokens_total, specdec:prompt_tokens_total
         specdec:requests_total{finish_reason}, specdec:requests_running (queue depth)
         specdec:latency_spikes_total{stage}, specdec:drafter_fallbacks_total
+        specdec:gateway_refused_total{reason}             unauthenticated, rate_limited
 
     PromQL:
         Acceptance rate over 5 minutes:
@@ -272,6 +273,11 @@ class GatewayMetrics:
         )
         self.spikes = Counter(
             "specdec:latency_spikes", "Rounds with a latency spike, by stage", ["stage"], registry=registry
+        )
+        # by reason only: API keys (or their ids) are never metric labels
+        self.refused = Counter(
+            "specdec:gateway_refused", "Calls refused before any work, by reason (unauthenticated, rate_limited)",
+            ["reason"], registry=registry,
         )
         self.fallbacks = Counter(
             "specdec:drafter_fallbacks", "Requests that went on without their drafter", registry=registry

@@ -96,6 +96,8 @@ def test_every_field_has_help_a_flag_and_an_env_var(kind: str, monkeypatch) -> N
         value = {"int": "7", "float": "2.5", "str": "none", "bool": "0" if f.default else "1"}[f.type]
         if kind == "gateway" and f.name == "default_drafter":
             value = "ngram"
+        if f.name == "tls_client_auth":
+            value = "require"
         monkeypatch.setenv(env_name(f.name), value)
         built = getattr(serve(kind), f.name)
         monkeypatch.delenv(env_name(f.name))

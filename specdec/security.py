@@ -1,0 +1,311 @@
+"""Transport security, API keys and limits: the one place every service takes them from.
+
+Terms:
+    TLS files       `tls_cert` / `tls_key` (PEM: this service's certificate chain and key) and
+                    `tls_ca` (PEM: the CA bundle peers' certificates must chain to). A server
+                    with cert + key serves TLS; a client with a CA verifies its server with it and,
+                    with cert + key too, presents them as its client certificate (mTLS).
+    client auth     `tls_client_auth = require`: a server accepts only clients whose certificate
+                    chains to `tls_ca` (in a deployment: only gateways reach drafters and verifiers).
+    reload          certificates are read again when their files change (checked at every new
+                    TLS handshake, a stat per file) or after SIGHUP (`request_reload`), so a
+                    rotation (cert-manager rewriting a Secret) needs no restart. Connections
+                    already open keep the certificate they were made with.
+    API key         a bearer token (gRPC metadata `authorization: Bearer K`, REST header
+                    `Authorization: Bearer K`). Only SHA-256 hashes of the configured keys are
+                    kept; a presented key is hashed and compared with every stored hash in
+                    constant time. A key is known in logs and metrics only by its `key id`, the
+                    first 8 hex digits of its hash.
+    rate limit      per key id: a token bucket of `rate_limit_rps` requests per second with
+                    `rate_limit_burst` capacity, and at most `max_streams_per_key` generations in
+                    flight; a refusal carries the seconds after which a retry can succeed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+log = logging.getLogger("specdec.security")
+
+# ---------------------------------------------------------------------------- reload
+
+_reload_generation = 0  # bumped by SIGHUP: every certificate set is read again at its next use
+
+
+def request_reload() -> None:
+    """Have every service certificate re-read at its next handshake (the SIGHUP handler)."""
+    global _reload_generation
+    _reload_generation += 1
+    log.info("certificate reload requested")
+
+
+class CertFiles:
+    """A set of PEM files read together, re-read when any of them changes or on request.
+
+    `changed()` is cheap (a stat per file); `read()` returns their bytes (None for an unset path)
+    and records the state it read, so the next `changed()` compares against it.
+    """
+
+    def __init__(self, *paths: str) -> None:
+        self.paths = [p or "" for p in paths]
+        self._seen: tuple[Any, ...] | None = None
+        self._generation = -1
+        self._lock = threading.Lock()
+
+    def _signature(self) -> tuple[Any, ...]:
+        sig = []
+        for p in self.paths:
+            try:
+                st = os.stat(p) if p else None
+            except OSError:
+                st = None
+            sig.append((st.st_mtime_ns, st.st_size, st.st_ino) if st else None)
+        return tuple(sig)
+
+    def changed(self) -> bool:
+        return self._generation != _reload_generation or self._signature() != self._seen
+
+    def read(self) -> list[bytes | None]:
+        with self._lock:
+            self._generation = _reload_generation
+            self._seen = self._signature()
+            return [Path(p).read_bytes() if p else None for p in self.paths]
+
+
+# ---------------------------------------------------------------------------- TLS
+
+
+def tls_enabled(cfg: Any) -> bool:
+    """A service serves TLS when it has a certificate and its key."""
+    return bool(cfg.tls_cert and cfg.tls_key)
+
+
+def check_tls_settings(cfg: Any) -> None:
+    """Settings that cannot work stop the start-up with a message naming them."""
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise ValueError("tls_cert and tls_key: set both (SPECDEC_TLS_CERT, SPECDEC_TLS_KEY) or neither")
+    if cfg.tls_client_auth not in ("none", "require"):
+        raise ValueError(f"tls_client_auth: {cfg.tls_client_auth!r} is not none or require")
+    if cfg.tls_client_auth == "require" and not (tls_enabled(cfg) and cfg.tls_ca):
+        raise ValueError("tls_client_auth=require needs tls_cert, tls_key and tls_ca (the CA clients must chain to)")
+    for name in ("tls_cert", "tls_key", "tls_ca"):
+        path = getattr(cfg, name)
+        if path and not Path(path).is_file():
+            raise ValueError(f"{name}: {path} is not a readable file")
+
+
+def server_credentials(cfg: Any) -> grpc.ServerCredentials:
+    """TLS credentials for a gRPC server that re-read the files when they change (or on SIGHUP)."""
+    files = CertFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    require = cfg.tls_client_auth == "require"
+
+    def configuration() -> Any:
+        cert, key, ca = files.read()
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def fetch() -> Any:  # gRPC calls this at every new handshake: None keeps the current certificates
+        if not files.changed():
+            return None
+        try:
+            config = configuration()
+        except OSError as err:  # a rotation caught half-written: keep serving the old ones
+            log.warning("certificate reload failed (%s); keeping the current certificates", err)
+            return None
+        log.info("certificates reloaded from %s", cfg.tls_cert)
+        return config
+
+    return grpc.dynamic_ssl_server_credentials(configuration(), fetch, require_client_authentication=require)
+
+
+def channel_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+    """TLS credentials of a client: verify the server with `ca` (empty: the system's roots) and,
+    with `cert` and `key`, present them (mTLS)."""
+    root, chain, private = CertFiles(ca, cert, key).read()
+    return grpc.ssl_channel_credentials(root_certificates=root, private_key=private if chain else None,
+                                        certificate_chain=chain if private else None)
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (localhost, 127.0.0.0/8, ::1, unix sockets)."""
+    if host.startswith("unix:") or host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def grpc_options(cfg: Any, server: bool) -> list[tuple[str, Any]]:
+    """Message-size and keepalive options of a server or a client of this service's settings.
+
+    Both sides take the keepalive from the same settings: clients ping every
+    `keepalive_time_s` (also without calls in flight) and give up on a peer that does not
+    answer within `keepalive_timeout_s`; servers accept pings that often, so no side ever
+    sends GOAWAY too_many_pings."""
+    size = int(cfg.max_message_mb * (1 << 20))
+    ping_ms = int(cfg.keepalive_time_s * 1000)
+    opts: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", size),
+        ("grpc.max_send_message_length", size),
+        ("grpc.keepalive_time_ms", ping_ms),
+        ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if server:
+        # accept a client's pings at half its interval (timer jitter must never look like abuse)
+        opts += [("grpc.http2.min_recv_ping_interval_without_data_ms", ping_ms // 2),
+                 ("grpc.http2.min_ping_interval_without_data_ms", ping_ms // 2),
+                 ("grpc.so_reuseport", 0)]
+    return opts
+
+
+def add_port(server: grpc.aio.Server, name: str, address: str, cfg: Any) -> int:
+    """Bind `address` with TLS when the service has certificates, else in plaintext; plaintext on
+    an address other machines can reach is logged as a warning at start-up."""
+    host = address.rsplit(":", 1)[0] if not address.startswith("unix:") else address
+    if tls_enabled(cfg):
+        bound = server.add_secure_port(address, server_credentials(cfg))
+        log.info("%s: TLS on %s (client certificates: %s)", name, address, cfg.tls_client_auth)
+    else:
+        bound = server.add_insecure_port(address)
+        if not is_loopback(host):
+            log.warning("%s: serving PLAINTEXT gRPC on %s, which other hosts can reach: anyone on the network "
+                        "can read and send requests. Set SPECDEC_TLS_CERT / SPECDEC_TLS_KEY (and SPECDEC_TLS_CA "
+                        "with SPECDEC_TLS_CLIENT_AUTH=require), see `specdec certs`.", name, address)
+    return bound
+
+
+def client_channel(address: str, cfg: Any) -> grpc.aio.Channel:
+    """An asyncio channel from one service to another (the gateway to its drafter and verifier):
+    TLS when the service has a CA (its own certificate as the client's, for mTLS)."""
+    opts = grpc_options(cfg, server=False)
+    if cfg.tls_ca:
+        return grpc.aio.secure_channel(address, channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key), options=opts)
+    return grpc.aio.insecure_channel(address, options=opts)
+
+
+# ---------------------------------------------------------------------------- API keys
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def key_id(hashed: str) -> str:
+    """How logs and metrics name a key: never the key, the first 8 hex digits of its hash."""
+    return "key-" + hashed[:8]
+
+
+class KeyStore:
+    """The gateway's API keys, kept as SHA-256 hashes only.
+
+    Keys come from `api_keys` (comma-separated; env SPECDEC_API_KEYS) and `api_key_file` (one
+    per line, # comments). No keys configured: authentication is off.
+    """
+
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        self._hashes = sorted({key_hash(k) for k in keys if k})
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> KeyStore:
+        keys = [k.strip() for k in (cfg.api_keys or "").split(",")]
+        if cfg.api_key_file:
+            for line in Path(cfg.api_key_file).read_text().splitlines():
+                line = line.split("#", 1)[0].strip()
+                if line:
+                    keys.append(line)
+        return cls(keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._hashes)
+
+    def identify(self, authorization: str | None) -> str | None:
+        """The key id of an `authorization` value `Bearer K` whose K is a configured key, else None.
+        Every stored hash is compared (constant time each), so timing tells nothing of which matched."""
+        if not authorization:
+            return None
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        presented = key_hash(token.strip())
+        found = None
+        for stored in self._hashes:
+            if hmac.compare_digest(presented, stored):
+                found = stored
+        return key_id(found) if found else None
+
+
+# ---------------------------------------------------------------------------- rate limits
+
+
+@dataclass
+class Admission:
+    """A rate limiter's answer: admitted, or not with the reason and when to retry."""
+
+    ok: bool
+    reason: str = ""
+    retry_after_s: float = 0.0
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    stamp: float
+    streams: int = 0
+
+
+@dataclass
+class RateLimiter:
+    """Per key id: a token bucket (`rps` tokens per second, `burst` capacity; 0 rps: unlimited)
+    and at most `max_streams` generations in flight (0: unlimited). `clock` is injectable so
+    tests need no timers."""
+
+    rps: float = 0.0
+    burst: int = 0
+    max_streams: int = 0
+    clock: Callable[[], float] = time.monotonic
+    _buckets: dict[str, _Bucket] = field(default_factory=dict)
+
+    def acquire(self, key: str) -> Admission:
+        """Take one request for `key`; on success the caller must `release(key)` when it ends."""
+        now = self.clock()
+        capacity = max(1.0, float(self.burst or self.rps))
+        b = self._buckets.get(key)
+        if b is None:
+            b = self._buckets[key] = _Bucket(capacity, now)
+        if self.max_streams and b.streams >= self.max_streams:
+            return Admission(False, f"max_streams_per_key ({self.max_streams}) generations are already in flight "
+                                    "for this API key", 1.0)
+        if self.rps > 0:
+            b.tokens = min(capacity, b.tokens + (now - b.stamp) * self.rps)
+            b.stamp = now
+            if b.tokens < 1.0:
+                return Admission(False, f"rate_limit_rps ({self.rps:g} requests/s, burst {capacity:g}) exceeded "
+                                        "for this API key", (1.0 - b.tokens) / self.rps)
+            b.tokens -= 1.0
+        b.streams += 1
+        return Admission(True)
+
+    def release(self, key: str) -> None:
+        b = self._buckets.get(key)
+        if b is not None and b.streams > 0:
+            b.streams -= 1
+
+    def retry_after_header(self, admission: Admission) -> str:
+        """Retry-After's value: whole seconds, at least 1."""
+        return str(max(1, math.ceil(admission.retry_after_s)))

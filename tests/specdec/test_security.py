@@ -1,0 +1,122 @@
+"""specdec.security and specdec.certs: keys, limits, certificate files, options. No timers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from cryptography import x509
+
+from specdec import security
+from specdec.certs import write_certs
+from specdec.config import GatewayConfig
+
+
+def test_keys_are_kept_as_hashes_and_identified() -> None:
+    store = security.KeyStore(["sk-one", "sk-two", ""])
+    assert store.enabled and "sk-one" not in repr(vars(store))
+    kid = store.identify("Bearer sk-two")
+    assert kid == security.key_id(security.key_hash("sk-two")) and "sk-two" not in kid
+    assert store.identify("bearer   sk-one ") is not None  # scheme case and spaces, as RFC 6750 allows
+    for bad in (None, "", "sk-one", "Basic sk-one", "Bearer ", "Bearer sk-three"):
+        assert store.identify(bad) is None
+    assert not security.KeyStore([]).enabled
+
+
+def test_keys_from_settings_and_file(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text("# ops\nsk-file  # rotated 2026-11\n\n")
+    store = security.KeyStore.from_config(SimpleNamespace(api_keys="sk-a, sk-b", api_key_file=str(f)))
+    assert all(store.identify(f"Bearer {k}") for k in ("sk-a", "sk-b", "sk-file"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_token_bucket_refuses_past_the_burst_and_refills() -> None:
+    clock = Clock()
+    rl = security.RateLimiter(rps=2, burst=3, clock=clock)
+    assert [rl.acquire("k").ok for _ in range(4)] == [True, True, True, False]
+    refused = rl.acquire("k")
+    assert "rate_limit_rps" in refused.reason and refused.retry_after_s == pytest.approx(0.5)
+    assert rl.retry_after_header(refused) == "1"
+    assert rl.acquire("other").ok  # per key
+    clock.t += 0.5  # one token back
+    assert rl.acquire("k").ok and not rl.acquire("k").ok
+
+
+def test_concurrent_streams_per_key() -> None:
+    rl = security.RateLimiter(max_streams=2, clock=Clock())
+    assert rl.acquire("k").ok and rl.acquire("k").ok
+    refused = rl.acquire("k")
+    assert not refused.ok and "max_streams_per_key (2)" in refused.reason
+    rl.release("k")
+    assert rl.acquire("k").ok
+
+
+def test_cert_files_change_on_write_and_on_reload(tmp_path: Path) -> None:
+    f = tmp_path / "cert.pem"
+    f.write_bytes(b"one")
+    files = security.CertFiles(str(f), "")
+    assert files.changed() and files.read() == [b"one", None]
+    assert not files.changed()
+    f.write_bytes(b"two, longer")
+    assert files.changed() and files.read()[0] == b"two, longer"
+    security.request_reload()  # SIGHUP: re-read even though nothing changed on disk
+    assert files.changed()
+    files.read()
+    assert not files.changed()
+
+
+def test_both_sides_agree_on_keepalive() -> None:
+    cfg = GatewayConfig()
+    client = dict(security.grpc_options(cfg, server=False))
+    server = dict(security.grpc_options(cfg, server=True))
+    # a server accepts pings at least as often as a client sends them: no GOAWAY too_many_pings
+    assert server["grpc.http2.min_recv_ping_interval_without_data_ms"] <= client["grpc.keepalive_time_ms"]
+    assert client["grpc.max_send_message_length"] == server["grpc.max_receive_message_length"]
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("localhost", True), ("::1", True),
+                                            ("[::1]", True), ("unix:/tmp/x", True), ("0.0.0.0", False),
+                                            ("10.0.0.5", False), ("gateway.svc", False)])
+def test_loopback(host: str, loopback: bool) -> None:
+    assert security.is_loopback(host) is loopback
+
+
+def test_tls_settings_that_cannot_work_are_named(tmp_path: Path) -> None:
+    base = dict(tls_cert="", tls_key="", tls_ca="", tls_client_auth="none")
+    security.check_tls_settings(SimpleNamespace(**base))
+    for bad, name in [({"tls_cert": "x.pem"}, "tls_key"), ({"tls_client_auth": "require"}, "tls_client_auth"),
+                      ({"tls_client_auth": "maybe"}, "tls_client_auth"),
+                      ({"tls_cert": str(tmp_path / "no.pem"), "tls_key": str(tmp_path / "no.pem")}, "tls_cert")]:
+        with pytest.raises(ValueError, match=name):
+            security.check_tls_settings(SimpleNamespace(**{**base, **bad}))
+
+
+def test_certs_chain_to_their_ca_and_name_the_hosts(tmp_path: Path) -> None:
+    paths = write_certs(tmp_path, ["10.1.2.3", "verifier.internal"])
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
+    server = x509.load_pem_x509_certificate((tmp_path / "server.pem").read_bytes())
+    server.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} == {"10.1.2.3", "127.0.0.1"}
+    assert set(san.get_values_for_type(x509.DNSName)) == {"verifier.internal", "localhost"}
+    assert all(os.stat(p).st_mode & 0o077 == 0 for p in paths if p.name.endswith("-key.pem"))
+    with pytest.raises(FileExistsError):
+        write_certs(tmp_path, ["10.1.2.3"])
+    rotated = write_certs(tmp_path / "next", ["10.1.2.3"], ca_dir=tmp_path)  # same CA, new leaf
+    x509.load_pem_x509_certificate(rotated[2].read_bytes()).verify_directly_issued_by(ca)
+    # and gRPC takes them
+    security.server_credentials(SimpleNamespace(tls_cert=str(tmp_path / "server.pem"),
+                                                tls_key=str(tmp_path / "server-key.pem"),
+                                                tls_ca=str(tmp_path / "ca.pem"), tls_client_auth="require"))
+    assert isinstance(security.channel_credentials(str(tmp_path / "ca.pem")), grpc.ChannelCredentials)
