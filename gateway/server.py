@@ -67,6 +67,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer))
         self.keys = security.KeyStore.from_config(cfg)
         self.limits = security.RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, cfg.max_streams_per_key)
+        self.slots = serving.SessionSlots("gateway", cfg.max_inflight, "max_inflight")
         self._client_files = security.CertFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
         self._channels: list[grpc.aio.Channel] = []
         self._connect()
@@ -205,11 +206,11 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             raise
 
     async def Generate(self, request, context) -> "pb.GenerateResponse":  # noqa: N802
-        async with self.admitted(context):
+        async with self.admitted(context), self.slots.hold(context):
             return await self._generate(request, context)
 
     async def GenerateStream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:  # noqa: N802
-        async with self.admitted(context):
+        async with self.admitted(context), self.slots.hold(context):
             async for chunk in self._generate_stream(request, context):
                 yield chunk
 

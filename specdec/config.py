@@ -111,6 +111,9 @@ class TransportConfig:
         "this interval, so both sides agree (no GOAWAY too_many_pings).")
     keepalive_timeout_s: float = setting(
         10.0, "A peer that does not answer a keepalive ping within this many seconds is treated as gone.")
+    shutdown_timeout_s: float = setting(
+        30.0, "Drain on SIGTERM: health turns NOT_SERVING and new calls get UNAVAILABLE at once; calls in "
+        "flight may finish for this many seconds, then the rest end with UNAVAILABLE.")
 
 
 @dataclass
@@ -245,6 +248,9 @@ class GatewayConfig(TransportConfig):
         8000,
         "OpenAI-compatible REST bridge (/v1/completions, /v1/chat/completions, /v1/models, /health, "
         "/metrics) port (0: off).")
+    max_inflight: int = setting(
+        256, "Most generations in flight at this gateway; one more is refused at once with RESOURCE_EXHAUSTED "
+        "(REST: 429 with Retry-After), never queued without bound.")
     max_prompt_tokens: int = setting(
         0, "Longest prompt accepted, tokens, checked before any work (0: the verifier's max_model_len - 1).")
     api_keys: str = setting(

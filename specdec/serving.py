@@ -21,7 +21,7 @@ from specdec.validation import InvalidField
 log = logging.getLogger("specdec")
 T = TypeVar("T")
 
-GRACE_S = 5.0
+GRACE_S = 1.0  # after the drain: for the calls' last messages
 
 
 def setup_logging() -> None:
@@ -47,27 +47,73 @@ async def open_session(context: grpc.aio.ServicerContext, build: Callable[[Any],
 
 
 class SessionSlots:
-    """At most `limit` sessions of a service at once (0: unlimited); one more is refused with
-    RESOURCE_EXHAUSTED naming the limit, before any work."""
+    """The calls (sessions) a service is serving: admission, and the drain at shutdown.
 
-    def __init__(self, service: str, limit: int) -> None:
-        self.service, self.limit, self.active = service, limit, 0
+    At most `limit` at once (0: unlimited; `setting` names the limit): one more is refused
+    with RESOURCE_EXHAUSTED naming it, with `retry-after` (seconds) in the trailing metadata,
+    before any work. `drain(timeout_s)` (SIGTERM) refuses new calls with UNAVAILABLE at once,
+    lets the ones in flight finish for up to `timeout_s`, then ends the rest with UNAVAILABLE
+    saying the service shut down (never a silent cancel).
+    """
+
+    def __init__(self, service: str, limit: int, setting: str = "max_sessions") -> None:
+        self.service, self.limit, self.setting = service, limit, setting
+        self.active = 0
+        self.draining = False
+        self._calls: dict[asyncio.Task, grpc.aio.ServicerContext] = {}
+        self._expired: set[asyncio.Task] = set()
+        self._timeout_s = 0.0
 
     @contextlib.asynccontextmanager
     async def hold(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{self.service}: shutting down (draining); retry, on another replica if there is one")
         if self.limit and self.active >= self.limit:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{self.service}: max_sessions ({self.limit}) sessions are open; retry later, or raise "
-                                f"SPECDEC_MAX_SESSIONS / add replicas")
+                                f"{self.service}: {self.setting} ({self.limit}) calls are in flight; retry later, or "
+                                f"raise SPECDEC_{self.setting.upper()} / add replicas",
+                                trailing_metadata=(("retry-after", "1"),))
+        task = asyncio.current_task()
         self.active += 1
+        if task is not None:
+            self._calls[task] = context
         try:
             yield
+        except asyncio.CancelledError:
+            if task in self._expired:  # our drain ran out: say so instead of a bare cancel
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"{self.service}: shut down before this call finished (shutdown_timeout_s, "
+                                    f"{self._timeout_s:g} s, passed); retry")
+            raise
         finally:
             self.active -= 1
+            self._calls.pop(task, None)  # type: ignore[arg-type]
+            self._expired.discard(task)  # type: ignore[arg-type]
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
+        """Refuse new calls, wait up to `timeout_s` for those in flight, end the rest; returns
+        how many had to be ended."""
+        self.draining, self._timeout_s = True, timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._calls and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(poll_s)
+        left = list(self._calls)
+        for task in left:
+            self._expired.add(task)
+            task.cancel()
+        for _ in range(100):  # let them send their status
+            if not self._calls:
+                break
+            await asyncio.sleep(0.01)
+        return len(left)
 
 
 class Servicer(Protocol):
-    """What `serve` needs of a service implementation besides its RPCs."""
+    """What `serve` needs of a service implementation besides its RPCs: `close()`, and the
+    `slots` its calls are admitted through (drained at shutdown)."""
+
+    slots: SessionSlots
 
     async def close(self) -> None: ...
 
@@ -124,14 +170,20 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, security.request_reload)  # re-read the TLS certificates
-    side = asyncio.create_task(also(servicer, stop)) if also is not None else None
+    stopped = asyncio.Event()  # the drain is over: `also` stops too
+    side = asyncio.create_task(also(servicer, stopped)) if also is not None else None
     try:
         await stop.wait()
     finally:
-        log.info("%s stopping", name)
+        # the drain: health says NOT_SERVING at once (load balancers and readiness probes move
+        # away), new calls get UNAVAILABLE, calls in flight finish within shutdown_timeout_s
+        log.info("%s draining (up to %g s)", name, cfg.shutdown_timeout_s)
         for svc in ("", service):
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        ended = await servicer.slots.drain(cfg.shutdown_timeout_s)
+        log.info("%s stopping%s", name, f" ({ended} calls ended unfinished)" if ended else "")
         await server.stop(GRACE_S)
+        stopped.set()
         if side is not None:
             await side
         await servicer.close()
