@@ -35,6 +35,7 @@ import json
 import re
 import time
 import uuid
+from http import HTTPStatus
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -224,6 +226,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        message, param = _printable(message), None if param is None else _printable(param)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
@@ -233,6 +236,35 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _printable(text: str) -> str:
+    """`text` with any lone surrogate (a "\\ud800" escape in the request's JSON) written as a
+    backslash escape, so that an error naming it can be sent as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def refuse_surrogates(req: BaseModel) -> None:
+    """400 for a string (or an object key) holding a lone surrogate: JSON's \\u escapes can
+    spell one, but it is not Unicode text, and neither the tokenizer nor protobuf encodes it."""
+    def bad(value: Any) -> bool:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+            return False
+        if isinstance(value, BaseModel):
+            return bad(value.__dict__) or bad(value.model_extra or {})
+        if isinstance(value, dict):
+            return any(bad(k) or bad(v) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return any(bad(v) for v in value)
+        return False
+
+    for name, value in {**req.__dict__, **(req.model_extra or {})}.items():
+        if bad(name) or bad(value):
+            raise APIError(400, f"{name}: not valid Unicode text (it holds a lone surrogate such as \\ud800)", name)
 
 
 def _param(field_path: str, prompt_param: str) -> str:
@@ -317,6 +349,9 @@ def completion_prompt(tokenizer: Any, req: CompletionRequest) -> tuple[list[int]
     if isinstance(prompt, str):
         ids = list(tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens is not False))
         return ids, prompt
+    for i, t in enumerate(prompt):  # the gateway checks the vocabulary; these cannot even be decoded
+        if not 0 <= t <= 2**31 - 1:  # type: ignore[operator]
+            raise APIError(400, f"prompt: token id {t} at index {i} is outside the vocabulary", "prompt")
     return list(prompt), tokenizer.decode(prompt)  # type: ignore[arg-type]
 
 
@@ -350,9 +385,38 @@ def chat_echo(req: ChatRequest) -> str:
 # ---------------------------------------------------------------------------- logprobs
 
 
-def _token_text(tokenizer: Any, token_id: int, as_id: bool) -> str:
-    """A token as vLLM's server names it: its own text, or "token_id:N" (return_tokens_as_token_ids)."""
-    return f"token_id:{token_id}" if as_id else tokenizer.decode([token_id])
+def _token_text(tokenizer: Any, token_id: int, as_id: bool, context: Sequence[int] = ()) -> str:
+    """A token as vLLM's server names it: "token_id:N" (return_tokens_as_token_ids), or its own
+    text; a token that decodes to an incomplete UTF-8 character (a byte-fallback piece, ending in
+    U+FFFD) is decoded after the sampled tokens before it (`context`, at most 4), and is "" when
+    they do not complete it (vllm/v1/engine/logprobs.py: _correct_decoded_token)."""
+    if as_id:
+        return f"token_id:{token_id}"
+    text = tokenizer.decode([token_id])
+    if not text.endswith("\ufffd"):
+        return text
+    context = list(context)[-4:]
+    for n in range(1, len(context) + 1):
+        ctx = context[-n:]
+        full = tokenizer.decode(ctx + [token_id])
+        if full.endswith("\ufffd"):
+            continue
+        clean_end = len(ctx)  # context tokens that were incomplete themselves belong to this one
+        for j in range(len(ctx) - 1, -1, -1):
+            if tokenizer.decode([ctx[j]]).endswith("\ufffd"):
+                clean_end = j
+            else:
+                break
+        prefix = tokenizer.decode(ctx[:clean_end]) if clean_end else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        common = 0
+        for a, b in zip(prefix, full):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""
 
 
 def _position(lp: "pb.TokenLogprobs") -> list[tuple[int, float]]:
@@ -378,16 +442,25 @@ class LogprobsShaper:
     top: int  # alternatives asked for
     as_ids: bool = False
     offset: int = 0
+    context: list[int] = field(default_factory=list)  # the sampled tokens so far (the last 4 matter)
+
+    def _texts(self, lp: "pb.TokenLogprobs") -> tuple[str, list[tuple[str, float]]]:
+        """The sampled token's text and the position's entries as (text, logprob), in vLLM's order."""
+        def text(tid: int) -> str:
+            return _token_text(self.tokenizer, tid, self.as_ids, self.context)
+
+        entries = [(text(tid), _clamp(v)) for tid, v in _position(lp)]
+        self.context = [*self.context[-3:], lp.token_id]
+        return entries[0][0], entries
 
     def completion(self, logprobs: Sequence["pb.TokenLogprobs"]) -> dict[str, Any]:
         out: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
         for lp in logprobs:
-            token = _token_text(self.tokenizer, lp.token_id, self.as_ids)
+            token, entries = self._texts(lp)
             out["tokens"].append(token)
             out["token_logprobs"].append(_clamp(lp.logprob))
             # OpenAI's completions give the sampled token plus the top k: k + 1 entries at most
-            out["top_logprobs"].append({_token_text(self.tokenizer, tid, self.as_ids): _clamp(v)
-                                        for i, (tid, v) in enumerate(_position(lp)) if i <= self.top})
+            out["top_logprobs"].append({t: v for i, (t, v) in enumerate(entries) if i <= self.top})
             out["text_offset"].append(self.offset)
             self.offset += len(token)
         return out
@@ -395,9 +468,8 @@ class LogprobsShaper:
     def chat(self, logprobs: Sequence["pb.TokenLogprobs"]) -> dict[str, Any]:
         content = []
         for lp in logprobs:
-            token = _token_text(self.tokenizer, lp.token_id, self.as_ids)
-            top = [(_token_text(self.tokenizer, tid, self.as_ids), _clamp(v))
-                   for i, (tid, v) in enumerate(_position(lp)) if i < self.top]
+            token, entries = self._texts(lp)
+            top = entries[: self.top]
             content.append({"token": token, "logprob": _clamp(lp.logprob), "bytes": list(token.encode("utf-8", "replace")),
                             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))}
                                              for t, v in top]})
@@ -590,6 +662,14 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeySt
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         return _validation_error(err).response()
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
+        """Starlette's own errors (404 unknown route, 405 method, 400 unparsable body) in
+        OpenAI's shape too, as vLLM's server answers them."""
+        phrase = HTTPStatus(err.status_code).phrase
+        return APIError(err.status_code, f"{err.detail} ({request.method} {request.url.path})",
+                        code=phrase.lower().replace(" ", "_"), headers=dict(err.headers or {})).response()
+
     async def generate(req: _GenerationRequest, prompt_ids: list[int], shape: Shape, metadata: Any,
                        echo: str = "") -> Any:
         """Run one request through the gateway and answer it in `shape`."""
@@ -622,12 +702,14 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeySt
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> Any:
+        refuse_surrogates(req)
         ids, text = completion_prompt(tokenizer, req)
         return await generate(req, ids, COMPLETION, forwarded(request),
                               echo=text if req.echo and not req.return_token_ids else "")
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatRequest, request: Request) -> Any:
+        refuse_surrogates(req)
         return await generate(req, chat_prompt(tokenizer, req), CHAT, forwarded(request), echo=chat_echo(req))
 
     @app.get("/v1/models")

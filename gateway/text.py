@@ -29,19 +29,31 @@ class TextStream:
     def add(self, token_ids: list[int], final: bool = False, stop_token: bool = False) -> str:
         """Append tokens; return the new text (empty when held back). `stop_token`: the last of
         `token_ids` is the end-of-sequence or stop token id that ended the generation; as in
-        vLLM, its text is left out unless include_stop."""
+        vLLM, its text is left out unless include_stop.
+
+        When a stop sequence ends the text, `kept` says how many of `token_ids` the output
+        keeps: up to the one that completes the stop sequence, as vLLM counts them (the
+        target may have verified more in the same step). Otherwise all of them.
+        """
+        self.kept = len(token_ids)
         if stop_token and not self.include_stop:
             token_ids = token_ids[:-1]
+        before = len(self.ids)
         self.ids.extend(token_ids)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        full = self._decode(self.ids)
         hold = 0
         for stop in self.stops:
             at = full.find(stop)
             if at >= 0:
                 full, self.stopped, final = full[: at + len(stop) if self.include_stop else at], True, True
+        if self.stopped:
+            self.kept = self._tokens_to_stop(before)
+            del self.ids[before + self.kept:]
+        # an incomplete UTF-8 character (U+FFFD at the end of everything decoded) waits for its
+        # next bytes, and is never output if they do not come; once other text follows it (a
+        # stop sequence included) it is final (vLLM's detokenizer does the same)
+        hold = 0 if self.stopped else len(full) - len(full.rstrip("\ufffd"))
         if not final:
-            if full.endswith("\ufffd"):
-                hold = 1
             for stop in self.stops:  # longest suffix of the text that begins a stop sequence
                 for n in range(min(len(stop) - 1, len(full)), 0, -1):
                     if full.endswith(stop[:n]):
@@ -51,3 +63,14 @@ class TextStream:
         delta = visible[len(self.emitted) :] if visible.startswith(self.emitted) else ""
         self.emitted = visible if visible.startswith(self.emitted) else self.emitted
         return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _tokens_to_stop(self, before: int) -> int:
+        """How many tokens after `before` the text needs to contain a stop sequence."""
+        for n in range(before + 1, len(self.ids) + 1):
+            text = self._decode(self.ids[:n])
+            if any(stop in text for stop in self.stops):
+                return n - before
+        return len(self.ids) - before

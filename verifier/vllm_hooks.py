@@ -17,7 +17,9 @@ Each hook, why it is needed, and what it touches in vLLM:
   apply_cpu_sampler_fix   vLLM issue #55005 (CPU only): replaces
                           `vllm/v1/sample/rejection_sampler.py: expand_batch_to_tokens`, whose
                           CPU stand-in for its Triton kernel fills a temporary copy, so
-                          speculative SAMPLING divides logits by uninitialised memory.
+                          speculative SAMPLING divides logits by uninitialised memory; and
+                          guards its `apply_top_k_top_p` against a step with no draft rows
+                          (CPU top-k takes the max of an empty tensor: top_k_top_p_rows).
   build_engine            `vllm.v1.engine.llm_engine.LLMEngine.from_engine_args` with the
                           experimental `custom_class` speculative method
                           (`vllm/v1/spec_decode/custom_class_proposer.py: create_custom_proposer`,
@@ -141,14 +143,36 @@ def expand_batch_to_tokens(
     return expanded
 
 
+def top_k_top_p_rows(apply: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's `apply_top_k_top_p`, returning a batch without rows untouched.
+
+    The rejection sampler truncates the target's logits at the draft positions of a step:
+    a sampled step whose requests (with top_k) got no drafts has none, and on CPU vLLM 0.32's
+    top-k path (`apply_top_k_only`, Triton's kernels are not used there) takes `k.max()` of
+    the empty tensor: the engine step raises and the engine is dead. GPU builds are unaffected.
+    """
+
+    def guarded(logits: Any, k: Any, p: Any) -> Any:
+        if logits.shape[0] == 0:
+            return logits  # [0, vocab]: nothing to truncate
+        return apply(logits, k, p)
+
+    return guarded
+
+
 def apply_cpu_sampler_fix() -> bool:
-    """Install expand_batch_to_tokens above when vLLM runs on CPU; returns True when installed."""
+    """Install expand_batch_to_tokens and the empty-batch guard above when vLLM runs on CPU;
+    returns True when installed."""
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
 
     if not current_platform.is_cpu():
         return False
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    if not getattr(rejection_sampler.apply_top_k_top_p, "__wrapped_empty__", False):
+        guarded = top_k_top_p_rows(rejection_sampler.apply_top_k_top_p)
+        guarded.__wrapped_empty__ = True  # type: ignore[attr-defined]
+        rejection_sampler.apply_top_k_top_p = guarded
     return True
 
 

@@ -119,3 +119,21 @@ def test_chat_logprobs_fields() -> None:
 
 def test_shapes_differ_in_logprobs_layout() -> None:
     assert COMPLETION.logprobs is LogprobsShaper.completion and CHAT.logprobs is LogprobsShaper.chat
+
+
+class ByteTok:
+    """Ids 0-255 are bytes (byte-fallback pieces), 256 is " ok": decode joins the bytes as UTF-8."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        raw = b"".join(b" ok" if i == 256 else bytes([i]) for i in ids)
+        return raw.decode("utf-8", errors="replace")
+
+
+def test_byte_fallback_tokens_are_named_as_vllm_names_them() -> None:
+    """"é" is two byte tokens: the first alone is incomplete (""), the second completes it."""
+    shaper = LogprobsShaper(ByteTok(), 1)
+    first, second = 0xC3, 0xA9
+    out = shaper.completion([_lp(256, -0.1, 1, [(256, -0.1)]), _lp(first, -0.2, 1, [(first, -0.2)]),
+                             _lp(second, -0.3, 1, [(second, -0.3)])])
+    assert out["tokens"] == [" ok", "", "é"]
+    assert out["text_offset"] == [0, 3, 3]

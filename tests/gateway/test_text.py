@@ -45,3 +45,22 @@ def test_stop_token_text_is_left_out_unless_included() -> None:
     assert t.add(_ids("ab;"), final=True, stop_token=True) == "ab"
     t = TextStream(CharTokenizer(), [], include_stop=True)
     assert t.add(_ids("ab;"), final=True, stop_token=True) == "ab;"
+
+
+def test_an_incomplete_character_is_never_output() -> None:
+    t = TextStream(CharTokenizer(), [])
+    assert t.add(_ids("ab\ufffd")) == "ab"
+    assert t.add([], final=True) == ""  # vLLM leaves an unfinished character out too
+
+
+def test_tokens_are_kept_up_to_the_one_completing_the_stop() -> None:
+    t = TextStream(CharTokenizer(), ["XY"])
+    assert t.add(_ids("aX")) == "a" and t.kept == 2
+    assert t.add(_ids("YbXYc"), final=True) == "" and t.stopped
+    assert t.kept == 1  # only "Y" completes it: "bXYc" were verified in the same step, not output
+
+
+def test_a_broken_character_before_a_stop_sequence_is_final() -> None:
+    t = TextStream(CharTokenizer(), ["4"])
+    assert t.add(_ids("a\ufffd")) == "a"
+    assert t.add(_ids("4b"), final=True) == "\ufffd"  # followed by text: final, as vLLM outputs it

@@ -139,6 +139,24 @@ def test_apply_installs_it() -> None:
 
     if vllm_hooks.apply_cpu_sampler_fix():
         assert rejection_sampler.expand_batch_to_tokens is vllm_hooks.expand_batch_to_tokens
+        assert vllm_hooks.apply_cpu_sampler_fix()  # idempotent: the guard is not stacked
+        assert rejection_sampler.apply_top_k_top_p.__wrapped_empty__
+
+
+def test_top_k_on_a_step_without_draft_rows() -> None:
+    """A sampled top_k request with no drafts this step: the rejection sampler truncates a
+    [0, vocab] batch. vLLM's CPU top-k path fails on it; the guard returns it as is."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    empty, k = torch.zeros(0, 50), torch.zeros(0, dtype=torch.long)
+    if current_platform.is_cpu():
+        with pytest.raises(RuntimeError):  # documents the upstream failure; when this fails, it is fixed
+            apply_top_k_top_p(empty.clone(), k, None)
+    guarded = vllm_hooks.top_k_top_p_rows(apply_top_k_top_p)
+    assert guarded(empty, k, None).shape == (0, 50)
+    rows = torch.tensor([[1.0, 3.0, 2.0]])
+    assert torch.isinf(guarded(rows.clone(), torch.tensor([1]), None)).sum() == 2  # real rows: truncated
 
 
 # ---- scheduler hook -------------------------------------------------------------------------
