@@ -15,6 +15,14 @@ long as the drafter is expected to take), and not at all once the gateway has to
 So when the drafter fails, stalls or is killed, the generation goes on as plain target
 decoding with the same output, and the stats say so.
 
+A drafter is untrusted input: each of its replies is checked before it is relayed
+(specdec.validation.check_draft_block: ids in the vocabulary, at most gamma tokens, positions
+after the prompt and within reach of the committed context, at most max_blocks_per_commit
+blocks between two commits, one `ready`). A bad block is dropped (a long one trimmed to gamma)
+and counted; at MAX_DRAFTER_VIOLATIONS the drafter is treated as failed (fallback, with the
+violation as the reason). So a misbehaving drafter can neither fail a request nor flood the
+verifier: the verifier only ever sees valid blocks, at a bounded rate.
+
 The drafter's deadline measures the drafter alone: it owes an answer from each commit on
 (the first one carries the target's first token), and falls back when it stays silent
 for `drafter_timeout_s` while it owes one. The target's queueing and prefill never count:
@@ -27,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,9 +44,35 @@ import grpc
 from opentelemetry import trace
 
 from specdec import telemetry
+from specdec.validation import (
+    MAX_DRAFTER_VIOLATIONS,
+    check_draft_block,
+    max_blocks_per_commit,
+    reported_ms,
+)
 from specdec.wire import draft_method_name, pb
 
 log = logging.getLogger("specdec.gateway")
+
+# How long a round waits for the verifier's vocabulary size (asked once per verifier stub).
+VOCAB_TIMEOUT_S = 10.0
+_VOCAB_SIZES: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+
+
+async def verifier_vocab_size(stub: object) -> int:
+    """The verifier's vocabulary size (GetVerifierInfo), asked once per stub; 0 when unknown."""
+    try:
+        return _VOCAB_SIZES[stub]
+    except (KeyError, TypeError):
+        pass
+    try:
+        info = await stub.GetVerifierInfo(pb.GetVerifierInfoRequest(), timeout=VOCAB_TIMEOUT_S)
+    except Exception as err:  # noqa: BLE001 (the verifier's own checks still apply)
+        log.warning("no vocabulary size from the verifier (%s): drafted ids are checked for sign only", err)
+        return 0
+    with contextlib.suppress(TypeError):
+        _VOCAB_SIZES[stub] = info.vocab_size
+    return info.vocab_size
 
 
 @dataclass
@@ -73,6 +108,8 @@ class Stats:
     draft_wait_ms: float = 0.0
     max_draft_wait_ms: float = 0.0
     drafter_prefill_ms: float = 0.0
+    invalid_blocks: int = 0  # drafter replies dropped or trimmed as invalid (not relayed as sent)
+    migrations: int = 0  # times the generation moved to another verifier (or the same one, back)
 
     def add_verdict(self, v: "pb.VerifyResponse") -> None:
         self.verdicts += 1
@@ -116,6 +153,7 @@ class Stats:
             rejected_steps=self.rejections,
             max_draft_wait_ms=self.max_draft_wait_ms,
             drafter_prefill_ms=self.drafter_prefill_ms,
+            migrations=self.migrations,
         )
 
 
@@ -127,6 +165,7 @@ class Round:
     when the iteration ends. All writes to the verifier go through one queue and task,
     all writes to the drafter through another, so neither stream has two writers.
     Each round feeds `metrics` (the gateway's, telemetry.GatewayMetrics) and `spikes`.
+    `vocab_size`: the target's, for checking drafted ids (None: asked from the verifier once).
     """
 
     def __init__(
@@ -139,6 +178,8 @@ class Round:
         metrics: telemetry.GatewayMetrics,
         model: str = "",
         parent: Any = None,
+        vocab_size: int | None = None,
+        stats: Stats | None = None,
     ) -> None:
         self.plan = plan
         self.verifier_stub = verifier_stub
@@ -147,7 +188,8 @@ class Round:
         self.spikes = spikes
         self.metrics = metrics
         use_drafter = plan.gamma > 0 and plan.drafter != pb.DRAFT_METHOD_NONE
-        self.stats = Stats(plan.gamma if use_drafter else 0, plan.drafter if use_drafter else pb.DRAFT_METHOD_NONE)
+        # `stats`: a migrated generation's, which this round goes on counting into
+        self.stats = stats or Stats(plan.gamma if use_drafter else 0, plan.drafter if use_drafter else pb.DRAFT_METHOD_NONE)
         self.tracer = telemetry.tracer("gateway")
         sp = plan.sampling
         self.span = self.tracer.start_span("specdec.generate", context=parent, attributes={
@@ -173,6 +215,9 @@ class Round:
         self._owed_since: float | None = None
         self._owed_at = 0  # ... and the position that commit started at
         self._owing = asyncio.Event()  # set when the drafter starts to owe an answer
+        self.vocab_size = vocab_size
+        self._blocks_since_commit = 0  # blocks the drafter sent since the latest commit
+        self._ready_seen = False
 
     def _fallback(self, reason: str) -> None:
         """The drafter is gone: tell the verifier to stop waiting for it and go on plainly."""
@@ -199,24 +244,74 @@ class Round:
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError) as err:
             self._fallback(f"drafter write failed: {err}")
 
+    def _violation(self, what: str) -> None:
+        """The drafter sent something invalid (dropped or trimmed): count it; at
+        MAX_DRAFTER_VIOLATIONS the drafter is treated as failed."""
+        self.stats.invalid_blocks += 1
+        n = self.stats.invalid_blocks
+        if n == 1:
+            log.warning("request %s: invalid reply from the drafter: %s", self.plan.request_id, what)
+        if n >= MAX_DRAFTER_VIOLATIONS:
+            self._fallback(f"drafter sent {n} invalid replies; the last: {what}")
+
+    def _checked_block(self, block: "pb.DraftBlock") -> "pb.DraftBlock | None":
+        """The block to relay (trimmed when too long), or None when it must be dropped."""
+        self._blocks_since_commit += 1
+        cap = max_blocks_per_commit(self.stats.gamma)
+        if self._blocks_since_commit > cap:
+            self._violation(f"more than {cap} blocks since the latest commit")
+            return None
+        p = self.plan
+        prompt_len = len(p.prompt_token_ids)
+        tokens, what = check_draft_block(block, self.stats.gamma, self.vocab_size or 0, prompt_len, self._committed,
+                                         prompt_len + p.sampling.max_tokens)
+        if what:
+            self._violation(what)
+        if tokens is None:
+            return None
+        draft_ms = reported_ms(block.draft_ms)
+        if len(tokens) == len(block.token_ids) and draft_ms == block.draft_ms:
+            return block
+        return pb.DraftBlock(start_position=block.start_position, token_ids=tokens, sequence=block.sequence,
+                             draft_ms=draft_ms, final=block.final, committed_length=block.committed_length)
+
+    def _checked_ready(self, ready: "pb.DraftReady") -> "pb.DraftReady | None":
+        if self._ready_seen:
+            self._violation("a second `ready`")
+            return None
+        self._ready_seen = True
+        return pb.DraftReady(prefilled_tokens=ready.prefilled_tokens, prefill_ms=reported_ms(ready.prefill_ms),
+                             draft_ms_per_token=reported_ms(ready.draft_ms_per_token))
+
     async def _relay_blocks(self, dcall: grpc.aio.StreamStreamCall) -> None:
-        """drafter -> verifier: forward `ready` and each block as they arrive."""
+        """drafter -> verifier: check `ready` and each block as they arrive, relay the valid ones."""
+        if self.vocab_size is None:
+            self.vocab_size = await verifier_vocab_size(self.verifier_stub)
         try:
-            while True:
+            while not self.stats.fallback_reason:
                 resp = await dcall.read()
                 if resp is grpc.aio.EOF:
                     self._fallback("drafter ended its stream")
                     return
                 self._owed_since = None  # any message answers what the drafter owed
+                if resp.HasField("ready") == resp.HasField("block"):
+                    self._violation("a reply with " + ("both a block and `ready`" if resp.HasField("ready") else
+                                                       "neither a block nor `ready`"))
+                    continue
                 if resp.HasField("ready"):
-                    self.stats.drafter_prefill_ms = resp.ready.prefill_ms
-                    self._to_verifier.put_nowait(pb.VerifyRequest(ready=resp.ready))
+                    ready = self._checked_ready(resp.ready)
+                    if ready is not None:
+                        self.stats.drafter_prefill_ms = ready.prefill_ms
+                        self._to_verifier.put_nowait(pb.VerifyRequest(ready=ready))
+                    continue
+                block = self._checked_block(resp.block)
+                if block is None or self.stats.fallback_reason:
                     continue
                 self.stats.blocks += 1
-                self.stats.block_tokens += len(resp.block.token_ids)
-                self._draft_ms += resp.block.draft_ms
-                self.stats.draft_ms += resp.block.draft_ms
-                self._to_verifier.put_nowait(pb.VerifyRequest(block=resp.block))
+                self.stats.block_tokens += len(block.token_ids)
+                self._draft_ms += block.draft_ms
+                self.stats.draft_ms += block.draft_ms
+                self._to_verifier.put_nowait(pb.VerifyRequest(block=block))
         except grpc.aio.AioRpcError as err:
             self._fallback(f"drafter {err.code().name}: {err.details()}")
 
@@ -294,6 +389,7 @@ class Round:
             "specdec.accepted_tokens": s.accepted,
             "specdec.acceptance_rate": s.accepted / s.drafted if s.drafted else 0.0,
             "specdec.drafter_fallback": bool(s.fallback_reason),
+            "specdec.invalid_blocks": s.invalid_blocks,
         })
         if s.fallback_reason:
             self.span.set_attribute("specdec.fallback_reason", s.fallback_reason)
@@ -309,6 +405,7 @@ class Round:
         if self._owed_since is None:
             self._owed_since, self._owed_at = time.monotonic(), v.start_position + skip
             self._owing.set()
+        self._blocks_since_commit = 0
         self._to_drafter.put_nowait(
             pb.DraftRequest(
                 commit=pb.DraftCommit(

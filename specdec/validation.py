@@ -76,3 +76,79 @@ def check_sampling(
         check_token_ids(f"{field}.stop_token_ids", sampling.stop_token_ids, vocab_size, allow_empty=True)
     if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
         raise InvalidField(f"{field}.logprobs", f"{sampling.logprobs} is more than the {MAX_LOGPROBS} allowed")
+
+
+# ---- draft blocks: a drafter is untrusted input (the gateway relays, the verifier defends) ----
+#
+# A correct drafter (drafter.sessions) sends blocks of at most gamma tokens, each starting at the
+# committed context it drafted from or where its previous block ended, never more than
+# gamma + lookahead past that context (lookahead defaults to gamma + 1), a few blocks per commit.
+# The bounds below are several times that, so a correct drafter never meets them.
+
+# Invalid blocks (or replies) a relay tolerates from one drafter session before treating the
+# drafter as failed (it then ends the drafts and the generation goes on as plain decoding).
+MAX_DRAFTER_VIOLATIONS = 3
+
+# A duration a peer reports (ms) is used only when finite and within [0, this).
+MAX_REPORTED_MS = 3.6e6
+
+
+def draft_horizon(gamma: int) -> int:
+    """How far past the committed context a draft may reach and still be kept: 4 gamma + 4.
+    (A drafter drafts at most gamma + lookahead ahead; a target step verifies at most gamma.)"""
+    return 4 * gamma + 4
+
+
+def max_blocks_per_commit(gamma: int) -> int:
+    """Blocks a drafter session may send between two commits (a correct one sends at most about
+    gamma + lookahead + 1: one per drafted token when it streams, and an empty one)."""
+    return draft_horizon(gamma) + 4
+
+
+def reported_ms(ms: float) -> float:
+    """A duration reported by a peer, or 0 when it is not a sane one (NaN, infinite, negative, huge)."""
+    return ms if 0.0 <= ms < MAX_REPORTED_MS else 0.0  # NaN fails both comparisons
+
+
+def bad_token_id(ids: Sequence[int], vocab_size: int) -> str:
+    """'' when every id lies in [0, vocab_size) (vocab_size 0: unknown, only negatives are bad),
+    else what is wrong with the first bad one."""
+    for i, t in enumerate(ids):
+        if t < 0 or (vocab_size and t >= vocab_size):
+            where = f"[0, {vocab_size})" if vocab_size else "[0, vocab_size)"
+            return f"token id {t} at index {i} is outside the vocabulary {where}"
+    return ""
+
+
+def check_draft_block(
+    block: Any, gamma: int, vocab_size: int, prompt_len: int, committed: int, request_end: int
+) -> tuple[list[int] | None, str]:
+    """What a relay may pass on of a drafter's specdec.v1.DraftBlock, and what is wrong with it:
+    (tokens to relay, None to drop the block; the violation, '' for none).
+
+    `committed`: the context length the drafter has been told so far; `request_end`: prompt length
+    + max_tokens. A block longer than gamma is trimmed to gamma (and is a violation); a block that
+    starts inside the prompt, before the context it says it was drafted from, past the request's
+    end by more than a drafter's window, or that claims a context it was never given, or has an id
+    outside the vocabulary, is dropped. A block merely stale (the target moved on while it was
+    drafted) is fine: the verifier keeps what is still ahead of its context."""
+    start, drafted_from = block.start_position, block.committed_length
+    if start < prompt_len:
+        return None, f"block.start_position: {start} lies inside the prompt ({prompt_len} tokens)"
+    if drafted_from > committed:
+        return None, f"block.committed_length: {drafted_from} is past the {committed} tokens committed so far"
+    if drafted_from and start < drafted_from:
+        return None, f"block.start_position: {start} is before the context it was drafted from ({drafted_from} tokens)"
+    horizon = draft_horizon(gamma)
+    if start > request_end + horizon:
+        return None, (f"block.start_position: {start} is more than {horizon} past the request's end "
+                      f"({request_end} tokens)")
+    ids = block.token_ids
+    violation = ""
+    if len(ids) > gamma:
+        violation = f"block.token_ids: {len(ids)} tokens, more than gamma ({gamma}); trimmed"
+        ids = ids[:gamma]
+    bad = bad_token_id(ids, vocab_size)
+    if bad:
+        return None, f"block.token_ids: {bad}"
+    return list(ids), violation

@@ -16,7 +16,9 @@ drafts were checked and accepted, the tokens computed) to the session's callback
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from specdec import telemetry
 from specdec.config import VerifierConfig
+from specdec.validation import max_blocks_per_commit
 from verifier import vllm_hooks
 from verifier.vllm_hooks import configure_vllm_env
 
@@ -120,7 +123,12 @@ class TargetEngine:
         self._wake = threading.Event()
         self._live: dict[str, _Live] = {}  # by our request id
         self._by_engine_id: dict[str, _Live] = {}  # the same, by vLLM's internal id
+        # blocks, `ready` and `end` that come before the engine thread has added their request
+        # (applied when it does, so an early `end` is never lost); under _early_lock with _live's adds
+        self._early: dict[str, _Early] = {}
+        self._early_lock = threading.Lock()
         self.steps = 0
+        self.failed = ""  # why the engine died ("" while it runs)
         self._thread = threading.Thread(target=self._run, name="target-engine", daemon=True)
         self._stopped = False
         self._thread.start()
@@ -152,6 +160,8 @@ class TargetEngine:
 
     # ---- called from any thread -------------------------------------------------
     def submit(self, req: GenerationRequest, on_verdict: Callable[[Verdict], None]) -> None:
+        with self._early_lock:
+            self._early[req.request_id] = _Early(max_blocks_per_commit(req.gamma))
         self._commands.put(("add", (req, on_verdict)))
         self._wake.set()
         self.board.arrival()
@@ -165,20 +175,50 @@ class TargetEngine:
         draft_ms: float = 0.0,
     ) -> None:
         """Put a block on the board (see DraftBoard.offer); committed -1 means start."""
-        live = self._live.get(request_id)
-        if live is not None:
-            self.board.offer(live.engine_id, start, tokens, final, start if committed < 0 else committed, draft_ms)
+        engine_id = self._engine_id_or_keep(request_id, "offer", (start, tokens, final, committed, draft_ms))
+        if engine_id is not None:
+            self.board.offer(engine_id, start, tokens, final, start if committed < 0 else committed, draft_ms)
 
     def drafter_ready(self, request_id: str, pace_ms: float) -> None:
         """The request's drafter has prefilled the prompt (see DraftBoard.ready)."""
-        live = self._live.get(request_id)
-        if live is not None:
-            self.board.ready(live.engine_id, pace_ms)
+        engine_id = self._engine_id_or_keep(request_id, "ready", (pace_ms,))
+        if engine_id is not None:
+            self.board.ready(engine_id, pace_ms)
 
     def end_drafts(self, request_id: str) -> None:
+        engine_id = self._engine_id_or_keep(request_id, "end", ())
+        if engine_id is not None:
+            self.board.end(engine_id)
+
+    def _engine_id_or_keep(self, request_id: str, kind: str, args: tuple) -> str | None:
+        """The request's engine id, or None: gone, or not added yet (then the call is kept, a
+        bounded number of them, and made when the engine thread adds the request)."""
         live = self._live.get(request_id)
         if live is not None:
-            self.board.end(live.engine_id)
+            return live.engine_id
+        with self._early_lock:
+            live = self._live.get(request_id)
+            if live is not None:
+                return live.engine_id
+            early = self._early.get(request_id)
+            if early is not None:
+                early.keep(kind, args)
+        return None
+
+    def _apply_early(self, req: GenerationRequest, live: "_Live") -> None:
+        """The request is added: make it live, then the calls that came before (in order)."""
+        with self._early_lock:
+            self._live[req.request_id] = live
+            early = self._early.pop(req.request_id, None)
+            for kind, args in early.calls if early is not None else ():
+                if kind == "offer":
+                    start, tokens, final, committed, draft_ms = args
+                    self.board.offer(live.engine_id, start, tokens, final, start if committed < 0 else committed,
+                                     draft_ms)
+                elif kind == "ready":
+                    self.board.ready(live.engine_id, *args)
+            if early is not None and early.ended:
+                self.board.end(live.engine_id)
 
     def stop(self) -> None:
         self._stopped = True
@@ -214,14 +254,20 @@ class TargetEngine:
                 )
                 live = _Live(req, cb, engine_id="", submitted=time.perf_counter())
                 # the engine id gets a random suffix; register drafts under it before any step
-                engine_id = self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids}, params)
+                try:
+                    engine_id = self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids},
+                                                        params)
+                except BaseException:
+                    with self._early_lock:
+                        self._early.pop(req.request_id, None)
+                    raise
                 live.engine_id = engine_id
                 self._by_engine_id[engine_id] = live
                 self.board.register(
                     engine_id, req.gamma, len(req.prompt_token_ids), req.max_tokens,
                     lambda start, tokens, cb=cb, req=req: self._preview(req, cb, start, tokens),
                 )
-                self._live[req.request_id] = live
+                self._apply_early(req, live)
             elif kind == "abort":
                 live = self._live.pop(arg, None)
                 if live is not None:
@@ -265,13 +311,15 @@ class TargetEngine:
             waited0 = self.board.waited_s
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # the engine is broken: fail every live session
-                log.exception("engine step failed")
+            except Exception as exc:  # the engine is broken: fail every live session, stop the process
+                log.exception("engine step failed; the verifier stops (its supervisor restarts it)")
+                self.failed = f"engine step failed: {type(exc).__name__}: {exc}"
                 for live in list(self._live.values()):
                     live.callback(Verdict(live.position, [], 0, 0, "abort", 0, 0, 0.0))
                 self._live.clear()
                 self._by_engine_id.clear()
-                raise SystemExit(f"engine step failed: {exc}") from exc
+                os.kill(os.getpid(), signal.SIGTERM)  # drain (nothing is left in flight) and exit
+                return
             wait_ms = (self.board.waited_s - waited0) * 1e3
             step_ms = (time.perf_counter() - t0) * 1e3 - wait_ms
             self.steps += 1
@@ -336,6 +384,23 @@ def _logprobs(positions: Any, tokens: list[int], k: int) -> list[TokenLogprobs]:
         out.append(TokenLogprobs(token, sampled.logprob, sampled.rank or 0,
                                  [tid for _, tid, _ in top], [lp for _, _, lp in top]))
     return out
+
+
+@dataclass
+class _Early:
+    """Calls for a session that came before the engine thread added its request: at most
+    `limit` blocks and readies (the board takes no more per step either), and whether its
+    drafts ended (never dropped)."""
+
+    limit: int
+    calls: list[tuple[str, tuple]] = field(default_factory=list)
+    ended: bool = False
+
+    def keep(self, kind: str, args: tuple) -> None:
+        if kind == "end":
+            self.ended = True
+        elif len(self.calls) < self.limit:
+            self.calls.append((kind, args))
 
 
 @dataclass

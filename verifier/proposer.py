@@ -30,6 +30,17 @@ Terms:
                i.e. commit, or the previous block) over its tokens
     proposal   the tokens handed to vLLM for a context of length L: chain[L - chain_start:]
                (at most gamma), valid only when the chain agrees with the context up to L
+    committed  per request, the context length the board has seen (the prompt, then each
+               preview's and proposal's context): what drafts must lie ahead of
+
+A drafter is untrusted (the gateway checks its blocks; the board still bounds itself), so a
+block can only be useless, never costly: the chain never reaches past committed + horizon
+(specdec.validation.draft_horizon(gamma), 4 gamma + 4: a drafter drafts at most gamma +
+lookahead ahead), a block that starts past that or lies wholly before `committed` (or starts
+more than the horizon before it) leaves the chain alone, at most max_blocks_per_commit(gamma)
+blocks are taken between two previews (the rest are dropped without waking a waiting step),
+and at most MAX_PROPOSALS proposals are remembered per request. Per request the board thus
+holds O(gamma) tokens whatever arrives.
 """
 
 from __future__ import annotations
@@ -43,10 +54,15 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from specdec import telemetry
+from specdec.validation import draft_horizon, max_blocks_per_commit, reported_ms
 from verifier.budget import Acceptance, StepCost, allocate, worth_waiting
 
 # (start_position, tokens) of a preview
 PreviewCallback = Callable[[int, list[int]], None]
+
+# Proposals remembered per request until their verdict (normally 2: the step being verified
+# and the next one's, proposed before the first's verdict is read).
+MAX_PROPOSALS = 4
 
 
 @dataclass
@@ -66,6 +82,8 @@ class _Entry:
     ready: bool = False  # the drafter's prefill is done: its drafts can be waited for
     pace_ms: float = 0.0  # the drafter's wall-clock ms per draft token (see the module docstring)
     clock: float = 0.0  # monotonic time the drafter last had reason to draft (preview or block)
+    committed: int = 0  # the context length seen so far (see the module docstring)
+    offers: int = 0  # blocks offered since the latest preview
 
 
 class DraftBoard:
@@ -101,7 +119,8 @@ class DraftBoard:
         self, req_id: str, gamma: int, prompt_len: int, max_tokens: int, on_preview: PreviewCallback | None = None
     ) -> None:
         with self._cond:
-            self._entries[req_id] = _Entry(gamma, prompt_len, max_tokens, on_preview, drafting=gamma > 0)
+            self._entries[req_id] = _Entry(gamma, prompt_len, max_tokens, on_preview, drafting=gamma > 0,
+                                           committed=prompt_len)
 
     def unregister(self, req_id: str) -> None:
         with self._cond:
@@ -113,7 +132,7 @@ class DraftBoard:
             e = self._entries.get(req_id)
             if e is not None:
                 e.ready = True
-                e.pace_ms = e.pace_ms or max(0.0, pace_ms)
+                e.pace_ms = e.pace_ms or reported_ms(pace_ms)
             self._cond.notify_all()
 
     def end(self, req_id: str) -> None:
@@ -135,11 +154,21 @@ class DraftBoard:
         older drafts; one that starts later continues the chain when contiguous.
         `final`: the drafter drafts no further past this block until the next commit.
         `draft_ms`: the drafter's compute time for the block (feeds the wait decision).
+        The board's bounds (see the module docstring) drop or trim what cannot be useful.
         """
         with self._cond:
             e = self._entries.get(req_id)
             if e is None or e.gamma == 0:
                 return
+            e.offers += 1
+            if e.offers > max_blocks_per_commit(e.gamma):
+                return  # a flood: not even a wake-up for a waiting step
+            horizon = draft_horizon(e.gamma)
+            limit = min(e.committed + horizon, self.max_model_len)  # no draft is kept past here
+            if start > limit:
+                return  # far in the future: nothing a step could verify
+            tokens = tokens[: limit - start]
+            draft_ms = reported_ms(draft_ms)
             if tokens and draft_ms > 0:
                 per_token = draft_ms / len(tokens)
                 old = e.draft_ms_per_token
@@ -152,9 +181,13 @@ class DraftBoard:
                 e.clock = now
                 e.ready = True  # a block means the prefill is done, whatever the order of arrival
             e.final_end = start + len(tokens) if final else -1
+            if start < e.committed and (start + len(tokens) <= e.committed or start < e.committed - horizon):
+                self._cond.notify_all()  # stale (verified context by now) or no draft: the chain stays
+                return
             fresh = committed is None or start == committed
-            if not fresh and e.chain and start == e.chain_start + len(e.chain):
-                e.chain.extend(tokens)
+            if (not fresh and e.chain and start == e.chain_start + len(e.chain)
+                    and e.chain_start >= e.committed - horizon):
+                e.chain.extend(tokens)  # ends by `limit`: the chain stays within 2 x horizon
             elif tokens:
                 e.chain_start, e.chain = start, list(tokens)
             self._cond.notify_all()
@@ -167,9 +200,12 @@ class DraftBoard:
     def _peek(self, req_id: str, context: np.ndarray, k_max: int) -> list[int]:
         """The drafts usable after `context` [L]; drops the chain when it disagrees with the context."""
         e = self._entries.get(req_id)
-        if e is None or not e.chain:
+        if e is None:
             return []
         length = len(context)
+        e.committed = max(e.committed, length)
+        if not e.chain:
+            return []
         offset = length - e.chain_start
         if offset < 0 or offset > len(e.chain) or (
             offset and not np.array_equal(context[e.chain_start : length], e.chain[:offset])
@@ -211,6 +247,8 @@ class DraftBoard:
             e = self._entries.get(req_id)
             if e is not None:
                 e.clock = time.monotonic()  # the commit leaves now: the drafter drafts from here
+                e.committed = max(e.committed, start + len(tokens))
+                e.offers = 0
             callback = e.on_preview if e is not None and e.drafting else None
         if callback is not None:
             callback(start, tokens)
@@ -272,7 +310,10 @@ class DraftBoard:
             drafts = [d[:w] for d, w in zip(drafts, want)]
             for (rid, ctx), d in zip(rows, drafts):
                 if d:
-                    self._entries[rid].proposals[len(ctx)] = d
+                    proposals = self._entries[rid].proposals
+                    proposals[len(ctx)] = d
+                    while len(proposals) > MAX_PROPOSALS:
+                        del proposals[min(proposals)]
         self.waited_s += time.monotonic() - t0
         if withheld:
             self.metrics.withheld_draft_tokens.inc(withheld)

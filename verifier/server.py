@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from specdec import serving, telemetry
 from specdec.config import VerifierConfig
-from specdec.validation import InvalidField, check_gamma, check_sampling, check_token_ids
+from specdec.validation import InvalidField, bad_token_id, check_gamma, check_sampling, check_token_ids, reported_ms
 from specdec.wire import FINISH_REASONS, pb, rpc
 from verifier.engine import GenerationRequest, TargetEngine, Verdict
 
@@ -59,6 +59,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         self.metrics = telemetry.VerifierMetrics(registry)
         self.engine = TargetEngine(cfg, str(resolve(cfg.model)), self.metrics)
         self._ids: set[str] = set()
+        self.slots = serving.SessionSlots("verifier", cfg.max_sessions)
 
     def _request(self, req: "pb.VerifyOpen") -> GenerationRequest:
         if not req.request_id:
@@ -88,6 +89,12 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         )
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        async with self.slots.hold(context):
+            await self._verify(context)
+
+    async def _verify(self, context: grpc.aio.ServicerContext) -> None:
+        if self.engine.failed:  # the process is stopping: say why instead of hanging
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: {self.engine.failed}")
         opened, req = await serving.open_session(context, self._request)
         loop = asyncio.get_running_loop()
         verdicts: asyncio.Queue[Verdict | InvalidField] = asyncio.Queue()
@@ -98,11 +105,18 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                         "gen_ai.usage.input_tokens": len(req.prompt_token_ids)},
         )
         self.metrics.sessions.inc()
+        self.metrics.requests.inc()
         self._ids.add(req.request_id)
         self.engine.submit(req, lambda v: loop.call_soon_threadsafe(verdicts.put_nowait, v))
         vocab = self.engine.vocab_size
 
         async def read_blocks() -> None:
+            """Blocks onto the board. Defence in depth (the gateway checks the drafter's blocks
+            before relaying them): a block is trimmed to the session's gamma, and one with an id
+            outside the vocabulary is dropped and ends the drafts of this session, which goes on
+            as plain decoding: a bad draft never fails the request. Only a message that is not a
+            block, `ready` or `end` (a broken caller, not a drafter) ends the call."""
+            spoiled = False  # an invalid block came: no more drafts for this session
             try:
                 while True:
                     msg = await context.read()
@@ -113,13 +127,24 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                         self.engine.end_drafts(req.request_id)
                         continue
                     if kind == "ready":
-                        self.engine.drafter_ready(req.request_id, msg.ready.draft_ms_per_token)
+                        self.engine.drafter_ready(req.request_id, reported_ms(msg.ready.draft_ms_per_token))
                         continue
                     if kind != "block":
                         raise InvalidField("block", "only blocks, `ready` or `end` may follow `open`")
-                    check_token_ids("block.token_ids", msg.block.token_ids, vocab, allow_empty=True)
+                    if spoiled:
+                        continue
                     b = msg.block
-                    self.engine.offer(req.request_id, b.start_position, list(b.token_ids), b.final, b.committed_length, b.draft_ms)
+                    tokens = list(b.token_ids[: req.gamma])
+                    bad = bad_token_id(tokens, vocab)
+                    if bad:
+                        spoiled = True
+                        log.warning("request %s: invalid block dropped, drafts ended: block.token_ids: %s",
+                                    req.request_id, bad)
+                        span.add_event("invalid_block", {"specdec.reason": f"block.token_ids: {bad}"})
+                        self.engine.end_drafts(req.request_id)
+                        continue
+                    self.engine.offer(req.request_id, b.start_position, tokens, b.final, b.committed_length,
+                                      reported_ms(b.draft_ms))
             except InvalidField as err:
                 verdicts.put_nowait(err)
             except grpc.aio.AioRpcError:
@@ -166,6 +191,9 @@ class VerifierServicer(rpc.VerifierServiceServicer):
             max_model_len=self.cfg.max_model_len,
             max_gamma=self.cfg.max_gamma,
             eos_token_ids=self.engine.eos_token_ids,
+            max_sessions=self.cfg.max_sessions,
+            active_sessions=self.slots.active,
+            draining=self.slots.draining,
         )
 
 

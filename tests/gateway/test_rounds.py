@@ -17,7 +17,6 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.rounds import Plan, Round, Stats
-from gateway.server import _upstream
 from specdec import telemetry
 from specdec.wire import pb
 
@@ -156,27 +155,22 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
-def test_a_verifier_error_reaches_the_client_with_its_status() -> None:
-    class Context:
-        code = details = None
+def test_a_verifier_error_ends_the_round_with_its_status() -> None:
+    """The Round raises the verifier's error (the gateway then migrates on UNAVAILABLE, or ends
+    the call with the status: GatewayServicer._chunks) and releases both calls."""
 
-        async def abort(self, code, details):
-            self.code, self.details = code, details
-            raise asyncio.CancelledError  # what grpc's abort does: the handler ends here
-
-    async def scenario() -> Context:
+    async def scenario() -> grpc.aio.AioRpcError:
         verifier, drafter = FakeCall(), FakeCall()
         r = _round(verifier, drafter)
         verifier.responses.put_nowait(_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "engine full"))
-        context = Context()
-        with pytest.raises(asyncio.CancelledError):
-            async for _ in _upstream(r.verdicts(), context):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in r.verdicts():
                 pass
         assert verifier.cancelled and drafter.cancelled  # both calls are released
-        return context
+        return info.value
 
-    context = asyncio.run(scenario())
-    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED and context.details == "verifier: engine full"
+    err = asyncio.run(scenario())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details() == "engine full"
 
 
 def test_after_the_last_verdict_the_gateway_stops_writing_then_half_closes() -> None:
@@ -253,3 +247,193 @@ def test_fallback_is_reported() -> None:
     s.fallback_reason = "drafter UNAVAILABLE: connection refused"
     p = s.to_pb()
     assert p.drafter_fallback and "UNAVAILABLE" in p.fallback_reason
+
+
+# ---- a drafter is untrusted: the relay drops or trims bad blocks, and falls back on repeat ----
+
+VOCAB = 100
+GAMMA = 2
+
+
+class VerifierStub(Stub):
+    """The verifier's stub, with GetVerifierInfo (the round asks it for the vocabulary once)."""
+
+    def __init__(self, call: FakeCall, vocab: int = VOCAB) -> None:
+        super().__init__(call, "Verify")
+        self.asked = 0
+        self.vocab = vocab
+
+    async def GetVerifierInfo(self, request, timeout=None):  # noqa: N802
+        self.asked += 1
+        return pb.GetVerifierInfoResponse(vocab_size=self.vocab)
+
+
+def _hostile_round(verifier: FakeCall, drafter: FakeCall, max_tokens: int = 20, **kw) -> Round:
+    plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=max_tokens), gamma=GAMMA,
+                drafter=pb.DRAFT_METHOD_MODEL)
+    metrics = telemetry.GatewayMetrics(CollectorRegistry())
+    return Round(plan, VerifierStub(verifier), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(), metrics, **kw)
+
+
+def _block(start: int, tokens: list[int], committed: int = 4, **kw) -> "pb.DraftResponse":
+    block = pb.DraftBlock(start_position=start, token_ids=tokens, committed_length=committed, **kw)
+    return pb.DraftResponse(block=block)
+
+
+def _relayed(verifier: FakeCall) -> list["pb.DraftBlock"]:
+    return [m.block for m in verifier.written if m.WhichOneof("kind") == "block"]
+
+
+async def _until_relayed(verifier: FakeCall, n: int) -> None:
+    while len(_relayed(verifier)) < n:
+        verifier.wrote.clear()
+        await verifier.wrote.wait()
+
+
+async def _hostile(responses: list, sentinel: bool = True, **kw) -> tuple[Round, FakeCall, FakeCall, list]:
+    """One round: the target's first token (a commit up to 4), the drafter's `responses`, then
+    (sentinel) a valid block, which tells that every response before it was handled, or (no
+    sentinel) the fallback's `end`; then the target finishes. Returns the round, both fakes and
+    the verdicts."""
+    verifier, drafter = FakeCall(), FakeCall()
+    r = _hostile_round(verifier, drafter, **kw)
+    run = asyncio.create_task(_collect(r))
+    verifier.responses.put_nowait(_verdict(3, [10]))
+    await drafter.written_kind("commit")
+    for resp in responses:
+        drafter.responses.put_nowait(resp)
+    if sentinel:
+        drafter.responses.put_nowait(_block(4, [32, 33]))
+        while not any(b.token_ids == [32, 33] for b in _relayed(verifier)):
+            verifier.wrote.clear()
+            await verifier.wrote.wait()
+    else:  # the drafter keeps misbehaving: wait for the fallback
+        await verifier.written_kind("end")
+    verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True))
+    return r, verifier, drafter, await run
+
+
+BAD_BLOCKS = {
+    "id past the vocabulary": (_block(4, [1, VOCAB]), "token id 100 at index 1 is outside the vocabulary [0, 100)"),
+    "negative id": (_block(4, [-5]), "token id -5 at index 0"),
+    "id 10**9": (_block(4, [10**9, 1]), "token id 1000000000"),
+    "start far in the future": (_block(2**31, [1, 2]), "block.start_position: 2147483648 is more than"),
+    "start inside the prompt": (_block(0, [1, 2], committed=0), "lies inside the prompt"),
+    "drafted from a context never committed": (_block(40, [1], committed=40), "block.committed_length: 40 is past"),
+    "start before its own context": (_block(3, [1], committed=4), "is before the context it was drafted from"),
+    "neither block nor ready": (pb.DraftResponse(), "neither a block nor `ready`"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BLOCKS))
+def test_a_bad_block_is_dropped_and_counted_and_the_round_goes_on(case: str) -> None:
+    bad, what = BAD_BLOCKS[case]
+    r, verifier, _, verdicts = asyncio.run(_hostile([bad]))
+    assert [list(b.token_ids) for b in _relayed(verifier)] == [[32, 33]]  # only the sentinel reached the verifier
+    assert r.stats.invalid_blocks == 1 and not r.stats.fallback_reason  # one is tolerated
+    assert r.stats.blocks == 1 and r.stats.block_tokens == 2
+    assert [list(v.token_ids) for v in verdicts] == [[10], [11, 12]]
+    assert not any(m.WhichOneof("kind") == "end" for m in verifier.written)
+    assert what  # (the fallback test below checks the reason names it)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BLOCKS))
+def test_a_drafter_that_keeps_misbehaving_is_a_failed_drafter(case: str) -> None:
+    bad, what = BAD_BLOCKS[case]
+    r, verifier, drafter, verdicts = asyncio.run(_hostile([bad] * 1000, sentinel=False))
+    assert r.stats.fallback_reason.startswith("drafter sent 3 invalid replies; the last: ")
+    assert what in r.stats.fallback_reason, r.stats.fallback_reason
+    assert r.stats.invalid_blocks == 3  # the relay stopped reading at the fallback
+    assert _relayed(verifier) == []
+    assert verifier.written[-1].WhichOneof("kind") == "end" and what in verifier.written[-1].end.reason
+    assert drafter.cancelled
+    assert [list(v.token_ids) for v in verdicts] == [[10], [11, 12]]  # the generation went on
+    assert r.stats.to_pb().drafter_fallback
+    assert r.metrics.registry.get_sample_value("specdec:drafter_fallbacks_total") == 1
+
+
+def test_a_block_longer_than_gamma_is_trimmed_to_gamma() -> None:
+    r, verifier, _, _ = asyncio.run(_hostile([_block(4, list(range(1, 50)) * 2000, draft_ms=3.0, final=True)]))
+    first = _relayed(verifier)[0]
+    assert list(first.token_ids) == [1, 2] and first.start_position == 4 and first.final and first.draft_ms == 3.0
+    assert r.stats.invalid_blocks == 1 and r.stats.block_tokens == 2 + 2
+
+
+def test_valid_blocks_pass_unchanged_and_stale_ones_are_not_violations() -> None:
+    good = [
+        _block(4, [1, 2], sequence=1, draft_ms=1.5),
+        _block(6, [3], committed=4, final=True),  # a continuation
+        _block(4, [], committed=4),  # nothing for position 4
+        _block(3, [9, 9], committed=3),  # stale: drafted from an older context (the target moved on)
+    ]
+    r, verifier, _, _ = asyncio.run(_hostile(good))
+    assert [b for b in _relayed(verifier)][:4] == [g.block for g in good]
+    assert r.stats.invalid_blocks == 0 and not r.stats.fallback_reason
+
+
+def test_garbage_times_are_zeroed_and_a_second_ready_is_dropped() -> None:
+    nan = float("nan")
+    responses = [
+        pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=nan, draft_ms_per_token=float("inf"))),
+        pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=1.0)),
+        _block(4, [1, 2], draft_ms=-7.0),
+    ]
+    r, verifier, _, _ = asyncio.run(_hostile(responses))
+    readies = [m.ready for m in verifier.written if m.WhichOneof("kind") == "ready"]
+    assert len(readies) == 1 and readies[0].prefill_ms == 0.0 and readies[0].draft_ms_per_token == 0.0
+    assert _relayed(verifier)[0].draft_ms == 0.0 and r.stats.draft_ms == 0.0
+    assert r.stats.invalid_blocks == 1  # the second ready
+
+
+def test_a_flood_is_cut_at_the_cap_then_falls_back() -> None:
+    from specdec.validation import max_blocks_per_commit
+
+    cap = max_blocks_per_commit(GAMMA)
+    r, verifier, drafter, verdicts = asyncio.run(_hostile([_block(4, [1, 2])] * 5000, sentinel=False))
+    assert len(_relayed(verifier)) == cap  # valid blocks, but no more than a drafter ever sends per commit
+    assert f"more than {cap} blocks since the latest commit" in r.stats.fallback_reason
+    assert drafter.cancelled and [list(v.token_ids) for v in verdicts] == [[10], [11, 12]]
+
+
+def test_a_commit_renews_the_block_allowance() -> None:
+    from specdec.validation import max_blocks_per_commit
+
+    cap = max_blocks_per_commit(GAMMA)
+
+    async def scenario() -> tuple[Round, FakeCall]:
+        verifier, drafter = FakeCall(), FakeCall()
+        r = _hostile_round(verifier, drafter)
+        run = asyncio.create_task(_collect(r))
+        verifier.responses.put_nowait(_verdict(3, [10]))
+        await drafter.written_kind("commit")
+        for _ in range(cap):
+            drafter.responses.put_nowait(_block(4, [1, 2]))
+        await _until_relayed(verifier, cap)
+        verifier.responses.put_nowait(_verdict(4, [11]))  # the next commit
+        while sum(m.WhichOneof("kind") == "commit" for m in drafter.written) < 2:
+            drafter.wrote.clear()
+            await drafter.wrote.wait()
+        for _ in range(cap):
+            drafter.responses.put_nowait(_block(5, [1, 2], committed=5))
+        await _until_relayed(verifier, 2 * cap)
+        verifier.responses.put_nowait(_verdict(5, [12], finish=True))
+        await run
+        return r, verifier
+
+    r, verifier = asyncio.run(scenario())
+    assert len(_relayed(verifier)) == 2 * cap and r.stats.invalid_blocks == 0 and not r.stats.fallback_reason
+
+
+def test_the_vocabulary_is_asked_once_per_verifier_stub_or_given() -> None:
+    async def scenario() -> tuple[int, int]:
+        stub = VerifierStub(FakeCall(), vocab=7)
+        from gateway.rounds import verifier_vocab_size
+
+        sizes = [await verifier_vocab_size(stub) for _ in range(3)]
+        return sizes, stub.asked
+
+    sizes, asked = asyncio.run(scenario())
+    assert sizes == [7, 7, 7] and asked == 1
+    r, verifier, _, _ = asyncio.run(_hostile([_block(4, [50])], vocab_size=40))  # given: not asked
+    assert r.vocab_size == 40 and r.stats.invalid_blocks == 1
+    assert r.verifier_stub.asked == 0

@@ -31,3 +31,45 @@ def test_logprobs_follow_the_tokens_kept() -> None:
     positions = [{1: Logprob(-0.5, 1)}, {2: Logprob(-0.7, 1)}]
     assert [o.token_id for o in _logprobs(positions, [1], 0)] == [1]
     assert _logprobs(positions, [1, 2], 0)[1].top_token_ids == []
+
+
+def _bare_engine():
+    """A TargetEngine without vLLM or its thread: the session-facing calls and the draft board."""
+    import queue
+    import threading
+
+    from verifier.engine import TargetEngine
+    from verifier.proposer import DraftBoard
+
+    eng = object.__new__(TargetEngine)
+    eng.board = DraftBoard()
+    eng._live, eng._early, eng._early_lock = {}, {}, threading.Lock()
+    eng._commands, eng._wake = queue.SimpleQueue(), threading.Event()
+    return eng
+
+
+def test_drafts_ready_and_end_before_the_request_is_added_are_kept_bounded_and_applied() -> None:
+    """A session's `end` (say its drafter failed at once) can come before the engine thread has
+    added the request: it must not be lost, or every step would wait for drafts that never come."""
+    from specdec.validation import max_blocks_per_commit
+    from verifier.engine import GenerationRequest, _Live
+
+    eng = _bare_engine()
+    req = GenerationRequest("a", [1, 2, 3], 0.0, 1.0, -1, None, 10, False, gamma=2)
+    eng.submit(req, lambda v: None)
+    eng.drafter_ready("a", 5.0)
+    eng.offer("a", 3, [7, 8], True, 3)
+    for _ in range(1000):  # a flood before the add: kept up to the board's own per-step cap
+        eng.offer("a", 3, [1, 1], True, 3)
+    eng.end_drafts("a")
+    assert len(eng._early["a"].calls) == max_blocks_per_commit(2) and eng._early["a"].ended
+    eng.offer("unknown", 3, [1], True, 3)  # no such session: nothing kept
+    assert set(eng._early) == {"a"}
+    # the engine thread adds it (as _apply_commands does)
+    eng.board.register("a-engine", req.gamma, len(req.prompt_token_ids), req.max_tokens)
+    eng._apply_early(req, _Live(req, lambda v: None, engine_id="a-engine"))
+    e = eng.board._entries["a-engine"]
+    assert e.ready and not e.drafting and e.chain == [1, 1]
+    assert eng._early == {} and eng._live["a"].engine_id == "a-engine"
+    eng.offer("a", 5, [4, 4], True, 5)  # now straight to the board
+    assert e.chain == [4, 4]
