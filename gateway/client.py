@@ -107,7 +107,7 @@ def vllm_spec_metrics(stats: "pb.SpeculationStats") -> dict[str, Any]:
 
 
 def _channel_options() -> list[tuple[str, Any]]:
-    return [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+    return [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.http2.ping_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 

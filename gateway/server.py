@@ -16,7 +16,8 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from gateway.rounds import Plan, Round
+from gateway.pool import NoReplica, Pool
+from gateway.rounds import Plan, Round, Stats
 from gateway.text import TextStream
 from specdec import security, serving, telemetry
 from specdec.config import GatewayConfig
@@ -29,6 +30,8 @@ log = logging.getLogger("specdec.gateway")
 VERIFIER_INFO_TIMEOUT_S = 30.0
 # After a certificate rotation, how long calls on the old channels may take to finish.
 CHANNEL_DRAIN_S = 3600.0
+# The most times one generation moves to another verifier.
+MAX_MIGRATIONS = 3
 
 
 @dataclass
@@ -69,20 +72,24 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self.limits = security.RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, cfg.max_streams_per_key)
         self.slots = serving.SessionSlots("gateway", cfg.max_inflight, "max_inflight")
         self._client_files = security.CertFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
-        self._channels: list[grpc.aio.Channel] = []
+        self._pools: list[Pool] = []
         self._connect()
         self._target: TargetInfo | None = None
 
     def _connect(self) -> None:
-        """(Re)make the channels to the verifier and the drafter (TLS when tls_ca is set). A
-        certificate rotation makes new ones for new requests; calls on the old ones finish."""
+        """(Re)make the replica pools of verifiers and drafters (gateway.pool; TLS when tls_ca is
+        set). A certificate rotation makes new ones for new requests; calls on the old ones finish."""
         self._client_files.read()
-        old, self._channels = self._channels, [security.client_channel(self.cfg.verifier_address, self.cfg),
-                                               security.client_channel(self.cfg.drafter_address, self.cfg)]
-        self.verifier = rpc.VerifierServiceStub(self._channels[0])
-        self.drafter = rpc.DrafterServiceStub(self._channels[1])
-        for channel in old:
-            asyncio.get_running_loop().create_task(channel.close(grace=CHANNEL_DRAIN_S))
+
+        def connect(address: str, server_name: str) -> grpc.aio.Channel:
+            return security.client_channel(address, self.cfg, server_name)
+
+        old = self._pools
+        self.verifiers = Pool(self.cfg.verifier_address, connect, rpc.VerifierServiceStub, "specdec.v1.VerifierService")
+        self.drafters = Pool(self.cfg.drafter_address, connect, rpc.DrafterServiceStub, "specdec.v1.DrafterService")
+        self._pools = [self.verifiers, self.drafters]
+        for pool in old:
+            asyncio.get_running_loop().create_task(pool.close(grace_s=CHANNEL_DRAIN_S))
 
     @contextlib.asynccontextmanager
     async def admitted(self, context: grpc.aio.ServicerContext) -> AsyncIterator[str]:
@@ -108,7 +115,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
     async def target_info(self) -> TargetInfo:
         """The verifier's limits, asked once (waits for the verifier to come up)."""
         if self._target is None:
-            info = await self.verifier.GetVerifierInfo(
+            replica = await self.verifiers.pick(VERIFIER_INFO_TIMEOUT_S)
+            info = await replica.stub.GetVerifierInfo(
                 pb.GetVerifierInfoRequest(), wait_for_ready=True, timeout=VERIFIER_INFO_TIMEOUT_S
             )
             self._target = TargetInfo(info.vocab_size, info.max_model_len, info.max_gamma)
@@ -146,10 +154,30 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         check_sampling("spec.sampling", sampling, len(prompt), target.max_model_len, target.vocab_size)
         return Plan(spec.request_id or uuid.uuid4().hex, prompt, sampling, gamma, drafter)
 
-    def _round(self, plan: Plan, context: grpc.aio.ServicerContext) -> Round:
+    async def _round(self, plan: Plan, context: grpc.aio.ServicerContext, stats: Stats | None = None) -> Round:
+        """A Round on the least-loaded serving verifier and drafter (gateway.pool); with no
+        verifier serving within verifier_retry_s the call ends with UNAVAILABLE."""
         parent = telemetry.extract_context(context.invocation_metadata())  # a caller's trace, if any
-        return Round(plan, self.verifier, self.drafter, self.cfg.drafter_timeout_s, self.spikes,
-                     self.metrics, model=self.cfg.tokenizer, parent=parent)
+        try:
+            verifier = await self.verifiers.pick(self.cfg.verifier_retry_s)
+        except NoReplica as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: {err}")
+            raise  # unreachable: abort raises
+        drafter = self.drafters.choose() or next(iter(self.drafters.replicas.values()))  # none serving: it fails, fallback
+        vocab = self._target.vocab_size if self._target is not None else None
+        round_ = Round(plan, verifier.stub, drafter.stub, self.cfg.drafter_timeout_s, self.spikes,
+                       self.metrics, model=self.cfg.tokenizer, parent=parent, vocab_size=vocab, stats=stats)
+        round_.replicas = (verifier, drafter)  # type: ignore[attr-defined]
+        return round_
+
+    def _resumed(self, plan: Plan, streamed: list[int], migration: int) -> Plan:
+        """The plan that resumes `plan` after `streamed` tokens reached the client: the prompt
+        and those tokens as the new prompt, the budgets (max_tokens, min_tokens) what is left."""
+        sampling = pb.SamplingParams()
+        sampling.CopyFrom(plan.sampling)
+        sampling.max_tokens = plan.sampling.max_tokens - len(streamed)
+        sampling.min_tokens = max(0, plan.sampling.min_tokens - len(streamed))
+        return Plan(f"{plan.request_id}-m{migration}", plan.prompt_token_ids + streamed, sampling, plan.gamma, plan.drafter)
 
     async def _chunks(self, round_: Round, context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
         """The round's tokens as text chunks, as early as they are certain; ends at the finish
@@ -157,40 +185,73 @@ class GatewayServicer(rpc.GatewayServiceServicer):
 
         A preview's tokens are streamed at once; its verdict then adds only what the preview
         did not carry (with the step's drafted/accepted counts). A request that asks for
-        logprobs gets its tokens with the verdicts, which carry them. A verifier error ends the
-        call with the verifier's status code ("verifier: ...").
+        logprobs gets its tokens with the verdicts, which carry them.
+
+        Migration: when the verifier goes away mid-generation (UNAVAILABLE: it died, hung past
+        its keepalive, or is draining), the generation resumes on a serving verifier (another
+        replica, or the same one once it serves again, within verifier_retry_s) from the prompt
+        plus the tokens already streamed: the client's stream goes on with no gap and no
+        duplicate (stats.migrations counts it). Any other verifier error ends the call with its
+        status code ("verifier: ...").
         """
-        sampling = round_.plan.sampling
+        plan = round_.plan
+        sampling = plan.sampling
         text = TextStream(self.tokenizer, list(sampling.stop), include_stop=sampling.include_stop_str_in_output,
                           skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True)
         with_logprobs = sampling.HasField("logprobs")
         finish = pb.FINISH_REASON_ABORT
-        sent = len(round_.plan.prompt_token_ids)  # position up to which tokens reached the client
+        streamed: list[int] = []  # tokens that reached the client
         self.metrics.requests_running.inc()
-        self.metrics.prompt_tokens.inc(len(round_.plan.prompt_token_ids))
+        self.metrics.prompt_tokens.inc(len(plan.prompt_token_ids))
         try:
-            async for v in _upstream(round_.verdicts(), context):
-                if v.preview and with_logprobs:
-                    continue  # the verdict brings these tokens with their logprobs
-                skip = max(0, sent - v.start_position)
-                new = list(v.token_ids[skip:])
-                sent = max(sent, v.start_position + len(v.token_ids))
-                if v.preview:
-                    if new:
-                        delta = text.add(new, final=False)
-                        yield Chunk(delta, new, 0, 0, pb.FINISH_REASON_STOP if text.stopped else pb.FINISH_REASON_UNSPECIFIED)
+            while True:
+                sent = len(round_.plan.prompt_token_ids)  # position up to which tokens reached the client
+                verifier, drafter = round_.replicas  # type: ignore[attr-defined]
+                verifier.in_flight += 1
+                drafter.in_flight += 1
+                try:
+                    async for v in round_.verdicts():
+                        if v.preview and with_logprobs:
+                            continue  # the verdict brings these tokens with their logprobs
+                        skip = max(0, sent - v.start_position)
+                        new = list(v.token_ids[skip:])
+                        sent = max(sent, v.start_position + len(v.token_ids))
+                        if v.preview:
+                            if new:
+                                delta = text.add(new, final=False)
+                                new = new[: text.kept]  # a stop sequence: the tokens up to the one completing it
+                                streamed += new
+                                yield Chunk(delta, new, 0, 0,
+                                            pb.FINISH_REASON_STOP if text.stopped else pb.FINISH_REASON_UNSPECIFIED)
+                                if text.stopped:
+                                    finish = pb.FINISH_REASON_STOP
+                                    return
+                            continue
+                        finish = v.finish_reason
+                        delta = text.add(new, final=finish != pb.FINISH_REASON_UNSPECIFIED, stop_token=v.stop_token)
                         if text.stopped:
                             finish = pb.FINISH_REASON_STOP
-                            return
-                    continue
-                finish = v.finish_reason
-                delta = text.add(new, final=finish != pb.FINISH_REASON_UNSPECIFIED, stop_token=v.stop_token)
-                if text.stopped:
-                    finish = pb.FINISH_REASON_STOP
-                if new or v.drafted or finish != pb.FINISH_REASON_UNSPECIFIED:
-                    yield Chunk(delta, new, v.drafted, v.accepted, finish, list(v.logprobs[skip:]))
-                if text.stopped:
-                    return  # leaving the loop cancels the verifier's request
+                        if new or v.drafted or finish != pb.FINISH_REASON_UNSPECIFIED:
+                            kept = text.kept
+                            streamed += new[:kept]
+                            yield Chunk(delta, new[:kept], v.drafted, v.accepted, finish,
+                                        list(v.logprobs[skip:skip + kept]))
+                        if text.stopped:
+                            return  # leaving the loop cancels the verifier's request
+                    return
+                except grpc.aio.AioRpcError as err:
+                    migrations = round_.stats.migrations
+                    if err.code() != grpc.StatusCode.UNAVAILABLE or migrations >= MAX_MIGRATIONS:
+                        await context.abort(err.code(), f"verifier: {err.details()}")
+                    self.verifiers.failed(verifier)
+                    log.warning("request %s: verifier %s went away (%s) after %d tokens; resuming elsewhere",
+                                plan.request_id, verifier.address, err.details(), len(streamed))
+                    self.metrics.migrations.inc()
+                    round_ = await self._round(self._resumed(plan, streamed, migrations + 1), context, round_.stats)
+                    round_.stats.migrations = migrations + 1
+                finally:
+                    verifier.in_flight -= 1
+                    drafter.in_flight -= 1
         finally:
             self.metrics.requests_running.dec()
             self.metrics.requests.labels(finish_reason_name(finish) or "unspecified").inc()
@@ -218,7 +279,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         plan = await self._checked_plan(request.spec, context)
         t0 = time.perf_counter()
         first_ms = 0.0
-        round_ = self._round(plan, context)
+        round_ = await self._round(plan, context)
         text, ids, logprobs, finish = [], [], [], pb.FINISH_REASON_UNSPECIFIED
         async for chunk in self._chunks(round_, context):
             if not first_ms:
@@ -241,7 +302,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
 
     async def _generate_stream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:
         plan = await self._checked_plan(request.spec, context)
-        round_ = self._round(plan, context)
+        round_ = await self._round(plan, context)
         n = 0
         async for chunk in self._chunks(round_, context):
             n += len(chunk.token_ids)
@@ -259,16 +320,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             )
 
     async def close(self) -> None:
-        await asyncio.gather(*(channel.close() for channel in self._channels))
-
-
-async def _upstream(verdicts: AsyncIterator["pb.VerifyResponse"], context: grpc.aio.ServicerContext):
-    """Pass verdicts through; turn a verifier error into this call's status."""
-    try:
-        async for v in verdicts:
-            yield v
-    except grpc.aio.AioRpcError as err:
-        await context.abort(err.code(), f"verifier: {err.details()}")
+        await asyncio.gather(*(pool.close() for pool in self._pools))
 
 
 async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: asyncio.Event, local: str) -> None:

@@ -225,10 +225,13 @@ class GatewayConfig(TransportConfig):
 
     host: str = setting(DEFAULT_HOST, "Bind address.", metavar="ADDR")
     port: int = setting(DEFAULT_GATEWAY_PORT, "gRPC port.")
-    drafter_address: str = setting(f"{DEFAULT_HOST}:{DEFAULT_DRAFTER_PORT}", "host:port of the drafter.",
-                                   metavar="HOST:PORT")
-    verifier_address: str = setting(f"{DEFAULT_HOST}:{DEFAULT_VERIFIER_PORT}", "host:port of the verifier.",
-                                    metavar="HOST:PORT")
+    drafter_address: str = setting(
+        f"{DEFAULT_HOST}:{DEFAULT_DRAFTER_PORT}", "host:port of the drafter; a comma-separated list of replicas, or "
+        "dns:///NAME:PORT for every address NAME resolves to (a headless Service). Each request goes to the "
+        "least-loaded one that serves (gateway.pool).", metavar="ADDRS")
+    verifier_address: str = setting(
+        f"{DEFAULT_HOST}:{DEFAULT_VERIFIER_PORT}", "host:port of the verifier; a list or dns:///NAME:PORT, as for "
+        "drafter_address. A generation whose verifier goes away resumes on another.", metavar="ADDRS")
     tokenizer: str = setting(
         "qwen-coder/target", "Tokenizer used for text prompts and detokenisation (the target's): registry name "
         "or folder.", metavar="REF")
@@ -248,6 +251,9 @@ class GatewayConfig(TransportConfig):
         8000,
         "OpenAI-compatible REST bridge (/v1/completions, /v1/chat/completions, /v1/models, /health, "
         "/metrics) port (0: off).")
+    verifier_retry_s: float = setting(
+        4.0, "How long a request waits for a verifier that serves (a new request, or one resuming after its "
+        "verifier went away) before it ends with UNAVAILABLE.")
     max_inflight: int = setting(
         256, "Most generations in flight at this gateway; one more is refused at once with RESOURCE_EXHAUSTED "
         "(REST: 429 with Retry-After), never queued without bound.")

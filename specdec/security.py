@@ -162,6 +162,9 @@ def grpc_options(cfg: Any, server: bool) -> list[tuple[str, Any]]:
         ("grpc.max_send_message_length", size),
         ("grpc.keepalive_time_ms", ping_ms),
         ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+        # gRPC >= 1.6x times a ping's answer with this one (keepalive_timeout_ms alone no longer
+        # ends a connection whose peer is alive but silent, e.g. SIGSTOPped)
+        ("grpc.http2.ping_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
@@ -189,10 +192,14 @@ def add_port(server: grpc.aio.Server, name: str, address: str, cfg: Any) -> int:
     return bound
 
 
-def client_channel(address: str, cfg: Any) -> grpc.aio.Channel:
+def client_channel(address: str, cfg: Any, server_name: str = "") -> grpc.aio.Channel:
     """An asyncio channel from one service to another (the gateway to its drafter and verifier):
-    TLS when the service has a CA (its own certificate as the client's, for mTLS)."""
+    TLS when the service has a CA (its own certificate as the client's, for mTLS).
+    `server_name`: the name the server's certificate must carry when `address` is an IP that
+    name resolved to (a pod behind a headless Service)."""
     opts = grpc_options(cfg, server=False)
+    if server_name:
+        opts.append(("grpc.ssl_target_name_override", server_name))
     if cfg.tls_ca:
         return grpc.aio.secure_channel(address, channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key), options=opts)
     return grpc.aio.insecure_channel(address, options=opts)

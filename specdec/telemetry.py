@@ -220,6 +220,7 @@ class GatewayMetrics:
         specdec:requests_total{finish_reason}, specdec:requests_running (queue depth)
         specdec:latency_spikes_total{stage}, specdec:drafter_fallbacks_total
         specdec:gateway_refused_total{reason}             unauthenticated, rate_limited
+        specdec:gateway_migrations_total                  generations resumed on another verifier
 
     PromQL:
         Acceptance rate over 5 minutes:
@@ -274,6 +275,10 @@ class GatewayMetrics:
         self.spikes = Counter(
             "specdec:latency_spikes", "Rounds with a latency spike, by stage", ["stage"], registry=registry
         )
+        self.migrations = Counter(
+            "specdec:gateway_migrations", "Generations moved to another verifier mid-way (theirs went away)",
+            registry=registry,
+        )
         # by reason only: API keys (or their ids) are never metric labels
         self.refused = Counter(
             "specdec:gateway_refused", "Calls refused before any work, by reason (unauthenticated, rate_limited)",
@@ -315,6 +320,7 @@ class VerifierMetrics:
 
     Families:
         specdec:verifier_sessions                       open verify sessions (requests in the engine)
+        specdec:verifier_requests_total                 verify sessions opened
         specdec:verifier_engine_steps_total             engine steps
         specdec:verifier_step_seconds                   histogram: engine step wall time
         specdec:verifier_batch_size                     histogram: requests per engine step
@@ -339,6 +345,7 @@ class VerifierMetrics:
         self.sessions = Gauge(
             "specdec:verifier_sessions", "Open verify sessions (requests in the engine)", registry=registry
         )
+        self.requests = Counter("specdec:verifier_requests", "Verify sessions opened", registry=registry)
         self.engine_steps = Counter("specdec:verifier_engine_steps", "Engine steps", registry=registry)
         self.step_seconds = Histogram(
             "specdec:verifier_step_seconds", "Engine step wall time",

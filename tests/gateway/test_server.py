@@ -14,6 +14,12 @@ from specdec import telemetry
 from specdec.wire import pb
 
 
+def fake_round(plan: Plan, verdicts, stats=None) -> SimpleNamespace:
+    replicas = (SimpleNamespace(in_flight=0, address="verifier-a"), SimpleNamespace(in_flight=0, address="drafter"))
+    return SimpleNamespace(plan=plan, verdicts=verdicts, replicas=replicas,
+                           stats=stats or SimpleNamespace(migrations=0))
+
+
 def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list:
     servicer = GatewayServicer.__new__(GatewayServicer)  # no channels: only _chunks is exercised
     servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
@@ -24,7 +30,7 @@ def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list
             yield m
 
     plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=5, stop=stop or []), 4, pb.DRAFT_METHOD_MODEL)
-    round_ = SimpleNamespace(plan=plan, verdicts=verdicts)
+    round_ = fake_round(plan, verdicts)
 
     async def run() -> list:
         return [c async for c in servicer._chunks(round_, None)]
@@ -56,3 +62,45 @@ def test_a_verdict_with_nothing_new_still_reports_its_counts(tiny_target) -> Non
     ])
     assert [(c.token_ids, c.drafted) for c in chunks] == [([10, 11], 0), ([], 4), ([12], 0), ([], 0)]
     assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_a_verifier_that_goes_away_is_resumed_elsewhere_without_gap_or_duplicate(tiny_target) -> None:
+    """UNAVAILABLE mid-generation: the next round starts from the prompt plus what the client
+    got (preview tokens included), with the budgets that are left."""
+    import grpc
+
+    servicer = GatewayServicer.__new__(GatewayServicer)
+    servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    servicer.metrics = telemetry.GatewayMetrics(CollectorRegistry())
+    failed = []
+    servicer.verifiers = SimpleNamespace(failed=failed.append)
+    plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=6, min_tokens=4), 4, pb.DRAFT_METHOD_MODEL)
+
+    async def first():
+        yield pb.VerifyResponse(start_position=3, token_ids=[10])
+        yield pb.VerifyResponse(start_position=4, token_ids=[11, 12], preview=True)  # streamed, verdict lost
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   details="Socket closed")
+
+    async def second():
+        yield pb.VerifyResponse(start_position=6, token_ids=[13])
+        yield pb.VerifyResponse(start_position=7, token_ids=[14, 15], finish_reason=pb.FINISH_REASON_LENGTH)
+
+    resumed = []
+
+    async def next_round(p, context, stats):
+        resumed.append(p)
+        return fake_round(p, second, stats)
+
+    servicer._round = next_round
+    round_ = fake_round(plan, first)
+
+    async def run() -> list:
+        return [c async for c in servicer._chunks(round_, None)]
+
+    chunks = asyncio.run(run())
+    assert [t for c in chunks for t in c.token_ids] == [10, 11, 12, 13, 14, 15]  # no gap, no duplicate
+    (p,) = resumed
+    assert p.prompt_token_ids == [1, 2, 3, 10, 11, 12] and p.request_id == "r-m1"
+    assert (p.sampling.max_tokens, p.sampling.min_tokens) == (3, 1)
+    assert round_.stats.migrations == 1 and [r.address for r in failed] == ["verifier-a"]

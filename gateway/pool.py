@@ -1,0 +1,179 @@
+"""Replicas of a service behind one gateway: which verifier (or drafter) a request goes to.
+
+    --verifier-address 10.0.0.1:50053,10.0.0.2:50053      a list of replicas
+    --verifier-address dns:///verifier-headless:50053     every address a name resolves to (a
+                                                          Kubernetes headless Service: one per pod),
+                                                          resolved again every `resolve_every_s`
+
+Terms:
+    in flight   requests this gateway has on a replica now (its own count: no extra RPC)
+    healthy     its gRPC health check answers SERVING (checked every `health_every_s`); a replica
+                whose call failed as if it were gone counts as unhealthy until its health check
+                answers SERVING again
+    pick        the power of two choices: two healthy replicas at random, the one with fewer
+                requests in flight (ties: either); a draining replica (NOT_SERVING) or one that
+                failed is skipped until it recovers; with none healthy, `pick` waits for one
+                up to its timeout (then raises NoReplica)
+
+Kubernetes does the scaling (replicas, HPA); this only spreads requests over what exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger("specdec.gateway")
+
+
+class NoReplica(Exception):
+    """No healthy replica within the wait."""
+
+
+@dataclass
+class Replica:
+    """One address of the pool, its channel and what the gateway knows of it."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: Any
+    in_flight: int = 0
+    serving: bool = True  # its health check's last answer (optimistic until the first check)
+
+
+def split_addresses(spec: str) -> list[str]:
+    """`a:1,b:2` -> ["a:1", "b:2"]; a `dns:///name:port` entry stays one entry."""
+    return [a.strip() for a in spec.split(",") if a.strip()]
+
+
+@dataclass
+class Pool:
+    """The replicas of one service. `connect(address, server_name)` makes a channel (TLS or not,
+    with `server_name` the name the certificate must carry when the address is a resolved IP);
+    `make_stub(channel)` the service's stub."""
+
+    spec: str
+    connect: Callable[[str, str], grpc.aio.Channel]
+    make_stub: Callable[[grpc.aio.Channel], Any]
+    service: str = ""  # the health-check service name ("" checks the server as a whole)
+    health_every_s: float = 1.0
+    resolve_every_s: float = 10.0
+    rng: random.Random = field(default_factory=random.Random)
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    _names: list[tuple[str, int]] = field(default_factory=list)  # dns:/// entries (host, port)
+    _task: asyncio.Task | None = None
+    _changed: asyncio.Event | None = None
+
+    def __post_init__(self) -> None:
+        for entry in split_addresses(self.spec):
+            if entry.startswith("dns:///"):
+                host, _, port = entry[len("dns:///"):].rpartition(":")
+                self._names.append((host, int(port)))
+            else:
+                self._add(entry, "")
+        if not self.replicas and not self._names:
+            raise ValueError(f"no address in {self.spec!r}")
+
+    def _add(self, address: str, server_name: str) -> None:
+        channel = self.connect(address, server_name)
+        self.replicas[address] = Replica(address, channel, self.make_stub(channel))
+
+    async def _resolve(self) -> None:
+        loop = asyncio.get_running_loop()
+        for host, port in self._names:
+            try:
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as err:
+                log.warning("cannot resolve %s: %s", host, err)
+                continue
+            found = {f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos}
+            for address in found - set(self.replicas):
+                self._add(address, host)
+                log.info("replica %s (%s) added", address, host)
+            for address in set(self.replicas) - found:
+                if self.replicas[address].in_flight == 0:  # a pod that is gone: drop it once idle
+                    gone = self.replicas.pop(address)
+                    asyncio.get_running_loop().create_task(gone.channel.close())
+
+    async def _check(self, r: Replica) -> None:
+        try:
+            answer = await health_pb2_grpc.HealthStub(r.channel).Check(
+                health_pb2.HealthCheckRequest(service=self.service), timeout=max(0.5, self.health_every_s))
+            r.serving = answer.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            r.serving = False
+
+    async def _watch(self) -> None:
+        last_resolve = -1e9
+        while True:
+            if self._names and time.monotonic() - last_resolve >= self.resolve_every_s:
+                last_resolve = time.monotonic()
+                await self._resolve()
+            await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
+            if self._changed is not None:
+                self._changed.set()
+            await asyncio.sleep(self.health_every_s)
+
+    def start(self) -> None:
+        """Start resolving and health-checking (in the running loop)."""
+        if self._task is None:
+            self._changed = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    def choose(self, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]
+        """The power of two choices among healthy replicas (not in `exclude`); None when none."""
+        healthy = [r for r in self.replicas.values() if r.address not in exclude and r.serving]
+        if not healthy:
+            return None
+        if len(healthy) == 1:
+            return healthy[0]
+        a, b = self.rng.sample(healthy, 2)
+        return a if a.in_flight <= b.in_flight else b
+
+    async def pick(self, timeout_s: float, exclude: set[str] = frozenset()) -> Replica:  # type: ignore[assignment]
+        """A replica for one request, waiting up to `timeout_s` for one to be healthy."""
+        self.start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            r = self.choose(exclude)
+            if r is not None:
+                return r
+            left = deadline - time.monotonic()
+            if left <= 0:
+                known = ", ".join(self.replicas) or "none resolved"
+                raise NoReplica(f"no replica serving within {timeout_s:g} s (known: {known})")
+            assert self._changed is not None
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=min(left, self.health_every_s))
+            except asyncio.TimeoutError:
+                pass
+
+    def failed(self, r: Replica) -> None:
+        """A call on `r` failed as if the replica were gone: skip it until its health check
+        answers SERVING again."""
+        r.serving = False
+        log.warning("replica %s failed; skipped until it serves again", r.address)
+
+    def any_stub(self) -> Any:
+        """A stub of some replica (for facts every replica shares, such as the target's vocabulary)."""
+        r = self.choose() or next(iter(self.replicas.values()), None)
+        if r is None:
+            raise NoReplica("no replica resolved yet")
+        return r.stub
+
+    async def close(self, grace_s: float | None = None) -> None:
+        """Stop watching and close the channels (calls in flight get up to `grace_s`)."""
+        if self._task is not None:
+            self._task.cancel()
+        await asyncio.gather(*(r.channel.close(grace=grace_s) for r in self.replicas.values()),
+                             return_exceptions=True)

@@ -1,0 +1,173 @@
+"""Overload, cancellations, deadlines and a hung drafter, on the session's verifier with
+gateways and a drafter of this module's own.
+
+- 300 concurrent requests at a gateway admitting 32: each one completes exact or is refused
+  at once with RESOURCE_EXHAUSTED (REST: 429 + Retry-After); none hangs or fails otherwise,
+  and the gateway's memory stays bounded.
+- 1,000 client cancellations at random points: the verifier's sessions, the drafter's
+  sessions and the gateway's requests in flight all return to 0, memory growth stays under a
+  bound, and the next request is exact.
+- A client deadline reaches the engine: a request past its deadline is aborted there.
+- A drafter that hangs (SIGSTOP: alive, silent) makes its requests fall back, exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from gen import prompts, scrape, spec
+from transformers import AutoTokenizer
+
+from gateway.client import AsyncGatewayClient, GatewayClient
+from specdec.launch import Service
+from specdec.wire import pb
+
+MAX_INFLIGHT = 32
+N_OVERLOAD = 300
+N_CANCEL = 1000
+MAX_TOKENS = 12
+
+
+def rss_mib(svc: Service) -> float:
+    for line in Path(f"/proc/{svc.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def own(services) -> Iterator[dict[str, Service]]:
+    """A drafter and a gateway of this module's own (the drafter gets SIGSTOPped)."""
+    drafter = services._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none"])
+    gateway = services.start_gateway(drafter.address, services.verifier.address,
+                                     ("--max-inflight", str(MAX_INFLIGHT), "--drafter-timeout-s", "2"))
+    for svc in (drafter, gateway):
+        svc.wait_ready(300)
+    yield {"drafter": drafter, "gateway": gateway}
+    for svc in (gateway, drafter):
+        svc.stop()
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_target: Path, services) -> tuple[list[list[int]], list[list[int]]]:
+    """10 prompts and their plain-decoding outputs (gamma 0 through the session's gateway: the
+    greedy suites show it is vLLM's output)."""
+    ps = prompts(AutoTokenizer.from_pretrained(tiny_target), 10, seed=11)
+    with GatewayClient(services.gateways["mid"].address, timeout_s=120) as client:
+        ref = [list(client.generate(spec(p, MAX_TOKENS, gamma=0)).token_ids) for p in ps]
+    return ps, ref
+
+
+def settle(check, timeout_s: float = 60) -> None:
+    """Wait (bounded) until `check()` holds: counters of other processes catch up asynchronously."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "did not settle"
+        time.sleep(0.2)
+
+
+def test_overload_is_refused_at_once_never_queued(own, cases) -> None:
+    ps, ref = cases
+    gw = own["gateway"]
+    before = rss_mib(gw)
+
+    async def run() -> list[object]:
+        async with AsyncGatewayClient(gw.address, timeout_s=300) as client:
+            async def one(i: int) -> object:
+                try:
+                    r = await client.generate(spec(ps[i % len(ps)], MAX_TOKENS, gamma=4))
+                    return list(r.token_ids)
+                except grpc.aio.AioRpcError as err:
+                    return err
+
+            return await asyncio.gather(*(one(i) for i in range(N_OVERLOAD)))
+
+    results = asyncio.run(run())
+    done = [(i, r) for i, r in enumerate(results) if isinstance(r, list)]
+    refused = [r for r in results if not isinstance(r, list)]
+    assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_inflight (32)" in r.details()
+               for r in refused), {r.code() for r in refused}
+    assert all(int(dict(r.trailing_metadata())["retry-after"]) >= 1 for r in refused)
+    assert done and refused  # 300 at once at a gateway admitting 32: both happen
+    assert all(ids == ref[i % len(ps)] for i, ids in done)
+    grown = rss_mib(gw) - before
+    print(f"overload: {len(done)} completed, {len(refused)} refused; gateway RSS +{grown:.0f} MiB")
+    assert grown < 200
+
+    async def rest() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300) as http:
+            body = {"prompt": ps[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+            return await asyncio.gather(*(http.post(f"http://127.0.0.1:{gw.rest_port}/v1/completions", json=body)
+                                          for _ in range(100)))
+
+    answers = asyncio.run(rest())
+    assert {r.status_code for r in answers} <= {200, 429}
+    assert all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error"
+               for r in answers if r.status_code == 429)
+    assert all(r.json()["choices"][0]["text"] is not None for r in answers if r.status_code == 200)
+
+
+def test_cancellations_free_everything(own, services, cases) -> None:
+    ps, ref = cases
+    gw = own["gateway"]
+    rng = random.Random(5)
+    delays = [rng.uniform(0, 0.25) for _ in range(N_CANCEL)]
+    before = {k: rss_mib(v) for k, v in (("gateway", gw), ("verifier", services.verifier), ("drafter", own["drafter"]))}
+
+    async def run() -> int:
+        sem = asyncio.Semaphore(MAX_INFLIGHT)
+        async with AsyncGatewayClient(gw.address, timeout_s=300) as client:
+            async def one(i: int) -> bool:
+                async with sem:
+                    call = client.stream(spec(ps[i % len(ps)], 200, gamma=4, ignore_eos=True))
+                    await asyncio.sleep(delays[i])  # cancel at a random point: queued, prefill, mid-stream
+                    return call.cancel()
+
+            return sum(await asyncio.gather(*(one(i) for i in range(N_CANCEL))))
+
+    cancelled = asyncio.run(run())
+    assert cancelled > N_CANCEL * 0.9  # (a few may have finished first)
+    settle(lambda: scrape(gw.metrics_port).get("specdec:requests_running") == 0)
+    settle(lambda: scrape(own["drafter"].metrics_port).get("specdec:drafter_sessions") == 0)
+    settle(lambda: scrape(services.verifier.metrics_port).get("specdec:verifier_sessions") == 0)
+    with grpc.insecure_channel(services.verifier.address) as channel:
+        from specdec.wire import rpc
+
+        info = rpc.VerifierServiceStub(channel).GetVerifierInfo(pb.GetVerifierInfoRequest(), timeout=10)
+    assert info.active_sessions == 0
+    grown = {k: rss_mib(v) - before[k] for k, v in (("gateway", gw), ("verifier", services.verifier),
+                                                    ("drafter", own["drafter"]))}
+    print(f"{cancelled} cancellations; RSS growth MiB: " + ", ".join(f"{k} {v:+.0f}" for k, v in grown.items()))
+    assert all(v < 300 for v in grown.values()), grown
+    with GatewayClient(gw.address, timeout_s=120) as client:  # the next request is exact
+        assert list(client.generate(spec(ps[0], MAX_TOKENS, gamma=4)).token_ids) == ref[0]
+
+
+def test_a_deadline_reaches_the_engine(own, services, cases) -> None:
+    ps, _ = cases
+    with GatewayClient(own["gateway"].address, timeout_s=0.5) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(spec(ps[1], 1800, gamma=4, ignore_eos=True))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    settle(lambda: scrape(services.verifier.metrics_port).get("specdec:verifier_sessions") == 0, 30)
+
+
+def test_a_hung_drafter_falls_back(own, cases) -> None:
+    ps, ref = cases
+    drafter = own["drafter"]
+    drafter.proc.send_signal(signal.SIGSTOP)
+    try:
+        with GatewayClient(own["gateway"].address, timeout_s=120) as client:
+            r = client.generate(spec(ps[2], MAX_TOKENS, gamma=4))
+    finally:
+        drafter.proc.send_signal(signal.SIGCONT)
+    assert list(r.token_ids) == ref[2]
+    assert r.stats.drafter_fallback and r.stats.fallback_reason
