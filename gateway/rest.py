@@ -605,7 +605,7 @@ async def stream_events(
                 if chunk.token_ids and not first_ms:
                     first_ms = (time.perf_counter() - answer.started) * 1e3
                 tokens += len(chunk.token_ids)
-                if chunk.text or finish or chunk.logprobs:
+                if chunk.text or finish or chunk.logprobs or (answer.token_ids and chunk.token_ids):
                     choice = answer.choice(chunk.text, finish, True, chunk.token_ids, chunk.logprobs)
                     yield _sse({**head, "choices": [choice], **extra})
                 last = chunk
