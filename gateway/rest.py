@@ -364,6 +364,9 @@ def chat_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:
         raise APIError(400, "continue_final_message: cannot be combined with add_generation_prompt "
                             "(set add_generation_prompt to false), as in vLLM", "continue_final_message")
     kwargs = dict(req.chat_template_kwargs or {})
+    if kwargs.get("chat_template") is not None:  # the refused field, passed another way (vLLM refuses it too)
+        raise APIError(400, f"chat_template_kwargs: chat_template: not supported: {REFUSED['chat_template'][1]}",
+                       "chat_template_kwargs")
     if req.documents is not None:
         kwargs["documents"] = req.documents
     try:

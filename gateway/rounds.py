@@ -452,8 +452,9 @@ class Round:
                 tasks.append(asyncio.create_task(self._watch_drafter()))
             while True:
                 v = await vcall.read()
-                if v is grpc.aio.EOF:
-                    raise RuntimeError("verifier ended the stream without a finish reason")
+                if v is grpc.aio.EOF:  # it went away mid-stream (a shutdown): as UNAVAILABLE, so it migrates
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               details="the verifier ended the stream without a finish reason")
                 self._commit(v)
                 if v.preview:
                     yield v  # the client gets the tokens now, not after the next block's wait

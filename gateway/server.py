@@ -30,8 +30,11 @@ log = logging.getLogger("specdec.gateway")
 VERIFIER_INFO_TIMEOUT_S = 30.0
 # After a certificate rotation, how long calls on the old channels may take to finish.
 CHANNEL_DRAIN_S = 3600.0
-# The most times one generation moves to another verifier.
+# The most times one generation moves to another verifier, and the verifier errors that move it:
+# UNAVAILABLE (it died, hung past keepalive, or drains) and INTERNAL (its process went away with
+# the stream open: RST_STREAM).
 MAX_MIGRATIONS = 3
+MIGRATE_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
 
 
 @dataclass
@@ -241,7 +244,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                     return
                 except grpc.aio.AioRpcError as err:
                     migrations = round_.stats.migrations
-                    if err.code() != grpc.StatusCode.UNAVAILABLE or migrations >= MAX_MIGRATIONS:
+                    if err.code() not in MIGRATE_ON or migrations >= MAX_MIGRATIONS:
                         await context.abort(err.code(), f"verifier: {err.details()}")
                     self.verifiers.failed(verifier)
                     log.warning("request %s: verifier %s went away (%s) after %d tokens; resuming elsewhere",

@@ -194,7 +194,7 @@ def _stop(proc: subprocess.Popen[str], sig: int) -> int:
     if proc.poll() is None:
         proc.send_signal(sig)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=120)  # each service drains, then stops (up to 15 s each under load)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -50,8 +50,10 @@ class Servers:
     services: Any  # conftest's Services: the processes behind the bridge
 
     def dead(self) -> str | None:
-        """Which specdec service has exited (its log's tail), if any: every later request would hang."""
-        for svc in self.services.started:
+        """Which specdec service this module uses has exited (its log's tail), if any: every later
+        request would hang. (Other modules stop services of their own on purpose.)"""
+        used = [self.services.verifier, self.services.drafters["mid"], self.services.gateways["mid"]]
+        for svc in used:
             if svc.proc.poll() is not None:
                 return f"{svc.kind} on {svc.address} exited with {svc.proc.returncode}; {svc.log_path}:\n" + (
                     log_tail(svc.log_path) if svc.log_path else "")

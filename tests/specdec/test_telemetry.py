@@ -69,13 +69,15 @@ FAMILIES = {
         "specdec:accepted_length", "specdec:rounds_total", "specdec:round_stage_seconds",
         "specdec:generation_tokens_total", "specdec:prompt_tokens_total", "specdec:requests_total",
         "specdec:requests_running", "specdec:latency_spikes_total", "specdec:drafter_fallbacks_total",
+        "specdec:gateway_refused_total", "specdec:gateway_migrations_total",
     },
     "drafter": {
         "specdec:drafter_sessions", "specdec:drafter_blocks_total", "specdec:drafter_tokens_total",
         "specdec:drafter_step_seconds",
     },
     "verifier": {
-        "specdec:verifier_sessions", "specdec:verifier_engine_steps_total", "specdec:verifier_step_seconds",
+        "specdec:verifier_sessions", "specdec:verifier_requests_total", "specdec:verifier_engine_steps_total",
+        "specdec:verifier_step_seconds",
         "specdec:verifier_batch_size", "specdec:verifier_computed_tokens_total",
         "specdec:verifier_withheld_draft_tokens_total", "specdec:verifier_step_cost_ms",
         "specdec:verifier_draft_wait_seconds_total",
@@ -113,8 +115,8 @@ def test_a_service_registry_exposes_its_own_families_and_the_shared_ones(service
     metrics = METRICS[service](registry)
     assert metrics.registry is registry
     # labelled families show up once a label value is used
-    for labelled in ("accepted_per_pos", "requests", "spikes", "round_stage", "step_cost_ms"):
-        if hasattr(metrics, labelled):
+    for labelled in ("accepted_per_pos", "requests", "spikes", "round_stage", "step_cost_ms", "refused"):
+        if getattr(getattr(metrics, labelled, None), "_labelnames", None):
             getattr(metrics, labelled).labels("0")
     exposed = _exposed(registry)
     own = _families(exposed) - {"specdec:build_info"}
