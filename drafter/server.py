@@ -207,6 +207,15 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                         raise InvalidField("commit", "only commits may follow `open`")
                     c = msg.commit
                     check_token_ids("commit.token_ids", c.token_ids, self.vocab_size)
+                    # a commit verifies tokens at the end of what is verified: it starts within the
+                    # context (past the prompt), never beyond it (positions are uint32 on the wire)
+                    prompt_len, known = len(opened.prompt_token_ids), len(session.context)
+                    if not prompt_len <= c.start_position <= known:
+                        raise InvalidField("commit.start_position",
+                                           f"{c.start_position} is outside [{prompt_len}, {known}] (from the "
+                                           "prompt's end to the context's end)")
+                    if c.gamma and not 1 <= c.gamma <= MAX_GAMMA_LIMIT:
+                        raise InvalidField("commit.gamma", f"{c.gamma} is out of range [1, {MAX_GAMMA_LIMIT}]")
                     session.commit(c.start_position, list(c.token_ids), c.gamma)
                     self.worker.wake()
             except InvalidField as err:

@@ -44,8 +44,8 @@ def check_sampling(
 ) -> None:
     """Check a specdec.v1.SamplingParams; `max_tokens` must be set by the caller's defaults first.
     `vocab_size` bounds stop_token_ids when given."""
-    if sampling.temperature < 0 or sampling.temperature != sampling.temperature:
-        raise InvalidField(f"{field}.temperature", f"{sampling.temperature} must be >= 0")
+    if not 0.0 <= sampling.temperature <= 2.0:  # vLLM's range (and OpenAI's); NaN fails it too
+        raise InvalidField(f"{field}.temperature", f"{sampling.temperature} must be in [0, 2]")
     if sampling.HasField("top_p") and not 0.0 < sampling.top_p <= 1.0:
         raise InvalidField(f"{field}.top_p", f"{sampling.top_p} must be in (0, 1]")
     if sampling.top_k < -1:

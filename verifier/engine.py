@@ -236,44 +236,53 @@ class TargetEngine:
                 return
             if kind == "add":
                 req, cb = arg
-                params = SamplingParams(
-                    temperature=req.temperature,
-                    top_p=req.top_p,
-                    top_k=req.top_k,
-                    seed=req.seed,
-                    max_tokens=req.max_tokens,
-                    ignore_eos=req.ignore_eos,
-                    presence_penalty=req.presence_penalty,
-                    frequency_penalty=req.frequency_penalty,
-                    repetition_penalty=req.repetition_penalty,
-                    min_tokens=req.min_tokens,
-                    stop_token_ids=req.stop_token_ids or None,
-                    logprobs=req.logprobs,
-                    detokenize=False,
-                    output_kind=RequestOutputKind.DELTA,
-                )
-                live = _Live(req, cb, engine_id="", submitted=time.perf_counter())
-                # the engine id gets a random suffix; register drafts under it before any step
                 try:
-                    engine_id = self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids},
-                                                        params)
-                except BaseException:
-                    with self._early_lock:
-                        self._early.pop(req.request_id, None)
-                    raise
-                live.engine_id = engine_id
-                self._by_engine_id[engine_id] = live
-                self.board.register(
-                    engine_id, req.gamma, len(req.prompt_token_ids), req.max_tokens,
-                    lambda start, tokens, cb=cb, req=req: self._preview(req, cb, start, tokens),
-                )
-                self._apply_early(req, live)
+                    self._add(req, cb, SamplingParams, RequestOutputKind)
+                except Exception as exc:  # noqa: BLE001 (vLLM refused this request: fail it alone)
+                    log.warning("request %s refused by the engine: %s", req.request_id, exc)
+                    cb(Verdict(len(req.prompt_token_ids), [], 0, 0, "abort", 0, 0, 0.0))
             elif kind == "abort":
                 live = self._live.pop(arg, None)
                 if live is not None:
                     self.engine.abort_request([live.engine_id], internal=True)
                     self.board.unregister(live.engine_id)
                     self._by_engine_id.pop(live.engine_id, None)
+
+    def _add(self, req: GenerationRequest, cb: Callable[[Verdict], None], SamplingParams: Any,  # noqa: N803
+             RequestOutputKind: Any) -> None:  # noqa: N803
+        """Add one request to the engine (vLLM validates its SamplingParams here)."""
+        params = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            max_tokens=req.max_tokens,
+            ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            min_tokens=req.min_tokens,
+            stop_token_ids=req.stop_token_ids or None,
+            logprobs=req.logprobs,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        live = _Live(req, cb, engine_id="", submitted=time.perf_counter())
+        # the engine id gets a random suffix; register drafts under it before any step
+        try:
+            engine_id = self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids},
+                                                params)
+        except BaseException:
+            with self._early_lock:
+                self._early.pop(req.request_id, None)
+            raise
+        live.engine_id = engine_id
+        self._by_engine_id[engine_id] = live
+        self.board.register(
+            engine_id, req.gamma, len(req.prompt_token_ids), req.max_tokens,
+            lambda start, tokens, cb=cb, req=req: self._preview(req, cb, start, tokens),
+        )
+        self._apply_early(req, live)
 
     def _collect_burst(self) -> None:
         """Idle engine, a request arrived: wait while more keep arriving (batch_window_ms of quiet,
