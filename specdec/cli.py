@@ -114,6 +114,9 @@ def _up(args: argparse.Namespace) -> None:
     _start(cluster)
     print(f"ready: gateway on 127.0.0.1:{args.port} (Ctrl-C stops)", file=sys.stderr)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the services on SIGTERM too
+    # Ctrl-C stops them even when `up` was started with SIGINT ignored (a background job of a
+    # non-interactive shell inherits SIG_IGN, and Python then never raises KeyboardInterrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while all(s.proc.poll() is None for s in cluster.services):
             time.sleep(1.0)
