@@ -107,8 +107,11 @@ def vllm_spec_metrics(stats: "pb.SpeculationStats") -> dict[str, Any]:
 
 
 def _channel_options() -> list[tuple[str, Any]]:
-    return [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.http2.ping_timeout_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+    """The services' own client options (message sizes, keepalive), at their defaults."""
+    from specdec.config import GatewayConfig
+    from specdec.security import grpc_options
+
+    return grpc_options(GatewayConfig(), server=False)
 
 
 def _credentials(tls_ca: str, tls_cert: str, tls_key: str) -> grpc.ChannelCredentials | None:

@@ -164,13 +164,6 @@ class Pool:
         r.serving = False
         log.warning("replica %s failed; skipped until it serves again", r.address)
 
-    def any_stub(self) -> Any:
-        """A stub of some replica (for facts every replica shares, such as the target's vocabulary)."""
-        r = self.choose() or next(iter(self.replicas.values()), None)
-        if r is None:
-            raise NoReplica("no replica resolved yet")
-        return r.stub
-
     async def close(self, grace_s: float | None = None) -> None:
         """Stop watching and close the channels (calls in flight get up to `grace_s`)."""
         if self._task is not None:

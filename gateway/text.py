@@ -41,7 +41,6 @@ class TextStream:
         before = len(self.ids)
         self.ids.extend(token_ids)
         full = self._decode(self.ids)
-        hold = 0
         for stop in self.stops:
             at = full.find(stop)
             if at >= 0:

@@ -226,9 +226,6 @@ class TargetEngine:
 
     # ---- engine thread ----------------------------------------------------------
     def _apply_commands(self) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         while True:
             try:
                 kind, arg = self._commands.get_nowait()
@@ -237,7 +234,7 @@ class TargetEngine:
             if kind == "add":
                 req, cb = arg
                 try:
-                    self._add(req, cb, SamplingParams, RequestOutputKind)
+                    self._add(req, cb)
                 except Exception as exc:  # noqa: BLE001 (vLLM refused this request: fail it alone)
                     log.warning("request %s refused by the engine: %s", req.request_id, exc)
                     cb(Verdict(len(req.prompt_token_ids), [], 0, 0, "abort", 0, 0, 0.0))
@@ -248,9 +245,11 @@ class TargetEngine:
                     self.board.unregister(live.engine_id)
                     self._by_engine_id.pop(live.engine_id, None)
 
-    def _add(self, req: GenerationRequest, cb: Callable[[Verdict], None], SamplingParams: Any,  # noqa: N803
-             RequestOutputKind: Any) -> None:  # noqa: N803
+    def _add(self, req: GenerationRequest, cb: Callable[[Verdict], None]) -> None:
         """Add one request to the engine (vLLM validates its SamplingParams here)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
         params = SamplingParams(
             temperature=req.temperature,
             top_p=req.top_p,
