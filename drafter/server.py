@@ -82,11 +82,15 @@ class DraftWorker(threading.Thread):
                 if self._stopped:
                     return
                 active = [(s, e) for s, e in self._sessions.values() if s.wants_work()]
-                if not active:
+                branchy = [] if active else [(s, e) for s, e in self._sessions.values() if s.wants_branch()]
+                if not active and not branchy:
                     self._cond.wait(timeout=1.0)
                     continue
                 # drafts a verifier is waiting for come before drafting ahead
                 active = [(s, e) for s, e in active if s.urgent()] or active
+            if not active:  # idle otherwise: one batched step of each session's branches
+                self._branch_steps(branchy)
+                continue
             for session, emit in active:
                 steps = session.steps
                 try:
@@ -102,6 +106,24 @@ class DraftWorker(threading.Thread):
                         self.metrics.step_seconds.observe(session.last_token_ms / 1e3)
                 if out is not None:
                     emit(out)
+
+
+    def _branch_steps(self, sessions: list[tuple[DraftSession, Emit]]) -> None:
+        for session, emit in sessions:
+            try:
+                blocks = session.branch_step()
+            except Exception as exc:  # a failing session must not stop the others
+                log.exception("branch step failed")
+                self.remove(session)
+                emit(exc)
+                continue
+            for block in blocks:
+                emit(block)
+            if self.metrics is not None and blocks:
+                self.metrics.branches.inc(len(blocks))
+            with self._cond:
+                if any(s.wants_work() for s, _ in self._sessions.values()):
+                    return  # a commit came in: its drafts first
 
 
 class DrafterServicer(rpc.DrafterServiceServicer):
@@ -161,6 +183,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             session: DraftSession = NgramDraftSession(prompt, req.gamma, lookahead, self.cfg.ngram_max, self.cfg.ngram_min)
         else:
             session = self._model_session(req, prompt, lookahead)
+        session.branches = self.cfg.branches
         session.flush_ms = self.cfg.flush_ms
         session.prefill_chunk = self.cfg.prefill_chunk
         session.inject_delay_ms, session.inject_every = self.cfg.inject_delay_ms, self.cfg.inject_every
@@ -247,7 +270,8 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                 self.metrics.blocks.inc()
                 self.metrics.tokens.inc(len(item.drafts))
                 span.add_event("block", {"specdec.start_position": item.start_position,
-                                         "specdec.tokens": len(item.drafts), "specdec.draft_ms": item.draft_ms})
+                                         "specdec.tokens": len(item.drafts), "specdec.draft_ms": item.draft_ms,
+                                         "specdec.branch": item.branch})
         finally:
             span.end()
             self.metrics.sessions.dec()
@@ -269,6 +293,7 @@ def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":
         draft_ms=block.draft_ms,
         final=block.final,
         committed_length=block.committed_length,
+        branch=block.branch,
     )
     return msg
 

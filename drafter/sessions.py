@@ -11,10 +11,26 @@ Terms:
                 so the first draft needs one draft step after the first commit
     ready       the prefill is done; announced once (a `Ready`), before any block
 
+    branch      a pre-drafted continuation for a verdict the target has not given yet: the
+                rejection of the draft at position p with correction t (t among the draft
+                model's likeliest alternatives at p). Keyed (p, t); its drafts are the
+                draft model's continuation of context[:p] + [t]. Drafted only when nothing
+                else is to do (the window is full): urgent drafts, then the full-accept
+                lookahead, then branches, best first by their estimated probability
+                P(p, t) = prod_{j<p} conf(j) * q_p(t), over the positions the step being
+                verified decides (committed .. committed + gamma: its drafts, then the
+                bonus token after them); all branches at one
+                position are drafted together, as one batch through the model.
+    conf        the draft model's probability of its own token at a position (its
+                estimate that the target agrees)
+
 A commit (position s, verified tokens T) makes the committed context
 context[:s] + T. Drafts that agree with T are kept; at the first disagreement the
 drafts are dropped and the model's KV cache is rolled back to the agreeing prefix,
-never recomputed from scratch.
+never recomputed from scratch. A commit that rejects at p with the correction t of a
+branch drafted from the same committed context adopts the branch: its drafts become the
+context's, and are sent again as a fresh block (the verifier has normally picked the
+branch by then: the block changes nothing there), with no draft step spent on them.
 """
 
 from __future__ import annotations
@@ -35,6 +51,8 @@ class Draft:
     token_id: int
     prob: float
     support: tuple[list[int], list[float]] | None
+    conf: float = 1.0  # the draft model's probability of token_id (see the module's terms)
+    alts: tuple[tuple[int, float], ...] = ()  # the next likeliest tokens and their probabilities, best first
 
 
 @dataclass
@@ -54,6 +72,7 @@ class BlockOut:
     draft_ms: float
     final: bool = False  # nothing more is drafted until the next commit
     committed_length: int = 0  # the committed context it was drafted from
+    branch: bool = False  # a pre-drafted branch: drafts[0] is the correction it bets on
 
 
 class DraftSession:
@@ -83,6 +102,16 @@ class DraftSession:
         # fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th step
         self.inject_delay_ms = 0.0
         self.inject_every = 0
+        # pre-drafted branches (see the module's terms); branches = 0: none
+        self.branches = 0  # most branches per committed context
+        self.branch_alts = 2  # alternatives considered per position
+        self._drafted: dict[int, Draft] = {}  # position -> the Draft of the context's token there
+        self._branches: dict[tuple[int, int], list[Draft]] = {}  # (p, t) -> drafts after t
+        self._branch_job: object | None = None  # a branch batch under way (subclass state)
+        self._resend = False  # an adopted branch's drafts are pending: send them first
+        self.branches_drafted = 0
+        self.branches_adopted = 0
+        self.branch_ms = 0.0  # compute spent on branches
 
     @property
     def window(self) -> int:
@@ -114,10 +143,23 @@ class DraftSession:
             agree = 0
             while agree < len(tokens) and start + agree < len(self.context) and self.context[start + agree] == tokens[agree]:
                 agree += 1
-            if agree < len(tokens):
+            branch = self._branches.get((start + agree, tokens[agree])) if agree == len(tokens) - 1 else None
+            if branch is not None and start == self.committed:  # the verdict a branch was drafted for
+                keep = start + agree
+                self.context = self.context[:keep] + [tokens[agree]] + [d.token_id for d in branch]
+                self._rollback(keep)
+                self._forget_drafts(keep)
+                self._drafted.update({keep + 1 + j: d for j, d in enumerate(branch)})
+                self._pending = list(branch)  # sent again as a fresh block (see the module docstring)
+                self._pending_since, self._pending_ms = time.perf_counter(), 0.0
+                self._resend = bool(branch)
+                self.sent = keep + 1
+                self.branches_adopted += 1
+            elif agree < len(tokens):
                 keep = start + agree  # drafts past here are wrong
                 self.context = self.context[:keep] + list(tokens[agree:])
                 self._rollback(keep)
+                self._forget_drafts(keep)
                 self._pending.clear()
                 self.sent = len(self.context)
             else:  # unsent drafts the target has now verified need not be sent
@@ -127,6 +169,10 @@ class DraftSession:
             self.committed = max(self.committed, end)
             self.sent = max(self.sent, self.committed)
             self.exhausted = False  # the context grew: the method may propose again
+            self._branches.clear()  # drafted for the previous verdict
+            self._branch_job = None
+            for p in [p for p in self._drafted if p < self.committed]:
+                del self._drafted[p]
 
     def step(self) -> BlockOut | Ready | None:
         """One unit of work: a prefill chunk (a `Ready` after the last one), or one draft token
@@ -141,6 +187,9 @@ class DraftSession:
                     return None
                 self.ready = True
                 return Ready(len(self.context), self.prefill_ms)
+            if self._resend:  # an adopted branch's drafts, before anything else
+                self._resend = False
+                return self._flush(force=not self.wants_work(), now=True)
             if not self.wants_work():
                 return self._flush(force=True)
             self.last_token_ms = 0.0
@@ -156,6 +205,7 @@ class DraftSession:
             if not self._pending:
                 self._pending_since = t0
                 self._pending_ms = 0.0
+            self._drafted[len(self.context)] = draft
             self.context.append(draft.token_id)
             self._pending.append(draft)
             step_s = time.perf_counter() - t0
@@ -163,18 +213,91 @@ class DraftSession:
             self._pending_ms += step_s * 1e3
             return self._flush(force=not self.wants_work())
 
-    def _flush(self, force: bool) -> BlockOut | None:
-        """Send pending drafts when forced (nothing more to draft), at gamma of them, or
-        when the first has waited flush_ms (a slow drafter streams token by token)."""
+    def _flush(self, force: bool, now: bool = False) -> BlockOut | None:
+        """Send pending drafts when forced (nothing more to draft; the block is `final`), at
+        gamma of them, when the first has waited flush_ms (a slow drafter streams token by
+        token), or `now`."""
         if not self._pending:
             return None
         waited_ms = (time.perf_counter() - self._pending_since) * 1e3
-        if not force and len(self._pending) < self.gamma and waited_ms < self.flush_ms:
+        if not (force or now) and len(self._pending) < self.gamma and waited_ms < self.flush_ms:
             return None
         block = BlockOut(self.sent, self._pending, self._pending_ms, final=force, committed_length=self.committed)
         self.sent += len(self._pending)
         self._pending = []
         return block
+
+    def _forget_drafts(self, keep: int) -> None:
+        for p in [p for p in self._drafted if p >= keep]:
+            del self._drafted[p]
+
+    def branch_candidates(self) -> list[tuple[float, int, int]]:
+        """The `branches` likeliest verdicts worth a branch, best first: (P, p, t) for the
+        rejection at p with correction t (see the module's terms). Empty when branches are off."""
+        if self.branches <= 0:
+            return []
+        out: list[tuple[float, int, int]] = []
+        reach = 1.0  # prod_{j<p} conf(j): the chance the target accepts every draft before p
+        # the positions the step being verified decides: its gamma drafts, then the bonus token
+        for p in range(self.committed, min(self.committed + self.gamma + 1, len(self.context))):
+            d = self._drafted.get(p)
+            if d is None:
+                break
+            out.extend((reach * q, p, t) for t, q in d.alts[: self.branch_alts])
+            reach *= d.conf
+        out.sort(key=lambda c: -c[0])
+        return out[: self.branches]
+
+    def _next_branches(self) -> tuple[int, list[int]] | None:
+        """The position of the best candidate not drafted yet, and every such candidate's
+        correction there (drafted together)."""
+        todo = [(p, t) for _, p, t in self.branch_candidates() if (p, t) not in self._branches]
+        if not todo:
+            return None
+        p = todo[0][0]
+        return p, [t for q, t in todo if q == p]
+
+    def wants_branch(self) -> bool:
+        """Whether the session has branch work: it is idle otherwise (its window is full) and
+        a candidate branch is not drafted yet."""
+        with self.lock:
+            return (self.branches > 0 and self.ready and self.started and not self.closed
+                    and not self.wants_work() and not self._resend
+                    and (self._branch_job is not None or self._next_branches() is not None))
+
+    def branch_step(self) -> list[BlockOut]:
+        """One unit of branch work (one batched draft step); the branch blocks finished by it."""
+        with self.lock:
+            if not (self.branches > 0 and self.started and not self.closed and not self.wants_work()):
+                return []
+            t0 = time.perf_counter()
+            if self._branch_job is None:
+                nxt = self._next_branches()
+                if nxt is None:
+                    return []
+                self._branch_job = self._begin_branches(*nxt)
+            done = self._advance_branches()
+            self.branch_ms += (time.perf_counter() - t0) * 1e3
+            if done is None:
+                return []
+            self._branch_job = None
+            p, corrections, conts, draft_ms = done
+            blocks = []
+            for t, cont in zip(corrections, conts):
+                self._branches[(p, t)] = cont
+                self.branches_drafted += 1
+                blocks.append(BlockOut(p, [Draft(t, 1.0, None), *cont], draft_ms / len(corrections), False,
+                                       self.committed, branch=True))
+            return blocks
+
+    def _begin_branches(self, position: int, corrections: list[int]) -> object:
+        """Start drafting branches at `position`, one per correction (subclass state)."""
+        raise NotImplementedError
+
+    def _advance_branches(self) -> tuple[int, list[int], list[list[Draft]], float] | None:
+        """One draft step for the branch batch under way; when done, (position, corrections,
+        each one's drafts, compute ms)."""
+        raise NotImplementedError
 
     def _next_token(self) -> Draft | None:
         raise NotImplementedError
@@ -252,12 +375,55 @@ class ModelDraftSession(DraftSession):
     @torch.inference_mode()
     def _next_token(self) -> Draft | None:
         logits = self._forward(len(self.context))  # [vocab]
+        return self._pick(logits, with_alts=self.branches > 0)
+
+    def _pick(self, logits: torch.Tensor, with_alts: bool) -> Draft:
+        """The draft token from one position's logits [vocab]; with_alts: its conf and the
+        branch_alts likeliest other tokens (temperature 0: the model's own softmax)."""
         if self.temperature == 0:
-            return Draft(int(logits.argmax()), 1.0, None)
+            token = int(logits.argmax())
+            if not with_alts:
+                return Draft(token, 1.0, None)
+            probs = torch.softmax(logits.float(), dim=-1)
+            top_p, top_i = torch.topk(probs, self.branch_alts + 1)
+            alts = tuple((int(i), float(q)) for i, q in zip(top_i.tolist(), top_p.tolist()) if i != token)
+            return Draft(token, 1.0, None, float(probs[token]), alts[: self.branch_alts])
         probs = target_distribution(logits, self.temperature, self.top_k, self.top_p)
         ids, q = sparse_q(probs, self.q_top_k)
         pick = int(torch.multinomial(q, 1, generator=self.generator))
-        return Draft(int(ids[pick]), float(q[pick]), (ids.tolist(), q.tolist()))
+        token = int(ids[pick])
+        alts = tuple((int(i), float(p)) for i, p in zip(ids.tolist(), q.tolist()) if int(i) != token and p > 0)
+        return Draft(token, float(q[pick]), (ids.tolist(), q.tolist()), float(q[pick]), alts[: self.branch_alts])
+
+    @torch.inference_mode()
+    def _begin_branches(self, position: int, corrections: list[int]) -> object:
+        """A copy of the cache up to `position`, one row per correction: [B, heads, position, dim]."""
+        import copy
+
+        cache = copy.deepcopy(self.cache)
+        cache.crop(position)  # cached >= position: every drafted position but the last is cached
+        if len(corrections) > 1:
+            cache.batch_repeat_interleave(len(corrections))
+        return {"position": position, "corrections": corrections, "cache": cache, "ms": 0.0,
+                "next": torch.tensor([[t] for t in corrections], dtype=torch.long),  # [B, 1]
+                "conts": [[] for _ in corrections]}
+
+    @torch.inference_mode()
+    def _advance_branches(self) -> tuple[int, list[int], list[list[Draft]], float] | None:
+        job = self._branch_job
+        assert isinstance(job, dict)
+        t0 = time.perf_counter()
+        # [B, 1] -> logits [B, 1, vocab]
+        out = self.model(input_ids=job["next"], past_key_values=job["cache"], use_cache=True, logits_to_keep=1)
+        self.forward_tokens += len(job["corrections"])
+        picks = [self._pick(out.logits[b, -1], with_alts=False) for b in range(len(job["corrections"]))]
+        for cont, d in zip(job["conts"], picks):
+            cont.append(d)
+        job["next"] = torch.tensor([[d.token_id] for d in picks], dtype=torch.long)
+        job["ms"] += (time.perf_counter() - t0) * 1e3
+        if len(job["conts"][0]) < self.gamma:
+            return None
+        return job["position"], job["corrections"], job["conts"], job["ms"]
 
     def _rollback(self, keep: int) -> None:
         if self.cached > keep:

@@ -110,6 +110,15 @@ class Stats:
     drafter_prefill_ms: float = 0.0
     invalid_blocks: int = 0  # drafter replies dropped or trimmed as invalid (not relayed as sent)
     migrations: int = 0  # times the generation moved to another verifier (or the same one, back)
+    branches_drafted: int = 0  # pre-drafted branches relayed
+    branches_used: int = 0  # steps whose drafts came from a branch (a branch hit)
+    branch_misses: int = 0  # steps after a broken chain that found no branch
+
+    @property
+    def branch_hit_rate(self) -> float:
+        """branches_used / the steps after a broken chain (see SpeculationStats.branch_hit_rate)."""
+        breaks = self.branches_used + self.branch_misses
+        return self.branches_used / breaks if breaks else 0.0
 
     def add_verdict(self, v: "pb.VerifyResponse") -> None:
         self.verdicts += 1
@@ -119,11 +128,13 @@ class Stats:
             self.max_draft_wait_ms = max(self.max_draft_wait_ms, v.draft_wait_ms)
         self.completion_tokens += len(v.token_ids)
         self.computed += v.computed_tokens
+        self.branch_misses += v.branch_miss
         if v.drafted:
             self.speculative_steps += 1
             self.drafted += v.drafted
             self.accepted += v.accepted
             self.rejections += v.accepted < v.drafted
+            self.branches_used += v.branch
             if len(self.per_position) < v.drafted:
                 self.per_position.extend([0] * (v.drafted - len(self.per_position)))
             for i in range(v.accepted):
@@ -154,6 +165,10 @@ class Stats:
             max_draft_wait_ms=self.max_draft_wait_ms,
             drafter_prefill_ms=self.drafter_prefill_ms,
             migrations=self.migrations,
+            branches_drafted=self.branches_drafted,
+            branches_used=self.branches_used,
+            branch_hit_rate=self.branch_hit_rate,
+            branch_misses=self.branch_misses,
         )
 
 
@@ -273,7 +288,8 @@ class Round:
         if len(tokens) == len(block.token_ids) and draft_ms == block.draft_ms:
             return block
         return pb.DraftBlock(start_position=block.start_position, token_ids=tokens, sequence=block.sequence,
-                             draft_ms=draft_ms, final=block.final, committed_length=block.committed_length)
+                             draft_ms=draft_ms, final=block.final, committed_length=block.committed_length,
+                             branch=block.branch)
 
     def _checked_ready(self, ready: "pb.DraftReady") -> "pb.DraftReady | None":
         if self._ready_seen:
@@ -309,6 +325,7 @@ class Round:
                     continue
                 self.stats.blocks += 1
                 self.stats.block_tokens += len(block.token_ids)
+                self.stats.branches_drafted += block.branch
                 self._draft_ms += block.draft_ms
                 self.stats.draft_ms += block.draft_ms
                 self._to_verifier.put_nowait(pb.VerifyRequest(block=block))
@@ -351,6 +368,7 @@ class Round:
             "specdec.batch_size": v.batch_size,
             "specdec.computed_tokens": v.computed_tokens,
             "specdec.queue_ms": round(v.queue_ms, 3),
+            "specdec.branch": v.branch,
             **{f"specdec.stage.{k}_ms": round(ms, 3) for k, ms in stages.items()},
         })
         if self.stats.verdicts == 1:
@@ -390,6 +408,9 @@ class Round:
             "specdec.acceptance_rate": s.accepted / s.drafted if s.drafted else 0.0,
             "specdec.drafter_fallback": bool(s.fallback_reason),
             "specdec.invalid_blocks": s.invalid_blocks,
+            "specdec.branches_drafted": s.branches_drafted,
+            "specdec.branches_used": s.branches_used,
+            "specdec.branch_hit_rate": s.branch_hit_rate,
         })
         if s.fallback_reason:
             self.span.set_attribute("specdec.fallback_reason", s.fallback_reason)

@@ -12,6 +12,8 @@ Terms:
                is built with `num_speculative_tokens = max_gamma`.
     lookahead  how many tokens past gamma the drafter may draft ahead of the committed
                context while a block is being verified (overlap).
+    branch     a continuation the drafter pre-drafts for a rejection the target has not
+               made yet (drafter.sessions); the verifier picks it in-step on a match.
 """
 
 from __future__ import annotations
@@ -137,6 +139,12 @@ class DrafterConfig(TransportConfig):
         "verified (overlap): -1 is gamma + 1 (the next block and a guess of the bonus token); 0 is lock-step "
         "(one block per round).")
     flush_ms: float = setting(50.0, "A partial block is sent when its first token waited this long (ms).")
+    branches: int = setting(
+        3,
+        "Pre-drafted branches per round (0: off). With its window full, the drafter drafts continuations "
+        "for the likeliest rejections (position p, correction t among the draft's top alternatives), best "
+        "first; the verifier picks the one that matches its verdict inside the step (no round trip). "
+        "Branches at one position are drafted as one batch.")
     prefill_chunk: int = setting(
         128,
         "Prompt tokens per prefill step of the draft model. A session prefills its prompt from `open` on, "

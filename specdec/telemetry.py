@@ -297,11 +297,13 @@ class DrafterMetrics:
         specdec:drafter_blocks_total    blocks sent
         specdec:drafter_tokens_total    draft tokens sent
         specdec:drafter_step_seconds    histogram: one draft token's compute
+        specdec:drafter_branches_total  pre-drafted branches sent
 
     PromQL:
         Draft tokens/s:              rate(specdec:drafter_tokens_total[1m])
         Mean tokens per block:       rate(specdec:drafter_tokens_total[5m]) / rate(specdec:drafter_blocks_total[5m])
         p99 draft-token compute:     histogram_quantile(0.99, rate(specdec:drafter_step_seconds_bucket[5m]))
+        Branches per second:         rate(specdec:drafter_branches_total[1m])
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -313,6 +315,7 @@ class DrafterMetrics:
             "specdec:drafter_step_seconds", "One draft token's compute",
             buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1), registry=registry,
         )
+        self.branches = Counter("specdec:drafter_branches", "Pre-drafted branches sent", registry=registry)
 
 
 class VerifierMetrics:
@@ -328,6 +331,9 @@ class VerifierMetrics:
         specdec:verifier_withheld_draft_tokens_total    drafts adaptive gamma left unverified
         specdec:verifier_step_cost_ms{term}             fitted step cost: term="base" | "per_token"
         specdec:verifier_draft_wait_seconds_total       engine time spent waiting for drafts
+        specdec:verifier_branches_total                 pre-drafted branches received
+        specdec:verifier_branch_hits_total              steps whose drafts came from a branch
+        specdec:verifier_branch_misses_total            steps after a rejection that found no branch
 
     PromQL:
         Queue depth:                specdec:verifier_sessions
@@ -338,6 +344,8 @@ class VerifierMetrics:
         Adaptive gamma back-off:    rate(specdec:verifier_withheld_draft_tokens_total[5m]) (drafts left
                                     unverified because they would cost throughput), with the fitted step
                                     cost specdec:verifier_step_cost_ms{term="base"|"per_token"}
+        Branch hit rate:            rate(specdec:verifier_branch_hits_total[5m]) / (rate(specdec:verifier_branch_hits_total[5m])
+                                      + rate(specdec:verifier_branch_misses_total[5m]))
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -368,4 +376,12 @@ class VerifierMetrics:
         )
         self.draft_wait_seconds = Counter(
             "specdec:verifier_draft_wait_seconds", "Engine time spent waiting for drafts", registry=registry
+        )
+        self.branches = Counter("specdec:verifier_branches", "Pre-drafted branches received", registry=registry)
+        self.branch_hits = Counter(
+            "specdec:verifier_branch_hits", "Steps whose drafts came from a pre-drafted branch", registry=registry
+        )
+        self.branch_misses = Counter(
+            "specdec:verifier_branch_misses", "Steps after a rejection whose drafts were in no branch",
+            registry=registry,
         )

@@ -127,7 +127,7 @@ def check_draft_block(
     (tokens to relay, None to drop the block; the violation, '' for none).
 
     `committed`: the context length the drafter has been told so far; `request_end`: prompt length
-    + max_tokens. A block longer than gamma is trimmed to gamma (and is a violation); a block that
+    + max_tokens. A block longer than gamma (a branch: gamma + 1) is trimmed (and is a violation); a block that
     starts inside the prompt, before the context it says it was drafted from, past the request's
     end by more than a drafter's window, or that claims a context it was never given, or has an id
     outside the vocabulary, is dropped. A block merely stale (the target moved on while it was
@@ -145,9 +145,11 @@ def check_draft_block(
                       f"({request_end} tokens)")
     ids = block.token_ids
     violation = ""
-    if len(ids) > gamma:
-        violation = f"block.token_ids: {len(ids)} tokens, more than gamma ({gamma}); trimmed"
-        ids = ids[:gamma]
+    most = gamma + 1 if block.branch else gamma  # a branch: its correction token, then gamma drafts
+    if len(ids) > most:
+        what = f"gamma + 1 ({most}) for a branch" if block.branch else f"gamma ({gamma})"
+        violation = f"block.token_ids: {len(ids)} tokens, more than {what}; trimmed"
+        ids = ids[:most]
     bad = bad_token_id(ids, vocab_size)
     if bad:
         return None, f"block.token_ids: {bad}"

@@ -53,6 +53,8 @@ class Verdict:
     preview: bool = False  # tokens sampled in a step still running (see VerifyResponse.preview)
     logprobs: list["TokenLogprobs"] = field(default_factory=list)  # [len(token_ids)] when asked for
     stop_token: bool = False  # the last token is the stop token (EOS or a stop_token_id) that ended it
+    branch: bool = False  # the drafts verified came from a pre-drafted branch (DraftBoard's terms)
+    branch_miss: bool = False  # the step followed a broken chain and no branch had its drafts
 
 
 @dataclass
@@ -172,12 +174,12 @@ class TargetEngine:
 
     def offer(
         self, request_id: str, start: int, tokens: list[int], final: bool = True, committed: int = -1,
-        draft_ms: float = 0.0,
+        draft_ms: float = 0.0, branch: bool = False,
     ) -> None:
         """Put a block on the board (see DraftBoard.offer); committed -1 means start."""
-        engine_id = self._engine_id_or_keep(request_id, "offer", (start, tokens, final, committed, draft_ms))
+        engine_id = self._engine_id_or_keep(request_id, "offer", (start, tokens, final, committed, draft_ms, branch))
         if engine_id is not None:
-            self.board.offer(engine_id, start, tokens, final, start if committed < 0 else committed, draft_ms)
+            self.board.offer(engine_id, start, tokens, final, start if committed < 0 else committed, draft_ms, branch)
 
     def drafter_ready(self, request_id: str, pace_ms: float) -> None:
         """The request's drafter has prefilled the prompt (see DraftBoard.ready)."""
@@ -212,9 +214,9 @@ class TargetEngine:
             early = self._early.pop(req.request_id, None)
             for kind, args in early.calls if early is not None else ():
                 if kind == "offer":
-                    start, tokens, final, committed, draft_ms = args
+                    start, tokens, final, committed, draft_ms, branch = args
                     self.board.offer(live.engine_id, start, tokens, final, start if committed < 0 else committed,
-                                     draft_ms)
+                                     draft_ms, branch)
                 elif kind == "ready":
                     self.board.ready(live.engine_id, *args)
             if early is not None and early.ended:
@@ -361,7 +363,7 @@ class TargetEngine:
         stop_token = finish == "stop" and bool(tokens) and completion.finish_reason == "stop" and (
             completion.stop_reason is None or completion.stop_reason == tokens[-1])
         start = live.position
-        proposal = self.board.take_proposal(live.engine_id, start)
+        proposal, from_branch, branch_miss = self.board.take_proposal_info(live.engine_id, start)
         accepted = 0
         while accepted < min(len(proposal), len(tokens)) and proposal[accepted] == tokens[accepted]:
             accepted += 1
@@ -371,7 +373,7 @@ class TargetEngine:
         self.metrics.computed_tokens.inc(computed)
         live.generated += len(tokens)
         verdict = Verdict(start, tokens, len(proposal), accepted, finish, computed, batch_size, step_ms, wait_ms, queue_ms,
-                          logprobs=logprobs, stop_token=stop_token)
+                          logprobs=logprobs, stop_token=stop_token, branch=from_branch, branch_miss=branch_miss)
         if finish is not None:
             self._live.pop(live.req.request_id, None)
             self._by_engine_id.pop(live.engine_id, None)

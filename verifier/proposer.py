@@ -32,6 +32,13 @@ Terms:
                (at most gamma), valid only when the chain agrees with the context up to L
     committed  per request, the context length the board has seen (the prompt, then each
                preview's and proposal's context): what drafts must lie ahead of
+    branch     per request, an alternative chain pre-drafted for a rejection the target has
+               not made yet (DraftBlock.branch: drafts after a correction token, drafted from
+               the chain up to the rejected position). Kept beside the chain, never over it;
+               when the context disagrees with the chain, the branch that agrees with it
+               becomes the chain in the same step (a branch hit: the step after a rejection
+               has its drafts with no round trip). At most MAX_BRANCHES per request, dropped
+               once the chain moves on.
 
 A drafter is untrusted (the gateway checks its blocks; the board still bounds itself), so a
 block can only be useless, never costly: the chain never reaches past committed + horizon
@@ -63,6 +70,8 @@ PreviewCallback = Callable[[int, list[int]], None]
 # Proposals remembered per request until their verdict (normally 2: the step being verified
 # and the next one's, proposed before the first's verdict is read).
 MAX_PROPOSALS = 4
+# Branches kept per request (a drafter sends a few per round; the oldest go first).
+MAX_BRANCHES = 8
 
 
 @dataclass
@@ -84,6 +93,13 @@ class _Entry:
     clock: float = 0.0  # monotonic time the drafter last had reason to draft (preview or block)
     committed: int = 0  # the context length seen so far (see the module docstring)
     offers: int = 0  # blocks offered since the latest preview
+    branches: list[tuple[int, list[int]]] = field(default_factory=list)  # (start, tokens) alternative chains
+    branch_offers: int = 0  # branches offered since the latest preview
+    rejected_at: int = -1  # the context length at which the chain was last found rejected (-1: none open)
+    hit_at: int = -1  # the context length whose drafts came from a branch
+    from_branch: set[int] = field(default_factory=set)  # lengths whose proposal came from a branch
+    missed: set[int] = field(default_factory=set)  # lengths whose step found no branch after a break
+    broken: tuple[int, list[int]] = (0, [])  # the chain the target last broke (start, tokens)
 
 
 class DraftBoard:
@@ -145,7 +161,7 @@ class DraftBoard:
 
     def offer(
         self, req_id: str, start: int, tokens: list[int], final: bool = True, committed: int | None = None,
-        draft_ms: float = 0.0,
+        draft_ms: float = 0.0, branch: bool = False,
     ) -> None:
         """Add a block of drafts for positions start, start + 1, ...
 
@@ -154,11 +170,16 @@ class DraftBoard:
         older drafts; one that starts later continues the chain when contiguous.
         `final`: the drafter drafts no further past this block until the next commit.
         `draft_ms`: the drafter's compute time for the block (feeds the wait decision).
+        `branch`: a pre-drafted branch (see the module docstring), kept beside the chain when
+        it was drafted from the chain's context (committed == the chain's start) and continues it.
         The board's bounds (see the module docstring) drop or trim what cannot be useful.
         """
         with self._cond:
             e = self._entries.get(req_id)
             if e is None or e.gamma == 0:
+                return
+            if branch:
+                self._offer_branch(e, start, tokens, committed)
                 return
             e.offers += 1
             if e.offers > max_blocks_per_commit(e.gamma):
@@ -190,7 +211,38 @@ class DraftBoard:
                 e.chain.extend(tokens)  # ends by `limit`: the chain stays within 2 x horizon
             elif tokens:
                 e.chain_start, e.chain = start, list(tokens)
+                e.broken = (0, [])
             self._cond.notify_all()
+
+    def _offer_branch(self, e: _Entry, start: int, tokens: list[int], committed: int | None) -> None:
+        self.metrics.branches.inc()
+        e.branch_offers += 1
+        # what it branches off: the chain, or the one the target just broke (a late branch)
+        chain_start, chain = (e.chain_start, e.chain) if e.chain else e.broken
+        if e.branch_offers > MAX_BRANCHES or not tokens or not chain or committed != chain_start:
+            return  # a flood, or drafted from a context the chain has left behind
+        if not chain_start <= start <= chain_start + len(chain):
+            return
+        limit = min(e.committed + draft_horizon(e.gamma), self.max_model_len)
+        full = chain[: start - chain_start] + list(tokens)
+        e.branches.append((chain_start, full[: max(0, limit - chain_start)]))
+        del e.branches[:-MAX_BRANCHES]
+        self._cond.notify_all()  # a step waiting after a rejection may find its drafts here
+
+    def _adopt_branch(self, e: _Entry, context: np.ndarray) -> bool:
+        """Make the branch that agrees with `context` [L] and reaches past it the chain."""
+        length = len(context)
+        for start, tokens in e.branches:
+            offset = length - start
+            if 0 <= offset < len(tokens) and np.array_equal(context[start:length], tokens[:offset]):
+                e.chain_start, e.chain = start, list(tokens)
+                e.branches, e.broken = [], (0, [])
+                e.hit_at = length
+                if e.rejected_at == length:
+                    e.rejected_at = -1
+                self.metrics.branch_hits.inc()
+                return True
+        return False
 
     def _budget(self, e: _Entry, length: int) -> int:
         remaining = e.prompt_len + e.max_tokens - length - 1  # tokens still to come after the bonus
@@ -204,14 +256,21 @@ class DraftBoard:
             return []
         length = len(context)
         e.committed = max(e.committed, length)
-        if not e.chain:
+        if not e.chain and not (e.branches and self._adopt_branch(e, context)):
             return []
         offset = length - e.chain_start
         if offset < 0 or offset > len(e.chain) or (
             offset and not np.array_equal(context[e.chain_start : length], e.chain[:offset])
         ):
-            e.chain = []  # stale or rejected by the target: wait for the re-draft
-            return []
+            if 0 < offset <= len(e.chain):
+                e.rejected_at = length  # the target rejected a draft (or the guess of its bonus token)
+                e.broken = (e.chain_start, e.chain)
+            e.chain = []  # stale or rejected by the target: a branch, or wait for the re-draft
+            if not (e.branches and self._adopt_branch(e, context)):
+                return []
+            offset = length - e.chain_start
+        elif offset:
+            e.branches = []  # the chain held: its branches are for verdicts not given
         del e.chain[:offset]  # now verified context
         e.chain_start = length
         return e.chain[: min(k_max, self._budget(e, length))]
@@ -249,6 +308,7 @@ class DraftBoard:
                 e.clock = time.monotonic()  # the commit leaves now: the drafter drafts from here
                 e.committed = max(e.committed, start + len(tokens))
                 e.offers = 0
+                e.branch_offers = 0
             callback = e.on_preview if e is not None and e.drafting else None
         if callback is not None:
             callback(start, tokens)
@@ -309,11 +369,21 @@ class DraftBoard:
             withheld = sum(max(0, len(d) - w) for d, w in zip(drafts, want))
             drafts = [d[:w] for d, w in zip(drafts, want)]
             for (rid, ctx), d in zip(rows, drafts):
+                e = self._entries.get(rid)
+                if e is not None and e.rejected_at == len(ctx):
+                    e.rejected_at = -1
+                    self.metrics.branch_misses.inc()  # after a rejection, no branch had its drafts
+                    e.missed.add(len(ctx))
+                    while len(e.missed) > MAX_PROPOSALS:
+                        e.missed.discard(min(e.missed))
                 if d:
                     proposals = self._entries[rid].proposals
                     proposals[len(ctx)] = d
+                    if e.hit_at == len(ctx):
+                        e.from_branch.add(len(ctx))
                     while len(proposals) > MAX_PROPOSALS:
                         del proposals[min(proposals)]
+                    e.from_branch &= proposals.keys()
         self.waited_s += time.monotonic() - t0
         if withheld:
             self.metrics.withheld_draft_tokens.inc(withheld)
@@ -321,10 +391,19 @@ class DraftBoard:
 
     def take_proposal(self, req_id: str, length: int) -> list[int]:
         """The drafts proposed when the context had `length` tokens (forgotten after)."""
+        return self.take_proposal_info(req_id, length)[0]
+
+    def take_proposal_info(self, req_id: str, length: int) -> tuple[list[int], bool, bool]:
+        """take_proposal, whether those drafts came from a pre-drafted branch (a hit), and
+        whether the step followed a broken chain with no branch for it (a miss)."""
         with self._cond:
             e = self._entries.get(req_id)
             if e is None:
-                return []
+                return [], False, False
             for k in [k for k in e.proposals if k < length]:
                 del e.proposals[k]
-            return e.proposals.pop(length, [])
+            hit, missed = length in e.from_branch, length in e.missed
+            e.from_branch = {k for k in e.from_branch if k > length}
+            e.missed = {k for k in e.missed if k > length}
+            proposal = e.proposals.pop(length, [])
+            return proposal, hit and bool(proposal), missed

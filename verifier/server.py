@@ -43,6 +43,8 @@ def verdict_pb(v: Verdict) -> "pb.VerifyResponse":
                                    top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
                   for lp in v.logprobs],
         stop_token=v.stop_token,
+        branch=v.branch,
+        branch_miss=v.branch_miss,
     )
 
 
@@ -134,7 +136,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                     if spoiled:
                         continue
                     b = msg.block
-                    tokens = list(b.token_ids[: req.gamma])
+                    tokens = list(b.token_ids[: req.gamma + (1 if b.branch else 0)])  # a branch: correction + gamma
                     bad = bad_token_id(tokens, vocab)
                     if bad:
                         spoiled = True
@@ -144,7 +146,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                         self.engine.end_drafts(req.request_id)
                         continue
                     self.engine.offer(req.request_id, b.start_position, tokens, b.final, b.committed_length,
-                                      reported_ms(b.draft_ms))
+                                      reported_ms(b.draft_ms), b.branch)
             except InvalidField as err:
                 verdicts.put_nowait(err)
             except grpc.aio.AioRpcError:

@@ -131,3 +131,96 @@ def test_a_commit_before_the_prefill_ends_finishes_it_first(model) -> None:
     assert outs[-1].prefilled_tokens == 30
     start, drafts = _drafted(s)
     assert start == 30 and drafts == _greedy(model, prompt + [5], 3)
+
+
+# ---- pre-drafted branches ----------------------------------------------------------------------
+def _branchy(model, prompt, gamma=3, branches=3):
+    s = ModelDraftSession(model, prompt, gamma, gamma + 1, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8)
+    s.branches = branches
+    return s
+
+
+def _branch_blocks(session) -> list[BlockOut]:
+    """Branch work until none is left (the window is full): the branch blocks sent."""
+    blocks = []
+    while session.wants_branch():
+        blocks.extend(session.branch_step())
+    return blocks
+
+
+def test_branches_are_the_likeliest_verdicts_drafted_from_their_context(model) -> None:
+    prompt = [3, 14, 15, 92, 65]
+    s = _branchy(model, prompt)
+    s.commit(len(prompt), [35])
+    _drain(s)  # the block and the full-accept lookahead come first
+    assert not s.wants_work() and s.wants_branch()
+    candidates = s.branch_candidates()
+    assert len(candidates) == 3 and [c[0] for c in candidates] == sorted((c[0] for c in candidates), reverse=True)
+    committed, context = s.committed, list(s.context)
+    # P(p, t) = prod_{j<p} conf(j) * q_p(t): the model's own probabilities
+    with torch.no_grad():
+        for prob, p, t in candidates:
+            assert committed <= p <= committed + s.gamma and t != context[p]
+            logits = model(torch.tensor([context[:p]])).logits[0, -1]
+            probs = torch.softmax(logits, -1)
+            reach = 1.0
+            for j in range(committed, p):
+                reach *= float(torch.softmax(model(torch.tensor([context[:j]])).logits[0, -1], -1)[context[j]])
+            assert prob == pytest.approx(reach * float(probs[t]), rel=1e-4)
+    blocks = _branch_blocks(s)
+    assert sorted((b.start_position, b.drafts[0].token_id) for b in blocks) == sorted((p, t) for _, p, t in candidates)
+    for b in blocks:
+        assert b.branch and b.committed_length == committed and len(b.drafts) == s.gamma + 1
+        # the branch's drafts are the draft model's greedy continuation of context[:p] + [t]
+        p, t = b.start_position, b.drafts[0].token_id
+        assert [d.token_id for d in b.drafts[1:]] == _greedy(model, context[:p] + [t], s.gamma)
+    assert s.branches_drafted == 3 and s.context == context  # the chain is untouched
+    assert not s.wants_branch()
+
+
+def test_a_verdict_that_matches_a_branch_adopts_it_without_drafting(model) -> None:
+    prompt = [3, 14, 15, 92, 65]
+    s = _branchy(model, prompt)
+    s.commit(len(prompt), [35])
+    _drain(s)
+    blocks = {(b.start_position, b.drafts[0].token_id): b for b in _branch_blocks(s)}
+    (p, t), block = next(iter(blocks.items()))
+    committed, context = s.committed, list(s.context)
+    before = s.forward_tokens
+    s.commit(committed, context[committed:p] + [t])  # accepted up to p, then the correction t
+    assert s.branches_adopted == 1
+    assert s.context == context[:p] + [t] + [d.token_id for d in block.drafts[1:]]
+    resent = s.step()  # the branch's drafts go out again at once, as a fresh block
+    assert isinstance(resent, BlockOut) and not resent.branch
+    assert resent.start_position == resent.committed_length == p + 1
+    assert [d.token_id for d in resent.drafts] == [d.token_id for d in block.drafts[1:]]
+    assert s.forward_tokens == before  # no draft step spent on them
+    # drafting goes on from the branch's end, as from any context
+    rest = [d.token_id for b in _drain(s) for d in b.drafts]
+    assert rest == _greedy(model, s.context[: p + 1 + s.gamma], len(rest))
+
+
+def test_a_verdict_no_branch_matches_redrafts_and_branches_are_forgotten(model) -> None:
+    prompt = [3, 14, 15, 92, 65]
+    s = _branchy(model, prompt, branches=1)
+    s.commit(len(prompt), [35])
+    _drain(s)
+    [(_, p, t)] = s.branch_candidates()
+    _branch_blocks(s)
+    committed, context = s.committed, list(s.context)
+    other = next(x for x in range(512) if x not in (t, context[p]))
+    s.commit(committed, context[committed:p] + [other])
+    assert s.branches_adopted == 0 and s.context == context[:p] + [other]
+    assert not s.wants_branch()  # forgotten: they were for the previous verdict
+    start, drafts = _drafted(s)
+    assert start == p + 1 and drafts == _greedy(model, s.context[: p + 1], len(drafts))
+
+
+def test_branches_wait_for_drafting_and_are_off_at_zero(model) -> None:
+    s = _branchy(model, [1, 2, 3], branches=0)
+    s.commit(3, [4])
+    _drain(s)
+    assert not s.wants_branch() and s.branch_candidates() == []
+    s = _branchy(model, [1, 2, 3])
+    s.commit(3, [4])
+    assert s.wants_work() and not s.wants_branch()  # the chain first

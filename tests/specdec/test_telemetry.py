@@ -73,14 +73,15 @@ FAMILIES = {
     },
     "drafter": {
         "specdec:drafter_sessions", "specdec:drafter_blocks_total", "specdec:drafter_tokens_total",
-        "specdec:drafter_step_seconds",
+        "specdec:drafter_step_seconds", "specdec:drafter_branches_total",
     },
     "verifier": {
         "specdec:verifier_sessions", "specdec:verifier_requests_total", "specdec:verifier_engine_steps_total",
         "specdec:verifier_step_seconds",
         "specdec:verifier_batch_size", "specdec:verifier_computed_tokens_total",
         "specdec:verifier_withheld_draft_tokens_total", "specdec:verifier_step_cost_ms",
-        "specdec:verifier_draft_wait_seconds_total",
+        "specdec:verifier_draft_wait_seconds_total", "specdec:verifier_branches_total",
+        "specdec:verifier_branch_hits_total", "specdec:verifier_branch_misses_total",
     },
 }
 

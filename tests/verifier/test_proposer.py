@@ -164,3 +164,66 @@ def test_pace_is_measured_from_arrivals(monkeypatch) -> None:
     assert b._expected_wait_s("r", 2) == pytest.approx(expected)
     b.wait_s = 0.1
     assert b._expected_wait_s("r", 2) == 0.1
+
+
+# ---- pre-drafted branches ----------------------------------------------------------------------
+def _branched_board() -> DraftBoard:
+    """The chain [7, 8, 9, 10] after context [1, 2, 5] (committed 3), proposed; then two branches:
+    the rejection of 8 (position 4) with 6, and of 7 (position 3) with 4."""
+    b = _board()
+    b.offer("r", 3, [7, 8, 9, 10], committed=3)
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[7, 8, 9]]
+    assert b.take_proposal_info("r", 3) == ([7, 8, 9], False, False)
+    b.offer("r", 4, [6, 11, 12, 13], committed=3, branch=True)
+    b.offer("r", 3, [4, 21, 22, 23], committed=3, branch=True)
+    return b
+
+
+def test_a_rejection_that_matches_a_branch_is_proposed_in_step() -> None:
+    b = _branched_board()
+    hits = b.metrics.branch_hits._value.get()
+    # the target accepted 7, rejected 8 and sampled 6: the branch's drafts, with no wait
+    assert b.propose_batch([("r", np.array([1, 2, 5, 7, 6]))], 8) == [[11, 12, 13]]
+    assert b.take_proposal_info("r", 5) == ([11, 12, 13], True, False)  # a hit
+    assert b.metrics.branch_hits._value.get() == hits + 1
+    # the branch is the chain now: it goes on as one
+    b.offer("r", 8, [14], committed=5)
+    assert b.propose_batch([("r", np.array([1, 2, 5, 7, 6, 11, 12]))], 8) == [[13, 14]]
+
+
+def test_a_rejection_no_branch_matches_is_a_miss() -> None:
+    b = _branched_board()
+    misses = b.metrics.branch_misses._value.get()
+    assert b.propose_batch([("r", np.array([1, 2, 5, 7, 3]))], 8) == [[]]  # 8 rejected for 3: no branch
+    assert b.take_proposal_info("r", 5) == ([], False, True)
+    assert b.metrics.branch_misses._value.get() == misses + 1
+    b.offer("r", 5, [30, 31], committed=5)  # the re-draft
+    assert b.propose_batch([("r", np.array([1, 2, 5, 7, 3]))], 8) == [[30, 31]]
+
+
+def test_a_late_branch_ends_the_wait_after_a_rejection() -> None:
+    b = _board(wait_s=5.0)
+    b.offer("r", 3, [7, 8, 9, 10], committed=3)
+    b.propose_batch([("r", np.array([1, 2, 5]))], 8)
+    waits = during_wait(b, lambda: b.offer("r", 3, [4, 21, 22, 23], committed=3, branch=True))
+    assert b.propose_batch([("r", np.array([1, 2, 5, 4]))], 8) == [[21, 22, 23]]
+    assert len(waits) == 1 and b.take_proposal_info("r", 4)[1]
+
+
+def test_branches_are_dropped_once_the_chain_holds() -> None:
+    b = _branched_board()
+    # all accepted and the bonus guessed right: the branches were for verdicts not given
+    assert b.propose_batch([("r", np.array([1, 2, 5, 7, 8, 9, 10]))], 8) == [[]]
+    assert b._entries["r"].branches == []
+
+
+def test_a_branch_from_another_context_or_a_flood_is_not_kept() -> None:
+    b = _board()
+    b.offer("r", 3, [7, 8, 9, 10], committed=3)
+    b.propose_batch([("r", np.array([1, 2, 5]))], 8)
+    b.offer("r", 4, [6, 11], committed=2, branch=True)  # drafted from a context the chain left
+    b.offer("r", 9, [6, 11], committed=3, branch=True)  # does not branch off the chain
+    assert b._entries["r"].branches == []
+    for t in range(40):
+        b.offer("r", 4, [t, 1, 1], committed=3, branch=True)
+    assert len(b._entries["r"].branches) <= proposer.MAX_BRANCHES
