@@ -3,7 +3,9 @@
 Greedy, every request generating exactly `max_tokens` tokens (ignore_eos), all systems on
 the same target model and dtype, the same prompts. Workloads (`--workloads`):
 
-    code    the built-in short code prompts: every system, every gamma, concurrency sweep
+    code    the built-in short code prompts, or your own (--prompts-file F.jsonl: one JSON object
+            per line with a `prompt` string, the format of vLLM's `bench serve --dataset-name
+            custom`): every system, every gamma, concurrency sweep
     long    one prompt of about LONG_PROMPT_TOKENS tokens cut from a real source file on disk
             (Python's own `argparse.py`): target-only, vllm-draft, specdec and specdec gamma 0
     c8      C8_REQUESTS prompts of about C8_PROMPT_TOKENS tokens (openings of Python stdlib
@@ -18,6 +20,7 @@ Systems:
     specdec          the three services over gRPC (drafter on its own core), with the
                      drafter's default int8 dynamic quantisation of the same draft model
     specdec-fp32-draft  the same with the draft unquantised: the same draft as vllm-draft
+    specdec-no-branches specdec with pre-drafted branches off (drafter --branches 0)
 
 Hardware: every target gets the same single core (the first); vllm-draft and vllm-ngram
 run once more with both cores ("2 cores": the same total hardware as specdec); specdec's
@@ -50,6 +53,8 @@ Terms (per row of the table; a row is one system at one gamma and one concurrenc
     fallbacks      specdec: requests whose drafter was given up (they ran as plain decoding);
                    a row with any is flagged with ⚠ in the table
     max wait       specdec: the longest time one target step waited for drafts, ms
+    branch hits    specdec: steps whose drafts came from a pre-drafted branch / steps after a
+                   verdict that broke the drafts' chain (a rejection, or a wrong bonus guess)
     exact          fraction of requests whose tokens equal target-only's for that prompt
                    (same workload)
 """
@@ -109,8 +114,39 @@ def source_prompt(name: str, tokenizer: Any, n_tokens: int) -> str:
     return text
 
 
-def workload_prompts(name: str, tokenizer: Any, n_code: int) -> tuple[list[str], list[str]]:
+def file_prompts(path: Path) -> tuple[list[str], list[str]]:
+    """(prompt ids, prompt texts) from a JSONL file whose lines are objects with a `prompt`
+    string (vLLM's custom dataset format); the ids are `FILE:LINE`."""
+    from specdec.errors import UserError
+
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise UserError(f"--prompts-file {path}: {err.strerror or err}", "give a readable JSONL file") from err
+    ids, texts = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"--prompts-file {path} line {n}: not JSON ({err.msg})",
+                            'each line must be an object like {"prompt": "..."}') from err
+        prompt = obj.get("prompt") if isinstance(obj, dict) else None
+        if not isinstance(prompt, str) or not prompt:
+            raise UserError(f"--prompts-file {path} line {n}: no `prompt` string",
+                            'each line must be an object like {"prompt": "..."}')
+        ids.append(f"{path.name}:{n}")
+        texts.append(prompt)
+    if not texts:
+        raise UserError(f"--prompts-file {path}: no prompts", 'one {"prompt": "..."} object per line')
+    return ids, texts
+
+
+def workload_prompts(name: str, tokenizer: Any, n_code: int, prompts_file: Path | None = None) -> tuple[list[str], list[str]]:
     """(prompt ids, prompt texts) of a workload (see the module docstring)."""
+    if name == "code" and prompts_file is not None:
+        return file_prompts(prompts_file)
     if name == "code":
         from specdec.evaldraft import load_prompts
 
@@ -144,6 +180,8 @@ def plan(gammas: list[int], concurrency: list[int], cpus: list[int], workloads: 
             runs.append({"system": "specdec", "kind": "specdec", "gamma": g, "concurrency": concurrency if g == g0 else [1],
                          "cores": one})
         runs.append({"system": "specdec-fp32-draft", "kind": "specdec", "quantize": "none", "gamma": g0, "concurrency": [1],
+                     "cores": one})
+        runs.append({"system": "specdec-no-branches", "kind": "specdec", "branches": 0, "gamma": g0, "concurrency": [1],
                      "cores": one})
         for r in runs:
             r["workload"] = "code"
@@ -198,12 +236,13 @@ class SpecdecCluster:
     def __init__(self, pair: str, out: Path, dtype: str, verifier_args: tuple[str, ...] = ()) -> None:
         self.pair, self.out, self.dtype, self.verifier_args = pair, out, dtype, list(verifier_args)
         self.cluster: Any = None
-        self.quantize = ""
+        self.drafter_setting: tuple[str, int | None] = ("", None)
 
-    def address(self, quantize: str) -> str:
+    def address(self, quantize: str, branches: int | None = None) -> str:
+        """The gateway's address, with a drafter quantised `quantize` and `branches` (None: its default)."""
         from specdec.launch import Cluster, free_port
 
-        if self.cluster is not None and quantize != self.quantize:
+        if self.cluster is not None and (quantize, branches) != self.drafter_setting:
             self.stop()
         if self.cluster is None:
             off = ["--metrics-port", "0"]
@@ -211,11 +250,12 @@ class SpecdecCluster:
                 pair=self.pair, gateway_port=free_port(), drafter_port=free_port(), verifier_port=free_port(),
                 log_dir=self.out / "logs",
                 extra_args={"verifier": [*off, "--dtype", self.dtype, "--no-prefix-caching", *self.verifier_args],
-                            "drafter": [*off, "--dtype", self.dtype, "--quantize", quantize],
+                            "drafter": [*off, "--dtype", self.dtype, "--quantize", quantize,
+                                        *(["--branches", str(branches)] if branches is not None else [])],
                             "gateway": [*off, "--rest-port", "0"]},
             )
             self.cluster.start()
-            self.quantize = quantize
+            self.drafter_setting = (quantize, branches)
         return f"127.0.0.1:{self.cluster.gateway_port}"
 
     def stop(self) -> None:
@@ -256,6 +296,7 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         "verify_step_ms": None, "draft_token_ms": None, "round_ms": None, "overhead_ms": None, "draft_wait_ms": None,
         "speedup": None, "bound": None, "bound_fraction": None, "exact": None,
         "workload": run.get("workload", "code"), "fallbacks": None, "max_draft_wait_ms": None,
+        "branch_hit_rate": None, "branches_drafted": None, "branches_used": None,
     }
     if run["kind"] == "specdec" and spec.get("steps"):  # specdec rows: the per-round breakdown
         row["verify_step_ms"] = spec["verify_ms"] / spec["steps"]
@@ -267,6 +308,10 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         if spec.get("draft_tokens_sent"):
             row["draft_token_ms"] = spec["draft_ms"] / spec["draft_tokens_sent"]
     if run["kind"] == "specdec":
+        row["branches_drafted"] = int(spec.get("branches_drafted", 0))
+        row["branches_used"] = int(spec.get("branches_used", 0))
+        breaks = row["branches_used"] + int(spec.get("branch_misses", 0))
+        row["branch_hit_rate"] = row["branches_used"] / breaks if breaks else None
         row["fallbacks"] = int(spec.get("fallbacks", 0))
         row["max_draft_wait_ms"] = spec.get("max_draft_wait_ms", 0.0)
     row["_tokens"] = [r["tokens"] for r in reqs]
@@ -346,6 +391,7 @@ COLUMNS = [
     ("tpot_ms", "TPOT ms", "{:.0f}"), ("alpha", "α", "{:.2f}"), ("alpha_token", "α tok", "{:.2f}"), ("mean_accepted_length", "MAL", "{:.2f}"),
     ("verify_step_ms", "verify ms", "{:.0f}"), ("draft_token_ms", "draft ms/tok", "{:.0f}"),
     ("speedup", "speedup", "{:.2f}x"), ("bound_fraction", "of bound", "{:.0%}"), ("overhead_ms", "overhead ms", "{:.1f}"),
+    ("branch_hit_rate", "branch hits", "{:.0%}"),
     ("fallbacks", "fallbacks", "{}"), ("max_draft_wait_ms", "max wait ms", "{:.0f}"),
     ("exact", "exact", "{:.0%}"),
 ]
@@ -440,13 +486,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", choices=sorted(PAIRS), default="qwen-coder")
-    p.add_argument("--prompts", type=int, default=3, help="prompts from the built-in code set (batch-1 rows run each)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="prompts of the code workload (batch-1 rows run each); default: 3 built-in ones, or all of "
+                        "--prompts-file")
+    p.add_argument("--prompts-file", type=Path, metavar="F.jsonl",
+                   help='your prompts: JSONL, one {"prompt": "..."} per line (vLLM bench serve\'s custom dataset '
+                        "format); they replace the built-in code prompts, and the workloads default to code only")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (ignore_eos)")
     p.add_argument("--gammas", default="1,2,4,8")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--systems", help="only these systems (comma list), e.g. target-only,specdec")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help=f"comma list of {', '.join(WORKLOADS)} (see above); default: all")
+    p.add_argument("--workloads", default=None,
+                   help=f"comma list of {', '.join(WORKLOADS)} (see above); default: all (with --prompts-file: code)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.png, logs/")
     p.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens: a smoke run (CI)")
@@ -470,9 +521,15 @@ def main(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve(tok_ref)))
-    workloads = tuple(w for w in args.workloads.split(",") if w)
-    code_ids, code_texts = workload_prompts("code", tokenizer, args.prompts + 1)
-    warmup = tokenizer(code_texts[-1])["input_ids"]  # the code prompt after the measured ones
+    workloads = tuple(w for w in (args.workloads or ("code" if args.prompts_file else ",".join(WORKLOADS))).split(",") if w)
+    if args.prompts_file is not None:
+        code_ids, code_texts = file_prompts(args.prompts_file)
+        args.prompts = min(args.prompts or len(code_texts), len(code_texts))
+        warmup = tokenizer(code_texts[0][:200])["input_ids"]  # a warm-up request: the first prompt's opening
+    else:
+        args.prompts = args.prompts or 3
+        code_ids, code_texts = workload_prompts("code", tokenizer, args.prompts + 1)
+        warmup = tokenizer(code_texts[-1])["input_ids"]  # the code prompt after the measured ones
     texts = {w: (code_ids[:args.prompts], code_texts[:args.prompts]) if w == "code" else workload_prompts(w, tokenizer, 0)
              for w in workloads}
     prompts = {w: [tokenizer(t)["input_ids"] for t in ts] for w, (_, ts) in texts.items()}
@@ -515,7 +572,7 @@ def main(args: argparse.Namespace) -> int:
             else:
                 from benchmarks.systems import run_specdec
 
-                address = cluster.address(run.get("quantize", "int8"))
+                address = cluster.address(run.get("quantize", "int8"), run.get("branches"))
                 mine = os.sched_getaffinity(0)
                 os.sched_setaffinity(0, {cpus[-1]})  # the client lives on the drafter's host
                 try:
@@ -537,6 +594,7 @@ def main(args: argparse.Namespace) -> int:
             "command": "specdec bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
             "models": {"pair": args.models, "target": target_ref, "draft": draft_ref, "dtype": args.dtype},
             "prompts": texts.get("code", ([], []))[0], "prompt_tokens": [len(p) for p in prompts.get("code", [])],
+            "prompts_file": str(args.prompts_file) if args.prompts_file else None,
             "workloads": {w: {"prompts": texts[w][0], "prompt_tokens": [len(p) for p in prompts[w]]} for w in workloads},
             "max_tokens": args.max_tokens, "gammas": gammas, "concurrency": concurrency,
             "cores": {"target": cpus[0], "drafter": cpus[-1], "all": cpus}, "cpu": _cpu_model(),

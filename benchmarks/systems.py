@@ -198,6 +198,7 @@ def run_specdec(
             "steps": s.target_steps, "verify_ms": s.verify_ms, "draft_wait_ms": s.draft_wait_ms,
             "draft_ms": s.draft_ms, "draft_tokens_sent": s.tokens_received, "rejections": s.rejected_steps,
             "fallback": s.fallback_reason, "max_draft_wait_ms": s.max_draft_wait_ms,
+            "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "branch_misses": s.branch_misses,
         })
         on_request()
 
@@ -215,7 +216,8 @@ def run_specdec(
         requests.extend(outs)
     wall = time.perf_counter() - t0
     client.close()
-    keys = ("drafts", "draft_tokens", "accepted", "steps", "verify_ms", "draft_wait_ms", "draft_ms", "draft_tokens_sent", "rejections")
+    keys = ("drafts", "draft_tokens", "accepted", "steps", "verify_ms", "draft_wait_ms", "draft_ms", "draft_tokens_sent",
+            "rejections", "branches_drafted", "branches_used", "branch_misses")
     spec = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
     spec["fallbacks"] = sum(1 for r in requests if r["stats"]["fallback"])
     spec["max_draft_wait_ms"] = max((r["stats"]["max_draft_wait_ms"] for r in requests), default=0.0)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench
+from specdec.errors import UserError
 
 
 def _record(ttft: float, step: float, sizes: list[int], tokens: list[int] | None = None) -> dict:
@@ -97,6 +98,28 @@ def test_expected_tokens_closed_form() -> None:
         assert bench.expected_tokens(a, 4) == pytest.approx((1 - a**5) / (1 - a))
 
 
+def test_prompts_file_is_vllm_custom_jsonl(tmp_path: Path) -> None:
+    f = tmp_path / "mine.jsonl"
+    f.write_text(json.dumps({"prompt": "def f(x):\n"}) + "\n\n" + json.dumps({"prompt": "SELECT", "output_tokens": 9}) + "\n")
+    assert bench.file_prompts(f) == (["mine.jsonl:1", "mine.jsonl:3"], ["def f(x):\n", "SELECT"])
+    for bad, what in (('{"text": "x"}', "line 1: no `prompt` string"), ("not json", "line 1: not JSON"),
+                      ('{"prompt": ""}', "line 1: no `prompt` string"), ("", "no prompts")):
+        f.write_text(bad + "\n")
+        with pytest.raises(UserError, match=what):
+            bench.file_prompts(f)
+    with pytest.raises(UserError, match="missing.jsonl"):
+        bench.file_prompts(tmp_path / "missing.jsonl")
+
+
+def test_bench_with_a_bad_prompts_file_says_so_in_one_line(tmp_path: Path) -> None:
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"text": "x"}\n')
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--models", "tiny", "--prompts-file", str(f),
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "bad.jsonl line 1: no `prompt` string" in proc.stderr.strip().splitlines()[-1]
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench")
@@ -125,6 +148,7 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
     for system in ("vllm-ngram", "hf-assisted"):
         assert any(s == system for s, *_ in seen)
     assert ("vllm-draft", 4, 1, 2) in seen and ("specdec-fp32-draft", 4, 1, 1) in seen
+    assert ("specdec-no-branches", 4, 1, 1) in seen
     for row in rows:  # greedy: every system's output is the target's (batch 1)
         if row["concurrency"] == 1 and row["system"] != "hf-assisted":
             assert row["exact"] == 1.0, row
