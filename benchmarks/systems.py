@@ -48,7 +48,7 @@ def _batches(prompts: list[list[int]], concurrency: int) -> list[list[list[int]]
 # ---- vLLM in-engine (target-only, draft_model, ngram) -----------------------------------
 def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
     """job: target, speculative_config (None: target-only), threads, prompts, max_tokens,
-    concurrency (list), kv_cache_gib, dtype."""
+    concurrency (list), kv_cache_gib, dtype, async_scheduling (optional: None is vLLM's default)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
@@ -63,6 +63,7 @@ def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
         max_num_seqs=32, enforce_eager=True, enable_prefix_caching=False,
         kv_cache_memory_bytes=int(job["kv_cache_gib"] * (1 << 30)),
         speculative_config=job["speculative_config"], disable_log_stats=False,
+        async_scheduling=job.get("async_scheduling"),  # None: vLLM's default (on where supported)
     ))
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.DELTA)

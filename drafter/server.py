@@ -239,7 +239,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                                            "prompt's end to the context's end)")
                     if c.gamma and not 1 <= c.gamma <= MAX_GAMMA_LIMIT:
                         raise InvalidField("commit.gamma", f"{c.gamma} is out of range [1, {MAX_GAMMA_LIMIT}]")
-                    session.commit(c.start_position, list(c.token_ids), c.gamma)
+                    session.commit(c.start_position, list(c.token_ids), c.gamma, c.hold)
                     self.worker.wake()
             except InvalidField as err:
                 out.put_nowait(err)

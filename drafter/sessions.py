@@ -91,6 +91,7 @@ class DraftSession:
         self.lock = threading.Lock()
         self.closed = False
         self.started = False  # drafting starts with the first commit (the target's first token)
+        self.held = False  # the verifier holds this request's drafts (adaptive gamma backed it off)
         self.ready = False  # the prefill is done and announced
         self.prefill_ms = 0.0
         self.exhausted = False  # the method has nothing more to propose for this context
@@ -122,7 +123,7 @@ class DraftSession:
             return False
         if not self.ready:
             return True  # the prefill, or just the `Ready` announcing it
-        if not self.started:
+        if not self.started or self.held:
             return False
         return not self.exhausted and len(self.context) - self.committed < self.window
 
@@ -133,10 +134,12 @@ class DraftSession:
         target's own prefill, and drafts other verifiers are waiting for come first."""
         return self.started and self.wants_work() and (not self.ready or len(self.context) - self.committed < self.gamma)
 
-    def commit(self, start: int, tokens: list[int], gamma: int = 0) -> None:
-        """Apply a target verdict: context[:start] + tokens is now verified."""
+    def commit(self, start: int, tokens: list[int], gamma: int = 0, hold: bool = False) -> None:
+        """Apply a target verdict: context[:start] + tokens is now verified. `hold`: the
+        verifier backed this request off (DraftCommit.hold): draft nothing until a commit without."""
         with self.lock:
             self.started = True
+            self.held = hold
             if gamma:
                 self.gamma = gamma
             end = start + len(tokens)
@@ -261,7 +264,7 @@ class DraftSession:
         """Whether the session has branch work: it is idle otherwise (its window is full) and
         a candidate branch is not drafted yet."""
         with self.lock:
-            return (self.branches > 0 and self.ready and self.started and not self.closed
+            return (self.branches > 0 and self.ready and self.started and not self.closed and not self.held
                     and not self.wants_work() and not self._resend
                     and (self._branch_job is not None or self._next_branches() is not None))
 

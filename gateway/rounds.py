@@ -113,6 +113,7 @@ class Stats:
     branches_drafted: int = 0  # pre-drafted branches relayed
     branches_used: int = 0  # steps whose drafts came from a branch (a branch hit)
     branch_misses: int = 0  # steps after a broken chain that found no branch
+    held_steps: int = 0  # verdicts with hold_drafts: adaptive gamma held the drafter
 
     @property
     def branch_hit_rate(self) -> float:
@@ -129,6 +130,7 @@ class Stats:
         self.completion_tokens += len(v.token_ids)
         self.computed += v.computed_tokens
         self.branch_misses += v.branch_miss
+        self.held_steps += v.hold_drafts
         if v.drafted:
             self.speculative_steps += 1
             self.drafted += v.drafted
@@ -169,6 +171,7 @@ class Stats:
             branches_used=self.branches_used,
             branch_hit_rate=self.branch_hit_rate,
             branch_misses=self.branch_misses,
+            held_steps=self.held_steps,
         )
 
 
@@ -233,6 +236,7 @@ class Round:
         self.vocab_size = vocab_size
         self._blocks_since_commit = 0  # blocks the drafter sent since the latest commit
         self._ready_seen = False
+        self._hold = False  # the drafter is told to hold (the verifier's hold_drafts)
 
     def _fallback(self, reason: str) -> None:
         """The drafter is gone: tell the verifier to stop waiting for it and go on plainly."""
@@ -369,6 +373,7 @@ class Round:
             "specdec.computed_tokens": v.computed_tokens,
             "specdec.queue_ms": round(v.queue_ms, 3),
             "specdec.branch": v.branch,
+            "specdec.hold_drafts": v.hold_drafts,
             **{f"specdec.stage.{k}_ms": round(ms, 3) for k, ms in stages.items()},
         })
         if self.stats.verdicts == 1:
@@ -418,19 +423,33 @@ class Round:
         self.span.end()
 
     def _commit(self, v: "pb.VerifyResponse") -> None:
-        """Tell the drafter what the target produced (only what it was not told yet)."""
+        """Tell the drafter what the target produced (only what it was not told yet), and
+        whether the verifier holds its drafts (a verdict's hold_drafts; previews keep the hold)."""
+        if self._dcall is None or self.stats.fallback_reason:
+            return
         end = v.start_position + len(v.token_ids)
-        if self._dcall is None or self.stats.fallback_reason or end <= self._committed:
+        hold = self._hold if v.preview else v.hold_drafts
+        if end <= self._committed:
+            if hold != self._hold:  # nothing new but the hold: an empty commit carries it
+                self._hold = hold
+                if hold:
+                    self._owed_since = None  # a held drafter owes no answer
+                self._to_drafter.put_nowait(pb.DraftRequest(commit=pb.DraftCommit(start_position=self._committed,
+                                                                                   hold=hold)))
             return
         skip = max(0, self._committed - v.start_position)
-        if self._owed_since is None:
+        self._hold = hold
+        if hold:
+            self._owed_since = None
+        elif self._owed_since is None:
             self._owed_since, self._owed_at = time.monotonic(), v.start_position + skip
             self._owing.set()
         self._blocks_since_commit = 0
         self._to_drafter.put_nowait(
             pb.DraftRequest(
                 commit=pb.DraftCommit(
-                    start_position=v.start_position + skip, token_ids=v.token_ids[skip:], accepted=v.accepted
+                    start_position=v.start_position + skip, token_ids=v.token_ids[skip:], accepted=v.accepted,
+                    hold=hold,
                 )
             )
         )

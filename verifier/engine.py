@@ -55,6 +55,7 @@ class Verdict:
     stop_token: bool = False  # the last token is the stop token (EOS or a stop_token_id) that ended it
     branch: bool = False  # the drafts verified came from a pre-drafted branch (DraftBoard's terms)
     branch_miss: bool = False  # the step followed a broken chain and no branch had its drafts
+    hold_drafts: bool = False  # adaptive gamma holds this request's drafts (DraftBoard.holding)
 
 
 @dataclass
@@ -373,7 +374,8 @@ class TargetEngine:
         self.metrics.computed_tokens.inc(computed)
         live.generated += len(tokens)
         verdict = Verdict(start, tokens, len(proposal), accepted, finish, computed, batch_size, step_ms, wait_ms, queue_ms,
-                          logprobs=logprobs, stop_token=stop_token, branch=from_branch, branch_miss=branch_miss)
+                          logprobs=logprobs, stop_token=stop_token, branch=from_branch, branch_miss=branch_miss,
+                          hold_drafts=self.board.holding(live.engine_id))
         if finish is not None:
             self._live.pop(live.req.request_id, None)
             self._by_engine_id.pop(live.engine_id, None)

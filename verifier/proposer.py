@@ -17,7 +17,9 @@ request's row to the board (`preview`, then `propose_batch`), which:
      yet, i.e. is still prefilling or is stalled, gets the margin alone); the whole step
      waits at most `wait_s`, and with `adaptive` only while the missing drafts are worth
      the wait. A request with no block in time gets [] and
-     decodes plainly this step.
+     decodes plainly this step. A request adaptive gamma gives no drafts at all is `held`:
+     its verdicts say so (VerifyResponse.hold_drafts) and its drafter stops drafting until
+     the budget comes back (as its acceptance history fades, verifier.budget.DECAY).
 vLLM then verifies the drafts in its next step with its own scheduler, KV cache (no
 recompute of verified tokens) and rejection sampler (one-hot q, which is exact).
 
@@ -100,6 +102,7 @@ class _Entry:
     from_branch: set[int] = field(default_factory=set)  # lengths whose proposal came from a branch
     missed: set[int] = field(default_factory=set)  # lengths whose step found no branch after a break
     broken: tuple[int, list[int]] = (0, [])  # the chain the target last broke (start, tokens)
+    held: bool = False  # adaptive gamma backed it off: its drafter is told to stop (see `holding`)
 
 
 class DraftBoard:
@@ -344,8 +347,11 @@ class DraftBoard:
             arrivals = self._arrivals
             drafts = [self._peek(rid, ctx, k_max) for rid, ctx in rows]
             want, alphas = self._budgets(rows, k_max)
-            # each row is waited for until its missing drafts are expected (plus slack and margin)
-            until = [t0 + self._expected_wait_s(rid, w - len(d)) for (rid, _), d, w in zip(rows, drafts, want)]
+            # each row is waited for until its missing drafts are expected (plus slack and margin);
+            # a row whose drafter was told to hold is not: it drafts again from this step's verdict
+            held = self._hold(rows, want, k_max)
+            until = [t0 if h else t0 + self._expected_wait_s(rid, w - len(d))
+                     for (rid, _), d, w, h in zip(rows, drafts, want, held)]
             while True:
                 now = time.monotonic()
                 missing = [i for i, (rid, ctx) in enumerate(rows)
@@ -388,6 +394,28 @@ class DraftBoard:
         if withheld:
             self.metrics.withheld_draft_tokens.inc(withheld)
         return drafts
+
+    def _hold(self, rows: list[tuple[str, np.ndarray]], want: list[int], k_max: int) -> list[bool]:
+        """Update each row's hold from its budget (adaptive only): a drafting row that could verify
+        drafts (gamma, room left) but got none is held, one that got some is released. Returns
+        whether each row was held before (its drafter has not drafted since)."""
+        before = []
+        for (rid, ctx), w in zip(rows, want):
+            e = self._entries.get(rid)
+            if e is None:
+                before.append(False)
+                continue
+            before.append(e.held)
+            cap = min(k_max, self._budget(e, len(ctx)))
+            e.held = self.adaptive and e.drafting and cap > 0 and w == 0
+        return before
+
+    def holding(self, req_id: str) -> bool:
+        """Whether adaptive gamma holds the request's drafts (VerifyResponse.hold_drafts): it
+        verified none of them in the step just proposed for, though it could have."""
+        with self._cond:
+            e = self._entries.get(req_id)
+            return e is not None and e.held
 
     def take_proposal(self, req_id: str, length: int) -> list[int]:
         """The drafts proposed when the context had `length` tokens (forgotten after)."""

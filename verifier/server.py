@@ -45,6 +45,7 @@ def verdict_pb(v: Verdict) -> "pb.VerifyResponse":
         stop_token=v.stop_token,
         branch=v.branch,
         branch_miss=v.branch_miss,
+        hold_drafts=v.hold_drafts,
     )
 
 

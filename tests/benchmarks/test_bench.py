@@ -149,6 +149,7 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
         assert any(s == system for s, *_ in seen)
     assert ("vllm-draft", 4, 1, 2) in seen and ("specdec-fp32-draft", 4, 1, 1) in seen
     assert ("specdec-no-branches", 4, 1, 1) in seen
+    assert ("target-only-sync", 0, 1, 1) in seen and ("target-only-sync", 0, 16, 1) in seen  # async scheduling off
     for row in rows:  # greedy: every system's output is the target's (batch 1)
         if row["concurrency"] == 1 and row["system"] != "hf-assisted":
             assert row["exact"] == 1.0, row
@@ -156,7 +157,7 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
     spec1 = [r for r in rows if r["system"].startswith("specdec") and r["gamma"] and r["concurrency"] == 1]
     assert all(r[k] is not None for r in spec1 for k in ("alpha", "alpha_token", "bound_fraction", "overhead_ms",
                                                          "verify_step_ms", "draft_token_ms"))
-    assert set(report["goals"]) == set(bench.GOALS)
+    assert set(report["goals"]) == set(bench.GOALS) | {"branch_hit_rate"}
     # the realistic workloads: a long prompt (specdec against its own gamma 0) and 8 requests at once
     assert {w: len(v["prompt_tokens"]) for w, v in report["meta"]["workloads"].items()} == {"code": 2, "long": 1, "c8": 8}
     realistic = {(r["workload"], r["system"], r["gamma"], r["concurrency"]) for r in rows if r["workload"] != "code"}

@@ -224,3 +224,17 @@ def test_branches_wait_for_drafting_and_are_off_at_zero(model) -> None:
     s = _branchy(model, [1, 2, 3])
     s.commit(3, [4])
     assert s.wants_work() and not s.wants_branch()  # the chain first
+
+
+def test_a_held_session_drafts_nothing_until_released(model) -> None:
+    s = _branchy(model, [1, 2, 3])
+    _drain(s)  # the prefill is not held: it is the prompt's, needed either way
+    s.commit(3, [4], hold=True)  # the verifier backed the request off
+    assert not s.wants_work() and not s.wants_branch() and not s.urgent()
+    before = s.forward_tokens
+    s.commit(4, [5], hold=True)
+    assert not s.wants_work() and s.forward_tokens == before
+    s.commit(5, [6])  # released: drafts from the verified context, at once
+    assert s.urgent()
+    start, drafts = _drafted(s)
+    assert start == 6 and drafts[: s.gamma] == _greedy(model, [1, 2, 3, 4, 5, 6], s.gamma)

@@ -225,8 +225,8 @@ def test_a_cancelled_client_cancels_both_calls() -> None:
     assert r.stats.completion_tokens == 1 and not r.stats.fallback_reason
 
 
-def _v(tokens: int, drafted: int = 0, accepted: int = 0, computed: int = 0) -> "pb.VerifyResponse":
-    return pb.VerifyResponse(token_ids=[1] * tokens, drafted=drafted, accepted=accepted, computed_tokens=computed)
+def _v(tokens: int, drafted: int = 0, accepted: int = 0, computed: int = 0, **kw) -> "pb.VerifyResponse":
+    return pb.VerifyResponse(token_ids=[1] * tokens, drafted=drafted, accepted=accepted, computed_tokens=computed, **kw)
 
 
 def test_stats_definitions() -> None:
@@ -437,3 +437,54 @@ def test_the_vocabulary_is_asked_once_per_verifier_stub_or_given() -> None:
     r, verifier, _, _ = asyncio.run(_hostile([_block(4, [50])], vocab_size=40))  # given: not asked
     assert r.vocab_size == 40 and r.stats.invalid_blocks == 1
     assert r.verifier_stub.asked == 0
+
+
+def test_a_branch_block_may_carry_gamma_plus_one_tokens_and_is_relayed_as_a_branch() -> None:
+    branch = _block(4, [1, 2, 3, 4], branch=True)  # the correction, then gamma + 1 drafts: one too many
+    r, verifier, _, _ = asyncio.run(_hostile([_block(4, [1, 2, 3], branch=True), branch]))
+    relayed = _relayed(verifier)
+    assert [list(b.token_ids) for b in relayed[:2]] == [[1, 2, 3], [1, 2, 3]] and all(b.branch for b in relayed[:2])
+    assert r.stats.invalid_blocks == 1 and r.stats.branches_drafted == 2
+
+
+def test_branch_stats() -> None:
+    s = Stats(gamma=4, drafter=pb.DRAFT_METHOD_MODEL)
+    for v in (_v(1), _v(2, 4, 1, 5), _v(5, 4, 4, 5, branch=True), _v(2, 4, 1, 5), _v(1, branch_miss=True)):
+        s.add_verdict(v)
+    p = s.to_pb()
+    assert (p.branches_used, p.branch_misses) == (1, 1) and p.branch_hit_rate == pytest.approx(0.5)
+
+
+def test_the_verifier_hold_reaches_the_drafter_and_it_owes_nothing_while_held() -> None:
+    """hold_drafts on a verdict: the drafter gets a commit with hold (an empty one when the
+    verdict adds no token); while held, a silent drafter is no failure; a verdict without
+    hold releases it."""
+
+    async def scenario() -> tuple[Round, FakeCall]:
+        verifier, drafter = FakeCall(), FakeCall()
+        r = _round(verifier, drafter)
+        r.plan.sampling.max_tokens = 20
+        run = asyncio.create_task(_collect(r))
+        verifier.responses.put_nowait(_verdict(3, [10], preview=True))
+        verifier.responses.put_nowait(_verdict(3, [10], hold_drafts=True))  # no new token: an empty commit
+        while sum(m.WhichOneof("kind") == "commit" for m in drafter.written) < 2:
+            drafter.wrote.clear()
+            await drafter.wrote.wait()
+        verifier.responses.put_nowait(_verdict(4, [11], hold_drafts=True))
+        await asyncio.sleep(3 * TIMEOUT_S)  # the drafter, held, stays silent: no fallback
+        verifier.responses.put_nowait(_verdict(5, [12]))  # released
+        while sum(m.WhichOneof("kind") == "commit" for m in drafter.written) < 4:
+            drafter.wrote.clear()
+            await drafter.wrote.wait()
+        drafter.responses.put_nowait(pb.DraftResponse(block=pb.DraftBlock(start_position=6, token_ids=[13],
+                                                                         committed_length=6)))
+        await verifier.written_kind("block")
+        verifier.responses.put_nowait(_verdict(6, [13], finish=True, drafted=1, accepted=1))
+        await run
+        return r, drafter
+
+    r, drafter = asyncio.run(scenario())
+    commits = [m.commit for m in drafter.written if m.WhichOneof("kind") == "commit"]
+    assert [(c.start_position, list(c.token_ids), c.hold) for c in commits] == [
+        (3, [10], False), (4, [], True), (4, [11], True), (5, [12], False), (6, [13], False)]
+    assert not r.stats.fallback_reason and r.stats.to_pb().held_steps == 2

@@ -131,3 +131,35 @@ def test_adaptive_board_proposes_a_full_block_at_batch_one() -> None:
     b = _adaptive_board(800.0, 55.0, (1, 5, 9))
     during_wait(b, lambda: b.offer("r", 3, [4, 4, 4, 4]))
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[4, 4, 4, 4]]
+
+
+def test_a_backed_off_request_holds_its_drafter_until_it_is_retried() -> None:
+    """Budget 0 with drafts possible: `holding` (the verdicts' hold_drafts) until the budget
+    comes back; the step that releases it does not wait (its drafter has not drafted)."""
+    b = _adaptive_board(100.0, 10.0, (1, 5, 16, 40))
+    b.register("low", gamma=4, prompt_len=2, max_tokens=100)
+    b.ready("low", 100.0)
+    for _ in range(20):
+        b.record("low", 4, 0)  # alpha ~ 0: its drafts do not pay for themselves
+    ctx = np.array([1, 2, 5])
+    assert b.propose_batch([("r", ctx), ("low", ctx)], 8) == [[], []]
+    assert b.holding("low") and not b.holding("r")
+    steps = 0
+    while b.holding("low"):  # steps without its drafts: its history fades back to the prior
+        b.take_proposal("low", 3)
+        b.record("low", 0, 0)
+        never_waits(b)
+        b.propose_batch([("r", ctx), ("low", ctx)], 8)
+        steps += 1
+        assert steps < 100
+    assert not b.holding("low")  # re-tried, and that step did not wait for it (never_waits)
+
+
+def test_a_row_at_its_end_is_not_held() -> None:
+    b = _adaptive_board(1.0, 10.0, (1, 2, 3, 40))
+    b.register("end", gamma=4, prompt_len=2, max_tokens=1)  # nothing left to draft for
+    never_waits(b)
+    b.propose_batch([("end", np.array([1, 2, 5]))], 8)
+    assert not b.holding("end")
+    b.propose_batch([("r", np.array([1, 2, 5]))], 8)
+    assert b.holding("r")  # saturated: 1 ms base, 10 ms per token
