@@ -105,7 +105,7 @@ class DraftSession:
         self.inject_every = 0
         # pre-drafted branches (see the module's terms); branches = 0: none
         self.branches = 0  # most branches per committed context
-        self.branch_alts = 2  # alternatives considered per position
+        self.branch_alts = 3  # alternatives considered per position (the draft's 2nd-4th likeliest tokens)
         self._drafted: dict[int, Draft] = {}  # position -> the Draft of the context's token there
         self._branches: dict[tuple[int, int], list[Draft]] = {}  # (p, t) -> drafts after t
         self._branch_job: object | None = None  # a branch batch under way (subclass state)
@@ -404,7 +404,8 @@ class ModelDraftSession(DraftSession):
         import copy
 
         cache = copy.deepcopy(self.cache)
-        cache.crop(position)  # cached >= position: every drafted position but the last is cached
+        if self.cached > position:  # cached >= position: every drafted position but the last is cached
+            cache.crop(position - self.cached)
         if len(corrections) > 1:
             cache.batch_repeat_interleave(len(corrections))
         return {"position": position, "corrections": corrections, "cache": cache, "ms": 0.0,
@@ -430,7 +431,7 @@ class ModelDraftSession(DraftSession):
 
     def _rollback(self, keep: int) -> None:
         if self.cached > keep:
-            self.cache.crop(keep)
+            self.cache.crop(keep - self.cached)  # negative: drop that many (a positive length is deprecated)
             self.cached = keep
 
 

@@ -8,6 +8,7 @@
     specdec eval-draft [--target T --draft D]     draft agreement, step costs, predicted speedups
     specdec traces FILE... [--request ID]         slowest rounds, spikes by stage, one request's timeline
     specdec bench [--quick]                       specdec vs vLLM and transformers, side by side
+    specdec bench-link [--quick]                  specdec's speedup across a delayed network link
 
 An error you can fix prints one line, `specdec: error: <what is wrong>; <what to do>`, and
 exits with status 2 (an unexpected one: status 1, Ctrl-C: 130). `specdec --debug COMMAND`
@@ -157,6 +158,8 @@ def format_stats(stats, usage, total_ms: float, first_ms: float) -> str:
         f"  drafted={s.drafted_tokens} accepted={s.accepted_tokens} acceptance_rate={s.acceptance_rate:.3f} "
         f"mean_accepted_length={s.mean_accepted_length:.2f} tokens_per_step={s.tokens_per_step:.2f}",
         f"  accepted_per_position={list(s.accepted_per_position)} target_computed_tokens={s.target_computed_tokens}",
+        f"  branches: drafted={s.branches_drafted} used={s.branches_used} missed={s.branch_misses} "
+        f"hit_rate={s.branch_hit_rate:.2f}" + (f" held_steps={s.held_steps}" if s.held_steps else ""),
     ]
     if s.drafter_fallback:
         lines.append(f"  drafter fallback: {s.fallback_reason}")
@@ -349,6 +352,7 @@ _TOOLS = {
     "eval-draft": "measure a draft's agreement with the target and predict speedups",
     "traces": "inspect exported spans: slowest rounds, spikes, one request's timeline",
     "bench": "specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
+    "bench-link": "specdec's speedup across a delayed network link (namespaces, delay proxies), with and without branches",
 }
 
 
@@ -361,6 +365,10 @@ def _add_tool(sub: argparse._SubParsersAction, name: str) -> None:
         from specdec import traces
 
         traces.add_parser(sub)
+    elif name == "bench-link":
+        from benchmarks import link
+
+        link.add_parser(sub)
     else:
         from benchmarks import bench
 

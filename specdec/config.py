@@ -140,7 +140,7 @@ class DrafterConfig(TransportConfig):
         "(one block per round).")
     flush_ms: float = setting(50.0, "A partial block is sent when its first token waited this long (ms).")
     branches: int = setting(
-        3,
+        6,
         "Pre-drafted branches per round (0: off). With its window full, the drafter drafts continuations "
         "for the likeliest rejections (position p, correction t among the draft's top alternatives), best "
         "first; the verifier picks the one that matches its verdict inside the step (no round trip). "
