@@ -21,6 +21,13 @@ Terms:
                    when acceptances are independent with probability alpha
     acceptance by offset
                    at gamma_max, P(offset k accepted | offsets < k accepted), k = 0 .. gamma_max-1
+    rank[j]        the rank of continuation[j] among the draft's tokens there (0: its argmax, a
+                   match). At a mismatch (a rejection in a greedy round) the target's token is
+                   the correction, and rank <= k means a pre-drafted branch on the draft's k
+                   likeliest alternatives (the drafter's branch_alts) bets on it
+    branch coverage
+                   at mismatches, P(rank <= k) for k = 1, 2, 3: the most a branch hit rate can
+                   reach with k alternatives per position
     decode step    one forward of one token with a KV cache (median over a few steps, after a
                    warm-up); c = draft decode step / target decode step
     verify cost v  target forward of gamma+1 tokens with a KV cache / target decode step
@@ -78,6 +85,7 @@ class PromptResult:
     continuation_tokens: int
     alpha: float
     matches: list[bool] = field(repr=False)
+    ranks: list[int] = field(default_factory=list, repr=False)  # rank[j] (see the module's terms)
 
 
 @dataclass
@@ -121,6 +129,7 @@ class Report:
     acceptance_gamma: int
     acceptance_by_offset: list[float | None]
     costs: Costs
+    branch_coverage: list[float | None]  # [k-1]: P(rank <= k | mismatch), k = 1, 2, 3
     per_gamma: list[GammaResult]
     per_prompt: list[PromptResult]
     seconds: dict[str, float]
@@ -129,7 +138,7 @@ class Report:
         """Every number, JSON-ready (per-prompt match lists left out)."""
         d = asdict(self)
         for p in d["per_prompt"]:
-            del p["matches"]
+            del p["matches"], p["ranks"]
         return d
 
 
@@ -205,13 +214,27 @@ def greedy_continuation(model: Any, prompt_ids: list[int], max_new_tokens: int, 
 
 def draft_matches(draft: Any, prompt_ids: list[int], continuation: list[int]) -> list[bool]:
     """match[j] for every continuation position, from ONE teacher-forced forward of the draft."""
+    return [r == 0 for r in draft_ranks(draft, prompt_ids, continuation)]
+
+
+def draft_ranks(draft: Any, prompt_ids: list[int], continuation: list[int]) -> list[int]:
+    """rank[j] for every continuation position (see the module's terms), from ONE teacher-forced
+    forward of the draft."""
     import torch
 
     ids = torch.tensor([prompt_ids + continuation[:-1]])
     # logits at position t predict token t+1: the last len(continuation) rows predict the continuation
     with torch.inference_mode():
-        guesses = draft(input_ids=ids).logits[0, len(prompt_ids) - 1:].argmax(-1)
-    return (guesses == torch.tensor(continuation)).tolist()
+        logits = draft(input_ids=ids).logits[0, len(prompt_ids) - 1:]  # [len(continuation), vocab]
+        chosen = logits.gather(1, torch.tensor(continuation)[:, None])  # [len(continuation), 1]
+        return (logits > chosen).sum(-1).tolist()  # tokens the draft ranks above the target's
+
+
+def branch_coverage(ranks: Sequence[int], k_max: int = 3) -> list[float | None]:
+    """[k-1]: at mismatches, the share whose target token is within the draft's k likeliest
+    alternatives (rank <= k), k = 1 .. k_max (None: no mismatch)."""
+    missed = [r for r in ranks if r > 0]
+    return [sum(r <= k for r in missed) / len(missed) if missed else None for k in range(1, k_max + 1)]
 
 
 def simulate_rounds(matches: Sequence[bool], gamma: int) -> list[int]:
@@ -315,8 +338,10 @@ def evaluate(
     for p in tqdm(prompts, desc="prompts", unit="prompt", file=sys.stderr, disable=not progress):
         prompt_ids = list(tokenizer.encode(p.prompt))
         continuation = greedy_continuation(target, prompt_ids, max_new_tokens, stop)
-        matches = draft_matches(draft, prompt_ids, continuation)
-        results.append(PromptResult(p.id, len(prompt_ids), len(continuation), statistics.fmean(matches), matches))
+        ranks = draft_ranks(draft, prompt_ids, continuation)
+        matches = [r == 0 for r in ranks]
+        results.append(PromptResult(p.id, len(prompt_ids), len(continuation), statistics.fmean(matches), matches,
+                                    ranks))
         contexts.append(prompt_ids + continuation)
     t2 = time.perf_counter()
 
@@ -330,7 +355,8 @@ def evaluate(
         target=target_ref, draft=draft_ref, max_new_tokens=max_new_tokens, gammas=list(gammas),
         prompts=len(results), positions=positions, alpha=alpha,
         acceptance_gamma=gammas[-1], acceptance_by_offset=acceptance_by_offset(accepted[gammas[-1]], gammas[-1]),
-        costs=costs, per_gamma=[gamma_result(g, accepted[g], alpha, costs) for g in gammas],
+        costs=costs, branch_coverage=branch_coverage([x for r in results for x in r.ranks]),
+        per_gamma=[gamma_result(g, accepted[g], alpha, costs) for g in gammas],
         per_prompt=results,
         seconds={"load": t1 - t0, "agreement": t2 - t1, "timing": t3 - t2, "total": t3 - t0},
     )
@@ -348,6 +374,8 @@ def format_table(r: Report) -> str:
         f"prompts {r.prompts}, continuation positions {r.positions} (max {r.max_new_tokens} per prompt)",
         f"alpha (per-token greedy agreement): {r.alpha:.3f}",
         f"acceptance by offset at gamma {r.acceptance_gamma}: {offsets}",
+        "branch coverage (at a mismatch, the target's token is within the draft's k likeliest alternatives): "
+        + "  ".join(f"k={k}: {'-' if x is None else f'{x:.2f}'}" for k, x in enumerate(r.branch_coverage, 1)),
         f"decode step: target {c.target_decode_ms:.1f} ms, draft {c.draft_decode_ms:.1f} ms, "
         f"c = {c.c:.3f}  (context {c.context_tokens} tokens)",
         "",

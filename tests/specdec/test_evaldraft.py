@@ -106,8 +106,11 @@ def test_json_has_every_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "co-located speedup" in capsys.readouterr().out
     d = json.loads(out.read_text())
     assert set(d) == {"target", "draft", "max_new_tokens", "gammas", "prompts", "positions", "alpha",
-                      "acceptance_gamma", "acceptance_by_offset", "costs", "per_gamma", "per_prompt", "seconds"}
+                      "acceptance_gamma", "acceptance_by_offset", "costs", "per_gamma", "per_prompt", "seconds",
+                      "branch_coverage"}
     assert d["gammas"] == [1, 3] and d["prompts"] == 2 and d["acceptance_gamma"] == 3
+    cover = d["branch_coverage"]
+    assert len(cover) == 3 and all(0 <= x <= 1 for x in cover) and cover == sorted(cover)  # more alternatives, more cover
     assert len(d["acceptance_by_offset"]) == 3
     assert set(d["costs"]) == {"context_tokens", "target_decode_ms", "draft_decode_ms", "c", "verify_ms",
                                "verify_over_decode"}
@@ -132,3 +135,8 @@ def test_json_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     captured = capsys.readouterr()
     assert json.loads(captured.out)["alpha"] == 1.0
     assert "alpha" in captured.err  # the table moves to stderr
+
+
+def test_branch_coverage_counts_mismatches_by_rank() -> None:
+    assert evaldraft.branch_coverage([0, 0, 1, 2, 5, 1]) == [0.5, 0.75, 0.75]
+    assert evaldraft.branch_coverage([0, 0]) == [None, None, None]
