@@ -446,7 +446,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         if pts:
             ax.plot(*zip(*pts), style, label=f"{system} (1 target core)")
     for r in rows:
-        if r["concurrency"] == 1 and r["system"] in ("vllm-ngram", "hf-assisted", "specdec-fp32-draft") or (r["system"] == "vllm-draft" and r["cores"] > 1):
+        if r["concurrency"] == 1 and r["system"] in ("vllm-ngram", "hf-assisted", "specdec-fp32-draft", "specdec-no-branches") or (r["system"] == "vllm-draft" and r["cores"] > 1):
             if r["speedup"]:
                 ax.plot([r["gamma"]], [r["speedup"]], "x", ms=9, label=f"{r['system']} γ={r['gamma']} ({r['cores']} core)")
     ax.axhline(1.0, color="grey", lw=0.8)

@@ -229,7 +229,8 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                     if msg.WhichOneof("kind") != "commit":
                         raise InvalidField("commit", "only commits may follow `open`")
                     c = msg.commit
-                    check_token_ids("commit.token_ids", c.token_ids, self.vocab_size)
+                    # empty: a commit that only changes the hold (or gamma)
+                    check_token_ids("commit.token_ids", c.token_ids, self.vocab_size, allow_empty=True)
                     # a commit verifies tokens at the end of what is verified: it starts within the
                     # context (past the prompt), never beyond it (positions are uint32 on the wire)
                     prompt_len, known = len(opened.prompt_token_ids), len(session.context)

@@ -49,6 +49,8 @@ TIMEOUT_S = 300
 # dropped), with the reason. test_not_run_lists_only_readme_commands keeps this list honest.
 _SERVICE = "a long-running service; `specdec up` (run here) starts the same `specdec serve` commands"
 _BENCH = "the full benchmark takes minutes even on tiny; `specdec bench --quick` runs in tests/benchmarks/test_bench.py"
+_LINK = ("makes network namespaces and runs the benchmark across them (minutes); `specdec bench-link --quick` "
+         "runs in tests/benchmarks/test_link.py")
 _QWEN_DEFAULTS = ("no pair on the line to replace (eval-draft's defaults are the qwen-coder pair); the same "
                   "command on tiny runs from the `specdec eval-draft --target ... --draft ...` line")
 NOT_RUN = {
@@ -63,13 +65,17 @@ NOT_RUN = {
     "--verifier-address 10.0.0.1:50053": _SERVICE,
     "specdec bench --models qwen-coder --out bench-results": _BENCH,
     "specdec bench --models qwen-coder --workloads long,c8 --systems target-only,specdec --out bench-long-c8": _BENCH,
+    "specdec bench --models qwen-coder --prompts-file my-prompts.jsonl --systems target-only,vllm-draft,specdec "
+    "--gammas 2,4 --concurrency 1,8 --out bench-mine": _BENCH,
+    "specdec bench-link --models qwen-coder --out bench-link-results": _LINK,
+    "specdec bench-link --quick": _LINK,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 64": _QWEN_DEFAULTS,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 48 --limit 4 --gammas 4 --quantize int8":
         _QWEN_DEFAULTS,
 }
 # Commands that need a running gateway (or what it exported) and long-running ones.
 AGAINST_UP = {"generate", "traces"}
-LONG_RUNNING = {"serve", "bench", "demo"}
+LONG_RUNNING = {"serve", "bench", "bench-link", "demo"}
 
 
 @dataclass(frozen=True)
