@@ -52,7 +52,6 @@ import json
 import math
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -61,6 +60,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.netns import Network, unavailable_reason
 from specdec.models import PAIRS
 
 QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "rtt_fractions": "0,0.25"}
@@ -74,77 +74,13 @@ PROXY_PORTS = {"drafter": 60052, "verifier": 60053}  # the delay proxies, on the
 READY_TIMEOUT_S = 900.0
 
 
-# ---- hosts: network namespaces ---------------------------------------------------------------
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
-def unavailable_reason() -> str | None:
-    """Why network namespaces cannot be made here (None: they can)."""
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    name = f"sdl-probe-{os.getpid()}"
-    try:
-        _ip("netns", "add", name)
-    except subprocess.CalledProcessError as err:
-        return f"`ip netns add` failed: {err.stderr.strip()}"
-    _ip("netns", "del", name)
-    return None
-
-
+# ---- hosts: network namespaces (benchmarks/netns.py) -------------------------------------------
 NAMESPACE_PREFIX = "sdl-"  # every namespace this bench makes is named sdl-<role>-<pid>
 
 
-class Hosts:
-    """Hosts (network namespaces) on one private bridged subnet, made on construction and
-    deleted by close(): each host has an `eth0` on 10.232.N.0/24 (N from the process id) plugged
-    into a bridge in a namespace of its own, and loopback up."""
-
-    def __init__(self, hosts: tuple[str, ...] = HOSTS) -> None:
-        pid = os.getpid()
-        self.subnet = f"10.232.{pid % 250}"
-        self.lan = f"{NAMESPACE_PREFIX}lan-{pid}"
-        self.hosts = {h: (f"{NAMESPACE_PREFIX}{h}-{pid}", f"{self.subnet}.{i + 1}") for i, h in enumerate(hosts)}
-        self._made: list[str] = []
-        try:
-            self._add(self.lan)
-            _ip("-n", self.lan, "link", "add", "br0", "type", "bridge")
-            _ip("-n", self.lan, "link", "set", "br0", "up")
-            for i, (ns, addr) in enumerate(self.hosts.values()):
-                self._add(ns)
-                _ip("-n", self.lan, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-                _ip("-n", self.lan, "link", "set", f"p{i}", "master", "br0", "up")
-                _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
-                _ip("-n", ns, "link", "set", "eth0", "up")
-        except BaseException:
-            self.close()
-            raise
-
-    def _add(self, ns: str) -> None:
-        _ip("netns", "add", ns)
-        self._made.append(ns)
-        _ip("-n", ns, "link", "set", "lo", "up")
-
-    @property
-    def names(self) -> list[str]:
-        """The namespaces made (and not yet deleted)."""
-        return list(self._made)
-
-    def address(self, host: str) -> str:
-        """The host's address on the bridge."""
-        return self.hosts[host][1]
-
-    def prefix(self, host: str) -> list[str]:
-        """The command prefix that runs a command on `host`."""
-        return ["ip", "netns", "exec", self.hosts[host][0]]
-
-    def close(self) -> None:
-        """Delete the namespaces (and with them every interface made here)."""
-        for ns in reversed(self._made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        self._made.clear()
+def Hosts(hosts: tuple[str, ...] = HOSTS) -> Network:  # noqa: N802 (a constructor)
+    """The bench's hosts: one namespace each, sdl-<role>-<pid>, on 10.232.N.0/24."""
+    return Network(hosts, prefix=NAMESPACE_PREFIX, octet=232)
 
 
 # ---- the pure parts: delays, rows, goals ---------------------------------------------------------
