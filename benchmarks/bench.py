@@ -210,9 +210,27 @@ def _requests_in(run: dict[str, Any], n_prompts: int) -> int:
 
 
 # ---- measuring -------------------------------------------------------------------------------
+def read_events(lines: Any, on_request: Any) -> list[dict[str, Any]]:
+    """A measuring child's stdout: JSON lines, {"event": "request"} as each request ends (calls
+    on_request) and {"event": "result", ...} per workload (returned, in order); other lines
+    (a library printing) are skipped."""
+    results: list[dict[str, Any]] = []
+    for line in lines:
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a library printed to stdout
+        if not isinstance(msg, dict):
+            continue
+        if msg.get("event") == "request":
+            on_request()
+        elif msg.get("event") == "result":
+            results.append(msg)
+    return results
+
+
 def _run_child(job: dict[str, Any], cores: list[int], on_request: Any, log: Path) -> list[dict[str, Any]]:
     """One baseline in its own pinned process; its results (one per concurrency)."""
-    results: list[dict[str, Any]] = []
     with open(log, "ab") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.systems", json.dumps(job)],
@@ -220,15 +238,7 @@ def _run_child(job: dict[str, Any], cores: list[int], on_request: Any, log: Path
             env={**os.environ, "OMP_NUM_THREADS": str(len(cores))},
         )
         assert proc.stdout is not None
-        for line in proc.stdout:
-            try:
-                msg = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a library printed to stdout
-            if msg.get("event") == "request":
-                on_request()
-            elif msg.get("event") == "result":
-                results.append(msg)
+        results = read_events(proc.stdout, on_request)
         if proc.wait() != 0:
             raise RuntimeError(f"{job['kind']} run failed (exit {proc.returncode}); see {log}")
     return results

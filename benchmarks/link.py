@@ -340,21 +340,15 @@ class Link:
 
     def measure(self, job: dict[str, Any], on_request: Callable[[], None], log: Path) -> dict[str, Any]:
         """One workload (`measure` below) by a client on the gateway's host; its result."""
-        result: dict[str, Any] | None = None
+        from benchmarks.bench import read_events
+
         with open(log, "ab") as err:
             proc = subprocess.Popen([*self.hosts.prefix("gateway"), sys.executable, "-m", "benchmarks.link", "measure",
                                      json.dumps(job)], stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env(),
                                     preexec_fn=_pin(self.side_cpus))
             assert proc.stdout is not None
-            for line in proc.stdout:
-                try:
-                    msg = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a library printed to stdout
-                if msg.get("event") == "request":
-                    on_request()
-                elif msg.get("event") == "result":
-                    result = msg
+            results = read_events(proc.stdout, on_request)
+            result = results[-1] if results else None
             proc.stdout.close()
             if proc.wait() != 0 or result is None:
                 raise RuntimeError(f"the client failed (exit {proc.returncode}); see {log} and the service logs")

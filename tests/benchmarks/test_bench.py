@@ -98,6 +98,14 @@ def test_expected_tokens_closed_form() -> None:
         assert bench.expected_tokens(a, 4) == pytest.approx((1 - a**5) / (1 - a))
 
 
+def test_a_childs_events_are_read_and_its_other_output_skipped() -> None:
+    seen = []
+    lines = ['INFO a library printing\n', '{"event": "request"}\n', '[1, 2]\n', '{"event": "result", "n": 1}\n',
+             '{"event": "request"}\n', '{"event": "result", "n": 2}\n']
+    assert bench.read_events(lines, lambda: seen.append(1)) == [{"event": "result", "n": 1}, {"event": "result", "n": 2}]
+    assert len(seen) == 2
+
+
 def test_prompts_file_is_vllm_custom_jsonl(tmp_path: Path) -> None:
     f = tmp_path / "mine.jsonl"
     f.write_text(json.dumps({"prompt": "def f(x):\n"}) + "\n\n" + json.dumps({"prompt": "SELECT", "output_tokens": 9}) + "\n")
