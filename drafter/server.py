@@ -93,12 +93,8 @@ class DraftWorker(threading.Thread):
                 continue
             for session, emit in active:
                 steps = session.steps
-                try:
-                    out = session.step()
-                except Exception as exc:  # a failing session must not stop the others
-                    log.exception("draft step failed")
-                    self.remove(session)
-                    emit(exc)
+                failed, out = self._guarded(session, emit, session.step)
+                if failed:
                     continue
                 if session.steps > steps and session.last_token_ms > 0:  # the step drafted a token
                     self.token_ms += PACE_EWMA * (session.last_token_ms - self.token_ms) if self.token_ms else session.last_token_ms
@@ -107,15 +103,21 @@ class DraftWorker(threading.Thread):
                 if out is not None:
                     emit(out)
 
+    def _guarded(self, session: DraftSession, emit: Emit, work: Callable[[], object]) -> tuple[bool, object]:
+        """(failed, result) of one unit of a session's work; a failing session is removed and
+        its stream gets the exception, and the others go on."""
+        try:
+            return False, work()
+        except Exception as exc:
+            log.exception("draft step failed")
+            self.remove(session)
+            emit(exc)
+            return True, None
 
     def _branch_steps(self, sessions: list[tuple[DraftSession, Emit]]) -> None:
         for session, emit in sessions:
-            try:
-                blocks = session.branch_step()
-            except Exception as exc:  # a failing session must not stop the others
-                log.exception("branch step failed")
-                self.remove(session)
-                emit(exc)
+            failed, blocks = self._guarded(session, emit, session.branch_step)
+            if failed or not isinstance(blocks, list):
                 continue
             for block in blocks:
                 emit(block)
