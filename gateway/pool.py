@@ -14,6 +14,10 @@ Terms:
                 requests in flight (ties: either); a draining replica (NOT_SERVING) or one that
                 failed is skipped until it recovers; with none healthy, `pick` waits for one
                 up to its timeout (then raises NoReplica)
+    start       the owner (the gateway) starts every pool when it starts: resolving and health
+                checking run in the background from then on, for the drafters' pool as for the
+                verifiers'. Until its first pass (resolve, then one health check of each
+                replica) is over a pool knows nothing; `checked()` waits for that pass.
 
 Kubernetes does the scaling (replicas, HPA); this only spreads requests over what exists.
 """
@@ -21,6 +25,7 @@ Kubernetes does the scaling (replicas, HPA); this only spreads requests over wha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import socket
@@ -72,6 +77,7 @@ class Pool:
     _names: list[tuple[str, int]] = field(default_factory=list)  # dns:/// entries (host, port)
     _task: asyncio.Task | None = None
     _changed: asyncio.Event | None = None
+    _checked: asyncio.Event | None = None  # set once the first pass (resolve + health checks) is over
 
     def __post_init__(self) -> None:
         for entry in split_addresses(self.spec):
@@ -113,21 +119,34 @@ class Pool:
             r.serving = False
 
     async def _watch(self) -> None:
+        assert self._changed is not None and self._checked is not None
         last_resolve = -1e9
         while True:
             if self._names and time.monotonic() - last_resolve >= self.resolve_every_s:
                 last_resolve = time.monotonic()
                 await self._resolve()
             await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
-            if self._changed is not None:
-                self._changed.set()
+            self._checked.set()
+            self._changed.set()
             await asyncio.sleep(self.health_every_s)
 
     def start(self) -> None:
-        """Start resolving and health-checking (in the running loop)."""
+        """Start resolving and health-checking in the background (in the running loop); the
+        owner calls it when it starts. Calling it again does nothing."""
         if self._task is None:
             self._changed = asyncio.Event()
+            self._checked = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def checked(self, timeout_s: float) -> bool:
+        """Wait (up to `timeout_s`) until the first resolve and health-check pass is over;
+        starts the pool if it was not. True when it is over."""
+        self.start()
+        assert self._checked is not None
+        if not self._checked.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._checked.wait(), timeout=timeout_s)
+        return self._checked.is_set()
 
     def choose(self, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]
         """The power of two choices among healthy replicas (not in `exclude`); None when none."""

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +184,10 @@ class Round:
     all writes to the drafter through another, so neither stream has two writers.
     Each round feeds `metrics` (the gateway's, telemetry.GatewayMetrics) and `spikes`.
     `vocab_size`: the target's, for checking drafted ids (None: asked from the verifier once).
+    `drafter_stub` None: no drafter serves (none resolved, or every one failed its health
+    check): the generation runs as plain target decoding from its first step, and the stats say
+    why. `on_drafter_unavailable()` is called when the drafter's call ends with UNAVAILABLE
+    (its process went away), so the caller's pool skips it until it serves again.
     """
 
     def __init__(
@@ -198,8 +202,10 @@ class Round:
         parent: Any = None,
         vocab_size: int | None = None,
         stats: Stats | None = None,
+        on_drafter_unavailable: Callable[[], None] | None = None,
     ) -> None:
         self.plan = plan
+        self.on_drafter_unavailable = on_drafter_unavailable
         self.verifier_stub = verifier_stub
         self.drafter_stub = drafter_stub
         self.drafter_timeout_s = drafter_timeout_s
@@ -334,6 +340,8 @@ class Round:
                 self.stats.draft_ms += block.draft_ms
                 self._to_verifier.put_nowait(pb.VerifyRequest(block=block))
         except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNAVAILABLE and self.on_drafter_unavailable is not None:
+                self.on_drafter_unavailable()
             self._fallback(f"drafter {err.code().name}: {err.details()}")
 
     async def _watch_drafter(self) -> None:
@@ -473,7 +481,9 @@ class Round:
             )
         )
         try:
-            if self.stats.gamma:
+            if self.stats.gamma and self.drafter_stub is None:
+                self._fallback("no drafter replica serves")
+            elif self.stats.gamma:
                 self._dcall = self.drafter_stub.Draft(metadata=metadata)
                 self._to_drafter.put_nowait(
                     pb.DraftRequest(

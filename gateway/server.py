@@ -28,6 +28,9 @@ log = logging.getLogger("specdec.gateway")
 
 # How long a request waits for an unreachable verifier before failing with its status.
 VERIFIER_INFO_TIMEOUT_S = 30.0
+# How long a request waits for the drafters' pool's first pass (resolve, health checks) after the
+# gateway started; with no drafter serving after it, the request runs as plain target decoding.
+DRAFTER_FIRST_CHECK_S = 5.0
 # After a certificate rotation, how long calls on the old channels may take to finish.
 CHANNEL_DRAIN_S = 3600.0
 # The most times one generation moves to another verifier, and the verifier errors that move it:
@@ -88,9 +91,14 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             return security.client_channel(address, self.cfg, server_name)
 
         old = self._pools
-        self.verifiers = Pool(self.cfg.verifier_address, connect, rpc.VerifierServiceStub, "specdec.v1.VerifierService")
-        self.drafters = Pool(self.cfg.drafter_address, connect, rpc.DrafterServiceStub, "specdec.v1.DrafterService")
+        every = {"health_every_s": self.cfg.health_every_s, "resolve_every_s": self.cfg.resolve_every_s}
+        self.verifiers = Pool(self.cfg.verifier_address, connect, rpc.VerifierServiceStub, "specdec.v1.VerifierService",
+                              **every)
+        self.drafters = Pool(self.cfg.drafter_address, connect, rpc.DrafterServiceStub, "specdec.v1.DrafterService",
+                             **every)
         self._pools = [self.verifiers, self.drafters]
+        for pool in self._pools:  # both resolved and health-checked from now on, not only when picked
+            pool.start()
         for pool in old:
             asyncio.get_running_loop().create_task(pool.close(grace_s=CHANNEL_DRAIN_S))
 
@@ -166,10 +174,15 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         except NoReplica as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: {err}")
             raise  # unreachable: abort raises
-        drafter = self.drafters.choose() or next(iter(self.drafters.replicas.values()))  # none serving: it fails, fallback
+        drafter = None
+        if plan.gamma > 0 and plan.drafter != pb.DRAFT_METHOD_NONE:
+            await self.drafters.checked(DRAFTER_FIRST_CHECK_S)  # only the first requests after start wait
+            drafter = self.drafters.choose()  # None: none serves, the round decodes plainly
         vocab = self._target.vocab_size if self._target is not None else None
-        round_ = Round(plan, verifier.stub, drafter.stub, self.cfg.drafter_timeout_s, self.spikes,
-                       self.metrics, model=self.cfg.tokenizer, parent=parent, vocab_size=vocab, stats=stats)
+        round_ = Round(plan, verifier.stub, drafter.stub if drafter is not None else None, self.cfg.drafter_timeout_s,
+                       self.spikes, self.metrics, model=self.cfg.tokenizer, parent=parent, vocab_size=vocab,
+                       stats=stats,
+                       on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None)
         round_.replicas = (verifier, drafter)  # type: ignore[attr-defined]
         return round_
 
@@ -211,7 +224,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                 sent = len(round_.plan.prompt_token_ids)  # position up to which tokens reached the client
                 verifier, drafter = round_.replicas  # type: ignore[attr-defined]
                 verifier.in_flight += 1
-                drafter.in_flight += 1
+                if drafter is not None:
+                    drafter.in_flight += 1
                 try:
                     async for v in round_.verdicts():
                         if v.preview and with_logprobs:
@@ -254,7 +268,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                     round_.stats.migrations = migrations + 1
                 finally:
                     verifier.in_flight -= 1
-                    drafter.in_flight -= 1
+                    if drafter is not None:
+                        drafter.in_flight -= 1
         finally:
             self.metrics.requests_running.dec()
             self.metrics.requests.labels(finish_reason_name(finish) or "unspecified").inc()

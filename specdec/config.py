@@ -259,6 +259,12 @@ class GatewayConfig(TransportConfig):
         8000,
         "OpenAI-compatible REST bridge (/v1/completions, /v1/chat/completions, /v1/models, /health, "
         "/metrics) port (0: off).")
+    health_every_s: float = setting(
+        1.0, "Seconds between the gRPC health checks of every drafter and verifier replica (gateway.pool); a "
+        "replica that fails one, or whose call fails as if it were gone, gets no new request until it serves.")
+    resolve_every_s: float = setting(
+        10.0, "Seconds between two resolutions of each dns:///NAME:PORT in drafter_address and verifier_address "
+        "(pods added to or removed from a headless Service are seen within this).")
     verifier_retry_s: float = setting(
         4.0, "How long a request waits for a verifier that serves (a new request, or one resuming after its "
         "verifier went away) before it ends with UNAVAILABLE.")
