@@ -220,6 +220,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                         "specdec.method": draft_method_name(opened.method or pb.DRAFT_METHOD_MODEL)},
         )
         self.metrics.sessions.inc()
+        self.metrics.requests.inc()
         self.worker.add(session, lambda item: loop.call_soon_threadsafe(out.put_nowait, item))
 
         async def read_commits() -> None:

@@ -148,6 +148,10 @@ class Pool:
                 await asyncio.wait_for(self._checked.wait(), timeout=timeout_s)
         return self._checked.is_set()
 
+    def serving(self) -> int:
+        """How many replicas answered SERVING to their last health check (and did not fail since)."""
+        return sum(r.serving for r in self.replicas.values())
+
     def choose(self, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]
         """The power of two choices among healthy replicas (not in `exclude`); None when none."""
         healthy = [r for r in self.replicas.values() if r.address not in exclude and r.serving]

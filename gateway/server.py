@@ -80,6 +80,10 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self._client_files = security.CertFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
         self._pools: list[Pool] = []
         self._connect()
+        for role in ("drafter", "verifier"):  # read at scrape time: a certificate rotation remakes the pools
+            self.metrics.replicas.labels(role, "serving").set_function(lambda role=role: self._pool(role).serving())
+            self.metrics.replicas.labels(role, "not_serving").set_function(
+                lambda role=role: len(self._pool(role).replicas) - self._pool(role).serving())
         self._target: TargetInfo | None = None
 
     def _connect(self) -> None:
@@ -101,6 +105,10 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             pool.start()
         for pool in old:
             asyncio.get_running_loop().create_task(pool.close(grace_s=CHANNEL_DRAIN_S))
+
+    def _pool(self, role: str) -> Pool:
+        """The current pool of `role` (drafter | verifier)."""
+        return self.drafters if role == "drafter" else self.verifiers
 
     @contextlib.asynccontextmanager
     async def admitted(self, context: grpc.aio.ServicerContext) -> AsyncIterator[str]:

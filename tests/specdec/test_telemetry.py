@@ -69,10 +69,10 @@ FAMILIES = {
         "specdec:accepted_length", "specdec:rounds_total", "specdec:round_stage_seconds",
         "specdec:generation_tokens_total", "specdec:prompt_tokens_total", "specdec:requests_total",
         "specdec:requests_running", "specdec:latency_spikes_total", "specdec:drafter_fallbacks_total",
-        "specdec:gateway_refused_total", "specdec:gateway_migrations_total",
+        "specdec:gateway_refused_total", "specdec:gateway_migrations_total", "specdec:gateway_replicas",
     },
     "drafter": {
-        "specdec:drafter_sessions", "specdec:drafter_blocks_total", "specdec:drafter_tokens_total",
+        "specdec:drafter_sessions", "specdec:drafter_requests_total", "specdec:drafter_blocks_total", "specdec:drafter_tokens_total",
         "specdec:drafter_step_seconds", "specdec:drafter_branches_total",
     },
     "verifier": {
