@@ -7,9 +7,16 @@ BUF := .tools/node_modules/.bin/buf
 # vLLM build: the CPU wheel here, the CUDA wheel of the same version where a GPU exists.
 ACCEL := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup protos lint-protos lint-imports test test-slow demo bench clean
+.PHONY: setup sysdeps protos lint-protos lint-imports test test-slow demo bench clean
 
-setup: $(STAMP) protos
+setup: $(STAMP) protos sysdeps
+
+# System packages some tests need, installed where this user may (root with apt-get, as in CI):
+# dnsmasq, the cluster DNS of tests/deploy/test_cluster.py (skipped, saying why, without it).
+sysdeps:
+	@command -v dnsmasq >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dnsmasq-base >/dev/null) || \
+	  echo "dnsmasq is not installed: tests/deploy/test_cluster.py will be skipped"; }
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
