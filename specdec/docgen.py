@@ -32,6 +32,9 @@ _FILE_SYNTAX, _FILE_MESSAGE, _FILE_ENUM, _FILE_SERVICE = 12, 4, 5, 6
 _MESSAGE_FIELD, _MESSAGE_NESTED, _MESSAGE_ENUM = 2, 3, 4
 _ENUM_VALUE = 2
 _SERVICE_METHOD = 2
+# The public API (what clients call) comes first; then the other files with services, then the
+# rest, each group by name.
+PUBLIC_FIRST = ("specdec/v1/gateway.proto",)
 
 
 def _cell(text: str) -> str:
@@ -53,11 +56,10 @@ def _flag(f: Field) -> str:
 
 
 def _settings_table(items: list[Field]) -> list[str]:
-    rows = ["| setting | flag, environment variable | default | meaning |", "| --- | --- | --- | --- |"]
+    rows = ["| setting, flag, environment variable | default | meaning |", "| --- | --- | --- |"]
     for f in items:
-        meaning = f.metadata["help"]
-        rows.append(f"| `{f.name}` | {_flag(f)}<br>`{config.env_name(f.name)}` | "
-                    f"`{config.show_default(f.default)}` | {_cell(meaning)} |")
+        rows.append(f"| `{f.name}`<br>{_flag(f)}<br>`{config.env_name(f.name)}` | "
+                    f"`{config.show_default(f.default)}` | {_cell(f.metadata['help'])} |")
     return rows
 
 
@@ -136,7 +138,7 @@ def _enums(file: descriptor_pb2.FileDescriptorProto) -> Iterator[
 
 def grpc_markdown(root: Path = PROTO_ROOT) -> str:
     """The services, messages and enums of every .proto under `root`, with their comments, as
-    markdown: files that define services first."""
+    markdown: the gateway's file first, then the other files that define services."""
     fds = descriptor_set(root)
     documented = {}  # full name without the leading dot -> anchor
     maps: dict[str, descriptor_pb2.DescriptorProto] = {}
@@ -167,7 +169,7 @@ def grpc_markdown(root: Path = PROTO_ROOT) -> str:
 
     out: list[str] = []
     ours = {str(p.relative_to(root)) for p in proto_files(root)}
-    for file in sorted(fds.file, key=lambda f: (not f.service, f.name)):
+    for file in sorted(fds.file, key=lambda f: (f.name not in PUBLIC_FIRST, not f.service, f.name)):
         if file.name not in ours:
             continue  # an import from outside protos/ (none today)
         notes = _comments(file)

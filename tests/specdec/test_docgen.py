@@ -17,7 +17,7 @@ from specdec.wire import PROTO_FILES, PROTO_ROOT
 
 def _row(page: str, name: str) -> str:
     """The table row of `page` whose first cell is `name` (exactly one)."""
-    rows = [line for line in page.splitlines() if line.startswith(f"| `{name}` |")]
+    rows = [line for line in page.splitlines() if re.match(rf"\| `{name}`(<br>| \|)", line)]
     assert len(rows) == 1, f"{name}: {len(rows)} rows"
     return rows[0]
 
