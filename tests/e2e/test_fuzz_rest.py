@@ -5,8 +5,8 @@ running bridge serves it) and sends requests generated from it:
   - fuzz: its positive mode (valid for the document) and negative mode (invalid for it);
   - coverage: its coverage phase (each field at and past its bounds, wrong types, missing
     required fields, and the HTTP methods a route does not serve), deterministic;
-  - contract: the positive mode on the document narrowed to what the bridge accepts (README
-    "Using it" / "REST bridge": top_p in (0, 1], penalties in [-2, 2], no unknown field, ...),
+  - contract: the positive mode on the document narrowed to what the bridge accepts (docs/usage.md
+    "Requests", docs/rest.md: top_p in (0, 1], penalties in [-2, 2], no unknown field, ...),
     so that nearly every request runs on the gateway: each must then answer 200, or a 400
     for one of the few cross-field rules a schema cannot state (CONTRACT_400).
 A plain `hypothesis` test sends what a schema cannot describe: JSON with lone surrogates,
