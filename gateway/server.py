@@ -371,8 +371,8 @@ async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: async
         import ssl
 
         tls = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key}
-        if cfg.tls_ca:
-            tls["ssl_ca_certs"] = cfg.tls_ca
+        if cfg.tls_client_ca or cfg.tls_ca:  # what its clients' certificates chain to
+            tls["ssl_ca_certs"] = cfg.tls_client_ca or cfg.tls_ca
         if cfg.tls_client_auth == "require":
             tls["ssl_cert_reqs"] = ssl.CERT_REQUIRED
     elif not security.is_loopback(cfg.host):
@@ -392,7 +392,7 @@ async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: async
 async def _reload_rest_certificates(config: Any, cfg: GatewayConfig, every_s: float = 1.0) -> None:
     """Load the REST bridge's certificate into its SSL context again when its files change (or
     after SIGHUP); new connections get the new one. (gRPC servers check at each handshake.)"""
-    files = security.CertFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    files = security.CertFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca or cfg.tls_ca)
     files.read()
     while True:
         await asyncio.sleep(every_s)
@@ -401,8 +401,8 @@ async def _reload_rest_certificates(config: Any, cfg: GatewayConfig, every_s: fl
         try:
             files.read()
             config.ssl.load_cert_chain(cfg.tls_cert, cfg.tls_key)
-            if cfg.tls_ca:
-                config.ssl.load_verify_locations(cfg.tls_ca)
+            if cfg.tls_client_ca or cfg.tls_ca:
+                config.ssl.load_verify_locations(cfg.tls_client_ca or cfg.tls_ca)
             log.info("REST bridge certificates reloaded from %s", cfg.tls_cert)
         except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
             log.warning("REST bridge certificate reload failed (%s); keeping the current ones", err)

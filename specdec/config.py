@@ -105,8 +105,21 @@ class TransportConfig:
         "with tls_client_auth=require a server accepts only clients whose certificate chains to it.",
         metavar="PATH")
     tls_client_auth: str = setting(
-        "none", "require: mutual TLS, only clients with a certificate from tls_ca are served (none: any client).",
-        choices=("none", "require"))
+        "none", "require: mutual TLS, only clients with a certificate from tls_client_ca (or tls_ca) are served "
+        "(none: any client).", choices=("none", "require"))
+    tls_client_ca: str = setting(
+        "", "PEM CA bundle this server's clients' certificates must chain to under tls_client_auth=require "
+        "(empty: tls_ca). A gateway sets it to the CA of its end users' certificates (`specdec certs`: "
+        "client-ca.pem), so those never chain to tls_ca, which drafters and verifiers trust.", metavar="PATH")
+    tls_allowed_peers: str = setting(
+        "", "Comma-separated identities allowed to call this service (with tls_client_auth=require): a call "
+        "whose client certificate names none of them in its subjectAltName (a URI such as "
+        "spiffe://specdec/gateway, a DNS name or an IP) ends with PERMISSION_DENIED. Empty: any certificate "
+        "that chains to the CA (warned about at start). Health checks stay open to every TLS client.",
+        metavar="SANS")
+    health_port: int = setting(
+        0, "A plaintext port that serves only the gRPC health service (grpc.health.v1: the same SERVING / "
+        "NOT_SERVING as the main port), for probes that speak no TLS (the kubelet's grpc probes). 0: off.")
     max_message_mb: float = setting(16.0, "Largest gRPC message received or sent, MiB (over it: RESOURCE_EXHAUSTED).")
     keepalive_time_s: float = setting(
         20.0, "gRPC keepalive: clients ping an idle connection this often and servers accept pings at half "

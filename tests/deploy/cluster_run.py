@@ -6,7 +6,7 @@ client would; run by tests/deploy/test_cluster.py (root only).
 CONFIG: {"kustomization": folder to render, "dockerfile": path, "claims": {claim: folder},
 "secrets": {name: {key: text}}, "bin_dir": the entry point's folder, "log_dir": folder,
 "prompts": [[token ids]...], "max_tokens": N, "stream_tokens": N, "api_key": key,
-"tls": {"ca", "cert", "key"} or null}.
+"tls": {"ca"[, "cert", "key"]} or null}.
 
 Phases (each line {"phase": ..., ...}):
     up          every Deployment's pods Ready (the events of the start)
@@ -65,19 +65,22 @@ def served(pod: Any) -> float:
 class Client:
     """The OpenAI-compatible REST API through the gateway Service (its ClusterIP)."""
 
-    def __init__(self, base: str, api_key: str, tls: dict[str, str] | None) -> None:
+    def __init__(self, base: str, api_key: str, tls: dict[str, str] | None, server_name: str) -> None:
         import httpx
 
+        # TLS: the certificate names the Service, not its ClusterIP (as a client that resolved the name)
+        self.ext = {"sni_hostname": server_name} if tls else {}
         kw: dict[str, Any] = {"timeout": httpx.Timeout(600.0)}
         if tls:
             kw["verify"] = tls["ca"]
-            kw["cert"] = (tls["cert"], tls["key"])
+            if tls.get("cert"):
+                kw["cert"] = (tls["cert"], tls["key"])
         self.http = httpx.AsyncClient(base_url=base, headers={"authorization": f"Bearer {api_key}"}, **kw)
         self.model = ""
 
     async def connect(self) -> None:
         """The served model's name, from /v1/models (as an OpenAI client finds it)."""
-        r = await self.http.get("/v1/models")
+        r = await self.http.get("/v1/models", extensions=self.ext)
         r.raise_for_status()
         self.model = r.json()["data"][0]["id"]
 
@@ -86,7 +89,7 @@ class Client:
                 "ignore_eos": True, "return_token_ids": True, "stream": stream}
 
     async def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
-        r = await self.http.post("/v1/completions", json=self.body(prompt, max_tokens, False))
+        r = await self.http.post("/v1/completions", json=self.body(prompt, max_tokens, False), extensions=self.ext)
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.text}")
         return list(r.json()["choices"][0]["token_ids"])
@@ -96,7 +99,8 @@ class Client:
         ids: list[int] = []
         finish = None
         try:
-            async with self.http.stream("POST", "/v1/completions", json=self.body(prompt, max_tokens, True)) as r:
+            async with self.http.stream("POST", "/v1/completions", json=self.body(prompt, max_tokens, True),
+                                        extensions=self.ext) as r:
                 r.raise_for_status()
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -135,10 +139,7 @@ async def main(cfg: dict[str, Any]) -> None:
         gateway = next(s for s in cluster.services if s["metadata"]["name"] == "gateway")
         port = next(p["port"] for p in gateway["spec"]["ports"] if p["name"] == "http")
         scheme = "https" if cfg["tls"] else "http"
-        # the name the gateway's certificate carries is the Service's; the client reaches its ClusterIP
-        client = Client(f"{scheme}://{cluster._vips['gateway']}:{port}", cfg["api_key"], cfg["tls"])
-        if cfg["tls"]:
-            client.http.headers["host"] = names["gateway"]
+        client = Client(f"{scheme}://{cluster.vip('gateway')}:{port}", cfg["api_key"], cfg["tls"], names["gateway"])
         await client.connect()
         sem = asyncio.Semaphore(8)
 

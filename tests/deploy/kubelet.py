@@ -273,6 +273,10 @@ class Cluster:
 
         await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
 
+    def vip(self, service: str) -> str:
+        """The virtual address (ClusterIP) of a ClusterIP Service."""
+        return self._vips[service]
+
     # ----- pods ---------------------------------------------------------------------------
     async def add_pod(self, deployment: str) -> Pod:
         """Schedule one more pod of `deployment`: its namespace, volumes, init containers (each

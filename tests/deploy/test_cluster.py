@@ -100,15 +100,16 @@ def kustomization(tmp: Path, mtls: bool) -> Path:
 
 
 def certificates(tmp: Path) -> dict[str, dict[str, str]]:
-    """A Secret specdec-ROLE-tls per role (tls.crt, tls.key, ca.crt) from `specdec certs`."""
+    """A Secret specdec-ROLE-tls per role (tls.crt, tls.key, ca.crt: cert-manager's layout) from
+    `specdec certs`, each role's own certificate."""
     out = tmp / "certs"
     names = ",".join(f"{svc}.specdec.svc.cluster.local,{svc}" for svc in
                      ("gateway", "drafter", "drafter-headless", "verifier", "verifier-headless")) + ",localhost"
     subprocess.run([sys.executable, "-m", "specdec.cli", "certs", str(out), "--hosts", names],
                    check=True, capture_output=True, text=True, timeout=120)
     files = {p.name: p.read_text() for p in out.iterdir()}
-    pem = {"tls.crt": files["server.pem"], "tls.key": files["server-key.pem"], "ca.crt": files["ca.pem"]}
-    return {f"specdec-{role}-tls": pem for role in ("gateway", "drafter", "verifier")}
+    return {f"specdec-{role}-tls": {"tls.crt": files[f"{role}.pem"], "tls.key": files[f"{role}-key.pem"],
+                                    "ca.crt": files["ca.pem"]} for role in ("gateway", "drafter", "verifier")}
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +125,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> dict[str
     tls = None
     if mtls:
         secrets.update(certificates(tmp))
-        c = tmp / "certs"
-        tls = {"ca": str(c / "ca.pem"), "cert": str(c / "client.pem"), "key": str(c / "client-key.pem")}
+        tls = {"ca": str(tmp / "certs" / "ca.pem")}  # the gateway's users authenticate with API keys (components/mtls)
     cfg = {"kustomization": str(kustomization(tmp, mtls)), "dockerfile": str(REPO / "deploy/docker/Dockerfile"),
            "claims": {"specdec-models": str(models)}, "secrets": secrets,
            "bin_dir": str(Path(shutil.which("specdec") or Path(sys.executable).parent / "specdec").parent),
