@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import weakref
@@ -77,13 +78,29 @@ async def verifier_vocab_size(stub: object) -> int:
 
 @dataclass
 class Plan:
-    """A validated request, ready to run."""
+    """A validated request, ready to run.
+
+    `request_id` is the client's (or one the gateway made up); `tenant` is the namespace of the
+    API key that sent it (`tenant_of`), put before it on the verifier and drafter side
+    (`backend_id`), so two keys' requests never share an id there."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: "pb.SamplingParams"
     gamma: int
     drafter: int  # pb.DraftMethod: MODEL, NGRAM or NONE
+    tenant: str = ""
+
+    @property
+    def backend_id(self) -> str:
+        """The id the verifier and the drafter know this request by: `<tenant>.<request_id>`."""
+        return f"{self.tenant}.{self.request_id}" if self.tenant else self.request_id
+
+
+def tenant_of(key_id: str) -> str:
+    """An API key's namespace for request ids at the verifier: `t` and 8 hex digits of the
+    SHA-256 of its key id (the key id itself is already a hash of the key; "anonymous" without keys)."""
+    return "t" + hashlib.sha256(key_id.encode()).hexdigest()[:8]
 
 
 @dataclass
@@ -472,7 +489,7 @@ class Round:
         self._to_verifier.put_nowait(
             pb.VerifyRequest(
                 open=pb.VerifyOpen(
-                    request_id=p.request_id,
+                    request_id=p.backend_id,
                     prompt_token_ids=p.prompt_token_ids,
                     sampling=p.sampling,
                     gamma=self.stats.gamma,
@@ -488,7 +505,7 @@ class Round:
                 self._to_drafter.put_nowait(
                     pb.DraftRequest(
                         open=pb.DraftOpen(
-                            request_id=p.request_id,
+                            request_id=p.backend_id,
                             prompt_token_ids=p.prompt_token_ids,
                             sampling=p.sampling,
                             gamma=p.gamma,
@@ -528,8 +545,12 @@ class Round:
             for t in tasks:
                 t.cancel()
             for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
+                try:
                     await t
+                except asyncio.CancelledError:
+                    pass  # cancelled just above: the round is over
+                except Exception:  # a bug in a helper (they handle the errors they expect): say so
+                    log.exception("request %s: round helper %s failed", p.request_id, t.get_coro().__qualname__)
             if self._dcall is not None:
                 self._dcall.cancel()
             vcall.cancel()

@@ -9,7 +9,8 @@
     DIR/client.pem, client-key.pem  a client certificate (client authentication only), for
                                     callers of a gateway that requires client certificates
 
-ECDSA P-256 keys, SHA-256 signatures. Keys are written 0600. For production, issue these from
+ECDSA P-256 keys, SHA-256 signatures. Key files are 0600 from their creation (never briefly
+readable by others), in a folder made 0700. For production, issue these from
 your own CA (cert-manager, Vault); specdec only reads PEM files.
 """
 
@@ -37,9 +38,17 @@ def _san(hosts: Sequence[str]) -> list:
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
-    path.write_bytes(data)
-    if private:
-        os.chmod(path, 0o600)
+    """Write `path` whole (a new file renamed over it): 0600 from its creation when `private`,
+    else 0644 (both before the umask)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_certs(out: Path, hosts: Sequence[str], days: int = 365, overwrite: bool = False,
@@ -53,7 +62,9 @@ def write_certs(out: Path, hosts: Sequence[str], days: int = 365, overwrite: boo
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if out.stat().st_mode & 0o077:  # a folder that was there already: only its owner may list it
+        os.chmod(out, 0o700)
     paths = [out / f for f in FILES]
     existing = [p for p in paths if p.exists()]
     if existing and not overwrite:

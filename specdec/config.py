@@ -294,6 +294,9 @@ class GatewayConfig(TransportConfig):
         "spike_ms when that is > 0.")
     spike_min_ms: float = setting(5.0, "Floor (ms) of the relative spike threshold; see spike_factor.")
     spike_ms: float = setting(0.0, "Fixed spike threshold (ms) instead of the relative one (0: relative).")
+    max_request_mb: float = setting(
+        8.0, "Largest REST request body, MiB; over it: 413, without reading the rest. (The API key is checked "
+        "before any of the body is read.)")
 
 
 SERVICE_CONFIGS: dict[str, type] = {"drafter": DrafterConfig, "verifier": VerifierConfig, "gateway": GatewayConfig}

@@ -16,7 +16,17 @@ from prometheus_client import CollectorRegistry
 
 from specdec import serving, telemetry
 from specdec.config import VerifierConfig
-from specdec.validation import InvalidField, bad_token_id, check_gamma, check_sampling, check_token_ids, reported_ms
+from specdec.validation import (
+    BACKEND_REQUEST_ID_EXTRA,
+    MAX_REQUEST_ID_CHARS,
+    InvalidField,
+    bad_token_id,
+    check_gamma,
+    check_request_id,
+    check_sampling,
+    check_token_ids,
+    reported_ms,
+)
 from specdec.wire import FINISH_REASONS, pb, rpc
 from verifier.engine import GenerationRequest, TargetEngine, Verdict
 
@@ -65,8 +75,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         self.slots = serving.SessionSlots("verifier", cfg.max_sessions)
 
     def _request(self, req: "pb.VerifyOpen") -> GenerationRequest:
-        if not req.request_id:
-            raise InvalidField("open.request_id", "must not be empty")
+        check_request_id("open.request_id", req.request_id, MAX_REQUEST_ID_CHARS + BACKEND_REQUEST_ID_EXTRA)
         if req.request_id in self._ids:
             raise InvalidField("open.request_id", f"{req.request_id!r} is already in use")
         check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.engine.vocab_size)

@@ -120,3 +120,28 @@ def test_certs_chain_to_their_ca_and_name_the_hosts(tmp_path: Path) -> None:
                                                 tls_key=str(tmp_path / "server-key.pem"),
                                                 tls_ca=str(tmp_path / "ca.pem"), tls_client_auth="require"))
     assert isinstance(security.channel_credentials(str(tmp_path / "ca.pem")), grpc.ChannelCredentials)
+
+
+def test_key_files_are_private_from_their_creation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a permissive umask and no chmod taking effect afterwards, the keys are still 0600 and
+    the folder 0700: the modes are set when the files are created, not fixed up later."""
+    chmods: list[tuple[str, int]] = []
+    old_umask = os.umask(0)
+    try:
+        monkeypatch.setattr(os, "chmod", lambda path, mode, *a, **k: chmods.append((str(path), mode)))
+        out = tmp_path / "certs"
+        paths = write_certs(out, ["10.1.2.3"])
+    finally:
+        os.umask(old_umask)
+    keys = [p for p in paths if p.name.endswith("-key.pem")]
+    assert keys and all(os.stat(p).st_mode & 0o777 == 0o600 for p in keys), [oct(os.stat(p).st_mode) for p in keys]
+    assert os.stat(out).st_mode & 0o777 == 0o700
+    assert not any(p.name.startswith(".") for p in out.iterdir())  # no temporary file left behind
+
+
+def test_an_existing_certs_folder_is_made_private(tmp_path: Path) -> None:
+    out = tmp_path / "certs"
+    out.mkdir(mode=0o755)
+    os.chmod(out, 0o755)
+    write_certs(out, ["10.1.2.3"])
+    assert os.stat(out).st_mode & 0o777 == 0o700
