@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -456,7 +456,7 @@ class ReloadingSSLContext(ssl.SSLContext):
     (or after SIGHUP). A replaced context's trust store goes with it: a CA removed from the
     bundle is no longer trusted. Connections already open keep theirs."""
 
-    def __new__(cls, cfg: GatewayConfig) -> "ReloadingSSLContext":
+    def __new__(cls, cfg: GatewayConfig) -> Self:
         return super().__new__(cls, ssl.PROTOCOL_TLS_SERVER)
 
     def __init__(self, cfg: GatewayConfig) -> None:

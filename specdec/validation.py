@@ -13,7 +13,6 @@ from typing import Any
 
 from specdec.config import MAX_GAMMA_LIMIT, MAX_LOGPROBS
 
-
 # ---- bounds on what a client may send (docs/security.md lists them with the tests that check them)
 
 # Stop strings per request, and the longest one (characters). The gateway scans every stop string

@@ -44,8 +44,12 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from specdec.models import resolve
+from specdec.validation import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from specdec.wire import pb, rpc
-from specdec.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 MAX_EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "50"))
 MAX_RUN_TOKENS = 4

@@ -145,3 +145,4 @@ def test_an_existing_certs_folder_is_made_private(tmp_path: Path) -> None:
     os.chmod(out, 0o755)
     write_certs(out, ["10.1.2.3"])
     assert os.stat(out).st_mode & 0o777 == 0o700
+
