@@ -219,7 +219,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             await self._draft(context)
 
     async def _draft(self, context: grpc.aio.ServicerContext) -> None:
-        opened, session = await serving.open_session(context, self._open)
+        opened, session = await serving.open_session(context, self._open, self.cfg.first_message_timeout_s)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[BlockOut | Ready | BaseException | None] = asyncio.Queue()
         span = self.tracer.start_span(

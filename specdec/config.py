@@ -165,6 +165,9 @@ class DrafterConfig(TransportConfig):
     inject_delay_ms: float = setting(
         0.0, "Fault injection (tests, drills): sleep this long (ms) in every inject_every-th draft step.")
     inject_every: int = setting(0, "Fault injection: every how many draft steps inject_delay_ms is slept (0: never).")
+    first_message_timeout_s: float = setting(
+        10.0, "A Draft stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
+        "frees its max_sessions slot (0: no limit).")
 
 
 @dataclass
@@ -225,6 +228,9 @@ class VerifierConfig(TransportConfig):
         0, "Fault injection: every how many engine steps inject_delay_ms is slept (0: never).")
     inject_prefill_delay_ms: float = setting(
         0.0, "Fault injection: sleep this long (ms) in every engine step that starts a new request's prefill.")
+    first_message_timeout_s: float = setting(
+        10.0, "A Verify stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
+        "frees its max_sessions slot (0: no limit).")
 
 
 @dataclass

@@ -28,7 +28,7 @@ from specdec.validation import (
     reported_ms,
 )
 from specdec.wire import FINISH_REASONS, pb, rpc
-from verifier.engine import GenerationRequest, TargetEngine, Verdict
+from verifier.engine import EngineFailed, GenerationRequest, TargetEngine, Verdict
 
 log = logging.getLogger("specdec.verifier")
 
@@ -107,9 +107,9 @@ class VerifierServicer(rpc.VerifierServiceServicer):
     async def _verify(self, context: grpc.aio.ServicerContext) -> None:
         if self.engine.failed:  # the process is stopping: say why instead of hanging
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: {self.engine.failed}")
-        opened, req = await serving.open_session(context, self._request)
+        opened, req = await serving.open_session(context, self._request, self.cfg.first_message_timeout_s)
         loop = asyncio.get_running_loop()
-        verdicts: asyncio.Queue[Verdict | InvalidField] = asyncio.Queue()
+        verdicts: asyncio.Queue[Verdict | InvalidField | EngineFailed] = asyncio.Queue()
         span = self.tracer.start_span(
             "specdec.verify_session",
             context=telemetry.extract_context(opened.trace_context or context.invocation_metadata()),
@@ -171,6 +171,8 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                 item = await verdicts.get()
                 if isinstance(item, InvalidField):
                     await serving.abort_invalid(context, item)
+                if isinstance(item, EngineFailed):  # UNAVAILABLE: the gateway resumes it on another verifier
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: {item}")
                 await context.write(verdict_pb(item))
                 if not item.preview:
                     span.add_event("step", {
@@ -220,7 +222,12 @@ def _build(cfg: VerifierConfig, registry: CollectorRegistry) -> VerifierServicer
 
 
 async def main(cfg: VerifierConfig) -> None:
-    await serving.serve(
-        "verifier", cfg, lambda registry: _build(cfg, registry), rpc.add_VerifierServiceServicer_to_server,
-        "specdec.v1.VerifierService",
-    )
+    built: list[VerifierServicer] = []
+
+    def build(registry: CollectorRegistry) -> VerifierServicer:
+        built.append(_build(cfg, registry))
+        return built[-1]
+
+    await serving.serve("verifier", cfg, build, rpc.add_VerifierServiceServicer_to_server, "specdec.v1.VerifierService")
+    if built and built[0].engine.failed:  # stopped because the engine failed: a failure status for its supervisor
+        raise SystemExit(f"verifier: {built[0].engine.failed}")
