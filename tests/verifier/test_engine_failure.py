@@ -161,10 +161,10 @@ def test_the_client_of_a_failed_engine_sees_unavailable(fake_vllm, monkeypatch) 
                 errors = []
                 for rid in ("first", "after"):
                     call = stub.Verify()
-                    await call.write(pb.VerifyRequest(open=pb.VerifyOpen(
-                        request_id=rid, prompt_token_ids=[5, 6, 7], gamma=0,
-                        sampling=pb.SamplingParams(max_tokens=1000, ignore_eos=True))))
-                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:  # the write fails too once the call ended
+                        await call.write(pb.VerifyRequest(open=pb.VerifyOpen(
+                            request_id=rid, prompt_token_ids=[5, 6, 7], gamma=0,
+                            sampling=pb.SamplingParams(max_tokens=1000, ignore_eos=True))))
                         while await asyncio.wait_for(call.read(), BOUND_S) is not grpc.aio.EOF:
                             pass
                     errors.append(info.value)
