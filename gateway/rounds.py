@@ -205,6 +205,9 @@ class Round:
     check): the generation runs as plain target decoding from its first step, and the stats say
     why. `on_drafter_unavailable()` is called when the drafter's call ends with UNAVAILABLE
     (its process went away), so the caller's pool skips it until it serves again.
+    `verdict_timeout_s` (> 0): once the verifier has sent its first verdict (queueing and prefill
+    never count), a silence this long while it still owes verdicts ends the round with
+    UNAVAILABLE, which the gateway treats as a verifier gone (migration).
     """
 
     def __init__(
@@ -220,8 +223,10 @@ class Round:
         vocab_size: int | None = None,
         stats: Stats | None = None,
         on_drafter_unavailable: Callable[[], None] | None = None,
+        verdict_timeout_s: float = 0.0,
     ) -> None:
         self.plan = plan
+        self.verdict_timeout_s = verdict_timeout_s
         self.on_drafter_unavailable = on_drafter_unavailable
         self.verifier_stub = verifier_stub
         self.drafter_stub = drafter_stub
@@ -480,6 +485,18 @@ class Round:
         )
         self._committed = end
 
+    async def _next_verdict(self, vcall: grpc.aio.StreamStreamCall) -> Any:
+        """The verifier's next message; after its first verdict, within verdict_timeout_s."""
+        if self.verdict_timeout_s <= 0 or self.stats.verdicts == 0:
+            return await vcall.read()
+        try:
+            return await asyncio.wait_for(vcall.read(), self.verdict_timeout_s)
+        except asyncio.TimeoutError:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                details=f"the verifier sent nothing for verdict_timeout_s ({self.verdict_timeout_s:g} s) while it "
+                        "owed verdicts") from None
+
     async def verdicts(self) -> AsyncIterator["pb.VerifyResponse"]:
         p = self.plan
         carrier = telemetry.inject_context_of(self._ctx)
@@ -518,7 +535,7 @@ class Round:
                 tasks.append(asyncio.create_task(self._relay_blocks(self._dcall)))
                 tasks.append(asyncio.create_task(self._watch_drafter()))
             while True:
-                v = await vcall.read()
+                v = await self._next_verdict(vcall)
                 if v is grpc.aio.EOF:  # it went away mid-stream (a shutdown): as UNAVAILABLE, so it migrates
                     raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                                details="the verifier ended the stream without a finish reason")

@@ -236,7 +236,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         vocab = self._target.vocab_size if self._target is not None else None
         round_ = Round(plan, verifier.stub, drafter.stub if drafter is not None else None, self.cfg.drafter_timeout_s,
                        self.spikes, self.metrics, model=self.cfg.tokenizer, parent=parent, vocab_size=vocab,
-                       stats=stats,
+                       stats=stats, verdict_timeout_s=self.cfg.verdict_timeout_s,
                        on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None)
         round_.replicas = (verifier, drafter)  # type: ignore[attr-defined]
         return round_

@@ -300,6 +300,10 @@ class GatewayConfig(TransportConfig):
         "spike_ms when that is > 0.")
     spike_min_ms: float = setting(5.0, "Floor (ms) of the relative spike threshold; see spike_factor.")
     spike_ms: float = setting(0.0, "Fixed spike threshold (ms) instead of the relative one (0: relative).")
+    verdict_timeout_s: float = setting(
+        60.0, "Seconds the verifier may stay silent while it owes verdicts, once it sent the first (its queueing "
+        "and prefill never count); past it the verifier is treated as gone and the generation resumes on another "
+        "(migration). 0: no limit (keepalive still finds a verifier whose process hangs).")
     max_request_mb: float = setting(
         8.0, "Largest REST request body, MiB; over it: 413, without reading the rest. (The API key is checked "
         "before any of the body is read.)")

@@ -530,3 +530,33 @@ def test_the_verifier_and_drafter_know_a_request_by_its_tenant_namespaced_id() -
     assert a[0] == a[1] and b[0] == b[1]  # the drafter and the verifier share it
     assert a[0] != b[0] and a[0].endswith(".r1") and b[0].endswith(".r1")
     assert a[0] == f"{tenant_of('key-aaaaaaaa')}.r1"
+
+
+def test_a_verifier_silent_while_it_owes_verdicts_is_treated_as_gone() -> None:
+    """verdict_timeout_s: after its first verdict the verifier goes silent (alive, but sends
+    nothing): the round ends with UNAVAILABLE, which the gateway migrates on, instead of waiting
+    forever. Before its first verdict (queueing, prefill) silence is fine."""
+    async def scenario() -> tuple[grpc.aio.AioRpcError, float]:
+        verifier, drafter = FakeCall(), FakeCall()
+        plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=8), gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
+        r = Round(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(),
+                  telemetry.GatewayMetrics(CollectorRegistry()), verdict_timeout_s=TIMEOUT_S)
+        got = []
+
+        async def consume() -> None:
+            async for v in r.verdicts():
+                got.append(v)
+
+        run = asyncio.create_task(consume())
+        await verifier.written_kind("open")
+        await asyncio.sleep(3 * TIMEOUT_S)  # queued and prefilling: no verdict owed yet, no timeout
+        assert not run.done()
+        verifier.responses.put_nowait(_verdict(3, [10]))  # the first verdict, then silence
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(run, 10 * TIMEOUT_S * 10)
+        return info.value, time.monotonic() - t0
+
+    err, waited = asyncio.run(scenario())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "verdict_timeout_s" in err.details()
+    assert waited >= TIMEOUT_S * 0.9
