@@ -112,7 +112,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self.keys = security.KeyStore.from_config(cfg)
         for warning in exposure_warnings(cfg, self.keys):
             log.warning(warning)
-        self.limits = security.RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, cfg.max_streams_per_key)
+        self.limits = security.RateLimiter.from_config(cfg, self.keys.enabled)
         self.slots = serving.SessionSlots("gateway", cfg.max_inflight, "max_inflight")
         self._client_files = security.CertFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
         self._pools: list[Pool] = []

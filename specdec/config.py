@@ -304,6 +304,10 @@ class GatewayConfig(TransportConfig):
         60.0, "Seconds the verifier may stay silent while it owes verdicts, once it sent the first (its queueing "
         "and prefill never count); past it the verifier is treated as gone and the generation resumes on another "
         "(migration). 0: no limit (keepalive still finds a verifier whose process hangs).")
+    max_inflight_share_per_key: float = setting(
+        0.5, "With API keys configured, the largest share of max_inflight one key may hold at once (0.5: half "
+        "the slots, so no one key can take them all); max_streams_per_key, when set, caps it further. 1: no "
+        "per-key share. Without keys every client is one key and this does not apply.")
     max_request_mb: float = setting(
         8.0, "Largest REST request body, MiB; over it: 413, without reading the rest. (The API key is checked "
         "before any of the body is read.)")

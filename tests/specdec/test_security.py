@@ -146,3 +146,18 @@ def test_an_existing_certs_folder_is_made_private(tmp_path: Path) -> None:
     write_certs(out, ["10.1.2.3"])
     assert os.stat(out).st_mode & 0o777 == 0o700
 
+
+
+def test_with_keys_no_one_key_takes_every_slot_by_default() -> None:
+    """max_inflight_share_per_key (0.5): with API keys, one key holds at most half of max_inflight
+    at once while another key is still admitted; max_streams_per_key caps it further; without
+    keys (one anonymous client) there is no share."""
+    limiter = security.RateLimiter.from_config(GatewayConfig(max_inflight=256), keys_enabled=True)
+    assert limiter.max_streams == 128
+    assert all(limiter.acquire("key-a").ok for _ in range(128))
+    refused = limiter.acquire("key-a")
+    assert not refused.ok and "max_inflight_share_per_key (0.5 of max_inflight) (128)" in refused.reason
+    assert limiter.acquire("key-b").ok
+    assert security.RateLimiter.from_config(GatewayConfig(max_inflight=256, max_streams_per_key=8), True).max_streams == 8
+    assert security.RateLimiter.from_config(GatewayConfig(max_inflight=256), keys_enabled=False).max_streams == 0
+    assert security.RateLimiter.from_config(GatewayConfig(max_inflight_share_per_key=1.0), True).max_streams == 0
