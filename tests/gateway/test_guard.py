@@ -71,9 +71,9 @@ class Gateway:
 async def gateway(tiny_target: Path, keys: str = "", max_request_mb: float = 8.0, **overrides: Any,
                   ) -> AsyncIterator[Gateway]:
     nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
-    cfg = GatewayConfig(tokenizer=str(tiny_target), verifier_address=nowhere, drafter_address=nowhere,
-                        verifier_retry_s=RETRY_S, rest_port=0, metrics_port=0, api_keys=keys,
-                        max_request_mb=max_request_mb, **overrides)
+    cfg = GatewayConfig(**{"tokenizer": str(tiny_target), "verifier_address": nowhere, "drafter_address": nowhere,
+                           "verifier_retry_s": RETRY_S, "rest_port": 0, "metrics_port": 0, "api_keys": keys,
+                           "max_request_mb": max_request_mb, **overrides})
     servicer = GatewayServicer(cfg, CollectorRegistry())
     server = grpc.aio.server()
     rpc.add_GatewayServiceServicer_to_server(servicer, server)
@@ -81,7 +81,8 @@ async def gateway(tiny_target: Path, keys: str = "", max_request_mb: float = 8.0
     await server.start()
     tokenizer = CountingTokenizer(servicer.tokenizer)
     app = build_app(f"127.0.0.1:{port}", tokenizer, cfg.tokenizer, keys=servicer.keys,
-                    max_request_bytes=int(max_request_mb * (1 << 20)), tokenizer_executor=servicer.tokenizer_executor)
+                    max_request_bytes=int(max_request_mb * (1 << 20)), tokenizer_executor=servicer.tokenizer_executor,
+                    refused=servicer.metrics.refused)
     try:
         async with app.router.lifespan_context(app):
             gw = Gateway(servicer, f"127.0.0.1:{port}", app, tokenizer)
@@ -250,6 +251,9 @@ def test_rest_answers_401_before_reading_the_body_and_never_tokenises(tiny_targe
                     assert response_headers["www-authenticate"] == "Bearer"
             r = await gw.rest.get("/v1/models")
             assert r.status_code == 401
+            refused = gw.servicer.metrics.registry.get_sample_value("specdec:gateway_refused_total",
+                                                                     {"reason": "unauthenticated"})
+            assert refused == 5  # counted where the gateway counts its own refusals
             return gw.tokenizer
 
     tokenizer = asyncio.run(run())
@@ -286,3 +290,54 @@ def test_rest_tokenises_off_the_event_loop(tiny_target: Path) -> None:
     calls, loop_thread, r = asyncio.run(run())
     assert r.status_code == 503  # authenticated, tokenised, then no verifier
     assert calls and all(thread != loop_thread for _, thread in calls), calls
+
+
+def test_a_non_streaming_rest_request_is_cancelled_when_its_client_disconnects(tiny_target: Path) -> None:
+    """As vLLM's with_cancellation: the client goes away while its request waits (here for a
+    verifier, verifier_retry_s 60 s): the gateway call is cancelled and its slot freed at once."""
+    from specdec.serving import SessionSlots
+
+    class WatchedSlots(SessionSlots):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.entered, self.left = asyncio.Event(), asyncio.Event()
+
+        @contextlib.asynccontextmanager
+        async def hold(self, context: Any) -> AsyncIterator[None]:
+            async with super().hold(context):
+                self.entered.set()
+                try:
+                    yield
+                finally:
+                    self.left.set()
+
+    async def run() -> tuple[int, int]:
+        async with gateway(tiny_target, verifier_retry_s=60.0) as gw:
+            slots = gw.servicer.slots = WatchedSlots("gateway", 256, "max_inflight")
+            body = b'{"prompt": [1, 2, 3], "max_tokens": 4}'
+            sent = False
+
+            async def receive() -> dict[str, Any]:
+                nonlocal sent
+                if not sent:
+                    sent = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                await slots.entered.wait()  # the generation holds its gateway slot: now the client goes
+                return {"type": "http.disconnect"}
+
+            statuses: list[int] = []
+
+            async def send(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                     "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("rest", 80),
+                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+            await asyncio.wait_for(gw.app(scope, receive, send), 20)
+            await asyncio.wait_for(slots.left.wait(), 20)  # freed long before verifier_retry_s
+            return statuses[0], slots.active
+
+    status, active = asyncio.run(run())
+    assert status == 499 and active == 0
