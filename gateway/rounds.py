@@ -491,7 +491,7 @@ class Round:
             return await vcall.read()
         try:
             return await asyncio.wait_for(vcall.read(), self.verdict_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise grpc.aio.AioRpcError(
                 grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                 details=f"the verifier sent nothing for verdict_timeout_s ({self.verdict_timeout_s:g} s) while it "

@@ -41,7 +41,7 @@ async def open_session(context: grpc.aio.ServicerContext, build: Callable[[Any],
     DEADLINE_EXCEEDED, so a half-open stream cannot hold its max_sessions slot."""
     try:
         first = await (asyncio.wait_for(context.read(), timeout_s) if timeout_s > 0 else context.read())
-    except asyncio.TimeoutError:
+    except TimeoutError:
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"open: no `open` came within first_message_timeout_s ({timeout_s:g} s)")
         raise  # unreachable: abort raises

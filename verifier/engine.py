@@ -353,7 +353,7 @@ class TargetEngine:
         for callback in callbacks:
             try:
                 callback(EngineFailed(self.failed))
-            except Exception:  # noqa: BLE001 (one broken session must not keep the others waiting)
+            except Exception:  # one broken session must not keep the others waiting
                 log.exception("telling a session of the engine failure failed")
         os.kill(os.getpid(), signal.SIGTERM)  # drain (nothing is left in flight) and exit
 

@@ -95,7 +95,7 @@ class Session:
 
 
 def test_an_exception_in_emit_fails_every_session_and_stops_the_process(fake_vllm, monkeypatch) -> None:
-    fake, kills = fake_vllm
+    _, kills = fake_vllm
 
     def broken_emit(self: TargetEngine, *args: Any) -> None:
         raise RuntimeError("injected: emit failed")
@@ -137,7 +137,7 @@ def test_the_client_of_a_failed_engine_sees_unavailable(fake_vllm, monkeypatch) 
     (which the gateway migrates on), never a hang; a new session is refused the same way."""
     from verifier.server import VerifierServicer
 
-    fake, kills = fake_vllm
+    _, kills = fake_vllm
     emitted = threading.Event()
     real_emit = TargetEngine._emit
 
