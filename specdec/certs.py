@@ -56,16 +56,18 @@ def _san(hosts: Sequence[str], uri: str = "") -> list:
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
-    """Write `data`; a private key is created 0600 (O_EXCL on a fresh name, then renamed into
-    place), so it is never readable by others, whatever the umask."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+    """Write `path` whole (a new file renamed over it): 0600 from its creation when `private`
+    (never readable by others, not even for a moment), else 0644, whatever the umask."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
     try:
-        os.fchmod(fd, 0o600 if private else 0o644)  # the umask cannot widen or narrow it
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        os.fchmod(fd, 0o600 if private else 0o644)  # the umask cannot narrow or widen it
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_certs(out: Path, hosts: Sequence[str], days: int = 365, overwrite: bool = False,
@@ -81,7 +83,8 @@ def write_certs(out: Path, hosts: Sequence[str], days: int = 365, overwrite: boo
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(out, 0o700)
+    if out.stat().st_mode & 0o077:  # a folder that was there already: only its owner may list it
+        os.chmod(out, 0o700)
     paths = [out / f for f in FILES]
     existing = [p for p in paths if p.exists()]
     if existing and not overwrite:

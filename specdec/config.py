@@ -178,6 +178,9 @@ class DrafterConfig(TransportConfig):
     inject_delay_ms: float = setting(
         0.0, "Fault injection (tests, drills): sleep this long (ms) in every inject_every-th draft step.")
     inject_every: int = setting(0, "Fault injection: every how many draft steps inject_delay_ms is slept (0: never).")
+    first_message_timeout_s: float = setting(
+        10.0, "A Draft stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
+        "frees its max_sessions slot (0: no limit).")
 
 
 @dataclass
@@ -238,6 +241,9 @@ class VerifierConfig(TransportConfig):
         0, "Fault injection: every how many engine steps inject_delay_ms is slept (0: never).")
     inject_prefill_delay_ms: float = setting(
         0.0, "Fault injection: sleep this long (ms) in every engine step that starts a new request's prefill.")
+    first_message_timeout_s: float = setting(
+        10.0, "A Verify stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
+        "frees its max_sessions slot (0: no limit).")
 
 
 @dataclass
@@ -307,6 +313,17 @@ class GatewayConfig(TransportConfig):
         "spike_ms when that is > 0.")
     spike_min_ms: float = setting(5.0, "Floor (ms) of the relative spike threshold; see spike_factor.")
     spike_ms: float = setting(0.0, "Fixed spike threshold (ms) instead of the relative one (0: relative).")
+    verdict_timeout_s: float = setting(
+        60.0, "Seconds the verifier may stay silent while it owes verdicts, once it sent the first (its queueing "
+        "and prefill never count); past it the verifier is treated as gone and the generation resumes on another "
+        "(migration). 0: no limit (keepalive still finds a verifier whose process hangs).")
+    max_inflight_share_per_key: float = setting(
+        0.5, "With API keys configured, the largest share of max_inflight one key may hold at once (0.5: half "
+        "the slots, so no one key can take them all); max_streams_per_key, when set, caps it further. 1: no "
+        "per-key share. Without keys every client is one key and this does not apply.")
+    max_request_mb: float = setting(
+        8.0, "Largest REST request body, MiB; over it: 413, without reading the rest. (The API key is checked "
+        "before any of the body is read.)")
 
 
 SERVICE_CONFIGS: dict[str, type] = {"drafter": DrafterConfig, "verifier": VerifierConfig, "gateway": GatewayConfig}

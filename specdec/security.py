@@ -393,6 +393,7 @@ class RateLimiter:
     burst: int = 0
     max_streams: int = 0
     clock: Callable[[], float] = time.monotonic
+    streams_setting: str = "max_streams_per_key"  # the setting `max_streams` comes from, for the refusal
     _buckets: dict[str, _Bucket] = field(default_factory=dict)
 
     def acquire(self, key: str) -> Admission:
@@ -403,7 +404,7 @@ class RateLimiter:
         if b is None:
             b = self._buckets[key] = _Bucket(capacity, now)
         if self.max_streams and b.streams >= self.max_streams:
-            return Admission(False, f"max_streams_per_key ({self.max_streams}) generations are already in flight "
+            return Admission(False, f"{self.streams_setting} ({self.max_streams}) generations are already in flight "
                                     "for this API key", 1.0)
         if self.rps > 0:
             b.tokens = min(capacity, b.tokens + (now - b.stamp) * self.rps)
@@ -419,6 +420,18 @@ class RateLimiter:
         b = self._buckets.get(key)
         if b is not None and b.streams > 0:
             b.streams -= 1
+
+    @classmethod
+    def from_config(cls, cfg: Any, keys_enabled: bool) -> RateLimiter:
+        """The gateway's limiter: `max_streams` is max_streams_per_key (0: none) and, with API keys,
+        at most max_inflight_share_per_key of max_inflight (rounded up, at least 1)."""
+        streams, setting = cfg.max_streams_per_key, "max_streams_per_key"
+        share = cfg.max_inflight_share_per_key
+        if keys_enabled and cfg.max_inflight and 0 < share < 1:
+            cap = max(1, math.ceil(share * cfg.max_inflight))
+            if not streams or cap < streams:
+                streams, setting = cap, f"max_inflight_share_per_key ({share:g} of max_inflight)"
+        return cls(cfg.rate_limit_rps, cfg.rate_limit_burst, streams, streams_setting=setting)
 
     def retry_after_header(self, admission: Admission) -> str:
         """Retry-After's value: whole seconds, at least 1."""

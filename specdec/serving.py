@@ -33,10 +33,18 @@ async def abort_invalid(context: grpc.aio.ServicerContext, err: InvalidField) ->
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
 
-async def open_session(context: grpc.aio.ServicerContext, build: Callable[[Any], T]) -> tuple[Any, T]:
+async def open_session(context: grpc.aio.ServicerContext, build: Callable[[Any], T],
+                       timeout_s: float = 0.0) -> tuple[Any, T]:
     """Read a session stream's first message, which must be `open`, and build the session
-    from it; a bad one ends the call with INVALID_ARGUMENT naming the field."""
-    first = await context.read()
+    from it; a bad one ends the call with INVALID_ARGUMENT naming the field. A stream that
+    sends nothing for `timeout_s` (first_message_timeout_s; 0: no limit) ends with
+    DEADLINE_EXCEEDED, so a half-open stream cannot hold its max_sessions slot."""
+    try:
+        first = await (asyncio.wait_for(context.read(), timeout_s) if timeout_s > 0 else context.read())
+    except TimeoutError:
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"open: no `open` came within first_message_timeout_s ({timeout_s:g} s)")
+        raise  # unreachable: abort raises
     if first is grpc.aio.EOF or first.WhichOneof("kind") != "open":
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must be `open`")
     try:

@@ -219,7 +219,7 @@ class GatewayMetrics:
         specdec:generation_tokens_total, specdec:prompt_tokens_total
         specdec:requests_total{finish_reason}, specdec:requests_running (queue depth)
         specdec:latency_spikes_total{stage}, specdec:drafter_fallbacks_total
-        specdec:gateway_refused_total{reason}             unauthenticated, rate_limited
+        specdec:gateway_refused_total{reason}             unauthenticated, rate_limited, request_too_large
         specdec:gateway_migrations_total                  generations resumed on another verifier
         specdec:gateway_replicas{pool, state}             drafter / verifier replicas the gateway knows,
                                                           by their last health check (serving, not_serving)
@@ -283,7 +283,7 @@ class GatewayMetrics:
         )
         # by reason only: API keys (or their ids) are never metric labels
         self.refused = Counter(
-            "specdec:gateway_refused", "Calls refused before any work, by reason (unauthenticated, rate_limited)",
+            "specdec:gateway_refused", "Calls refused before any work, by reason (unauthenticated, rate_limited, request_too_large)",
             ["reason"], registry=registry,
         )
         self.fallbacks = Counter(

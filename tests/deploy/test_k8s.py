@@ -264,10 +264,21 @@ def test_gateway_finds_peers_through_the_headless_services(objs) -> None:
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
 
 
-def test_api_keys_come_from_a_secret(objs) -> None:
-    env = _env(_main(_deployment(objs, "gateway")))
-    ref = env["SPECDEC_API_KEYS"]["valueFrom"]["secretKeyRef"]
-    assert ref["name"] == "specdec-api-keys" and ref["key"] == "api-keys" and not ref.get("optional")
+def test_api_keys_come_from_a_secret_mounted_as_a_file(objs) -> None:
+    """SPECDEC_API_KEY_FILE names a file of the Secret's volume (not SPECDEC_API_KEYS, whose value an
+    environment shows); the Secret is not optional, so the gateway never starts without keys."""
+    deployment = _deployment(objs, "gateway")
+    main = _main(deployment)
+    env = _env(main)
+    assert "SPECDEC_API_KEYS" not in env
+    path = env["SPECDEC_API_KEY_FILE"]["value"]
+    mount = next(m for m in main["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    assert mount.get("readOnly") is True
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    secret = volume["secret"]
+    assert secret["secretName"] == "specdec-api-keys" and not secret.get("optional")
+    assert [(i["key"], i["path"]) for i in secret["items"]] == [("api-keys", path[len(mount["mountPath"]):].lstrip("/"))]
+    assert secret["defaultMode"] & 0o007 == 0, "not readable by others"
     for obj in _of(objs, "ConfigMap"):
         assert not any(re.search(r"(^|_)(API_?KEYS?|KEY|TOKEN|PASSWORD|SECRET)(_|$)", k, re.I) for k in obj.get("data", {})), obj
 

@@ -165,7 +165,7 @@ def contract_document(served: dict[str, Any], vocab_size: int) -> dict[str, Any]
         "frequency_penalty": opt({**number, "minimum": -2, "maximum": 2}),
         "repetition_penalty": opt({**number, "minimum": 1e-6, "maximum": 10_000}),
         "n": {"enum": [1, None]},
-        "request_id": opt({"type": "string", "maxLength": 64}),
+        "request_id": opt({"type": "string", "pattern": "^[A-Za-z0-9._:-]{0,64}$"}),  # specdec.validation's rule
         "response_format": opt({"type": "object", "properties": {"type": {"enum": ["text"]}}, "required": ["type"],
                                 "additionalProperties": False}),
         "gamma": opt({"type": "integer", "minimum": 0, "maximum": MAX_GAMMA}),

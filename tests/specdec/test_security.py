@@ -144,16 +144,6 @@ def test_certs_give_each_role_its_own_identity(tmp_path: Path) -> None:
     assert isinstance(security.channel_credentials(str(tmp_path / "ca.pem")), grpc.ChannelCredentials)
 
 
-def test_a_key_is_never_readable_by_others_even_with_an_open_umask(tmp_path: Path) -> None:
-    old = os.umask(0)
-    try:
-        paths = write_certs(tmp_path / "pki", ["h"])
-    finally:
-        os.umask(old)
-    assert [oct(os.stat(p).st_mode & 0o777) for p in paths if p.name.endswith("-key.pem")] == [oct(0o600)] * 6
-    assert os.stat(tmp_path / "pki").st_mode & 0o777 == 0o700
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("pki") / "pki"
@@ -210,3 +200,43 @@ def test_only_allowed_peers_call_a_service(pki: Path, who: str, allowed: str, ex
     import asyncio
 
     assert asyncio.run(_call_as(pki, allowed, who)) == expected
+
+
+def test_key_files_are_private_from_their_creation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a permissive umask and no chmod taking effect afterwards, the keys are still 0600 and
+    the folder 0700: the modes are set when the files are created, not fixed up later."""
+    chmods: list[tuple[str, int]] = []
+    old_umask = os.umask(0)
+    try:
+        monkeypatch.setattr(os, "chmod", lambda path, mode, *a, **k: chmods.append((str(path), mode)))
+        out = tmp_path / "certs"
+        paths = write_certs(out, ["10.1.2.3"])
+    finally:
+        os.umask(old_umask)
+    keys = [p for p in paths if p.name.endswith("-key.pem")]
+    assert keys and all(os.stat(p).st_mode & 0o777 == 0o600 for p in keys), [oct(os.stat(p).st_mode) for p in keys]
+    assert os.stat(out).st_mode & 0o777 == 0o700
+    assert not any(p.name.startswith(".") for p in out.iterdir())  # no temporary file left behind
+
+
+def test_an_existing_certs_folder_is_made_private(tmp_path: Path) -> None:
+    out = tmp_path / "certs"
+    out.mkdir(mode=0o755)
+    os.chmod(out, 0o755)
+    write_certs(out, ["10.1.2.3"])
+    assert os.stat(out).st_mode & 0o777 == 0o700
+
+
+def test_with_keys_no_one_key_takes_every_slot_by_default() -> None:
+    """max_inflight_share_per_key (0.5): with API keys, one key holds at most half of max_inflight
+    at once while another key is still admitted; max_streams_per_key caps it further; without
+    keys (one anonymous client) there is no share."""
+    limiter = security.RateLimiter.from_config(GatewayConfig(max_inflight=256), keys_enabled=True)
+    assert limiter.max_streams == 128
+    assert all(limiter.acquire("key-a").ok for _ in range(128))
+    refused = limiter.acquire("key-a")
+    assert not refused.ok and "max_inflight_share_per_key (0.5 of max_inflight) (128)" in refused.reason
+    assert limiter.acquire("key-b").ok
+    assert security.RateLimiter.from_config(GatewayConfig(max_inflight=256, max_streams_per_key=8), True).max_streams == 8
+    assert security.RateLimiter.from_config(GatewayConfig(max_inflight=256), keys_enabled=False).max_streams == 0
+    assert security.RateLimiter.from_config(GatewayConfig(max_inflight_share_per_key=1.0), True).max_streams == 0
