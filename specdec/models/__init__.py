@@ -1,11 +1,27 @@
 """One place for model loading: the registry of model pairs and reference resolution.
 
-A *model reference* is either a folder holding a transformers checkpoint
-(config.json + safetensors + tokenizer) or a registry name `PAIR/ROLE`, e.g.
-`qwen-coder/target`, `qwen-coder/draft`, `tiny/target`, `tiny/draft-mid`.
-`resolve()` turns a reference into a local folder, pulling or building the pair
-on first use; `folders()` gives every role of a pair. A reference that cannot be
-resolved raises `specdec.errors.ModelNotFoundError`, saying what to run.
+A *model reference* is what a vLLM user would pass, looked up in this order:
+    folder       a folder holding a transformers checkpoint (config.json + safetensors +
+                 tokenizer);
+    registry     `PAIR/ROLE` of a pair in PAIRS, e.g. `qwen-coder/target`, `tiny/draft-mid`,
+                 or of a pair a team named in its pairs file (roles `target` and `draft`);
+    repo id      a Hugging Face repo id `ORG/NAME`, optionally `ORG/NAME@REVISION` (or a
+                 `revision` setting), resolved through huggingface_hub's cache with HF_HOME
+                 and HF_HUB_OFFLINE (`hub.py`).
+`resolve()` turns a reference into a local folder, pulling or building a registry pair on
+first use; `folders()` gives every role of a pair. A reference that cannot be resolved raises
+`specdec.errors.ModelNotFoundError`, saying what to run.
+
+Pairs file: `specdec.toml` in the working directory, or the file SPECDEC_PAIRS names, adds
+a team's own pairs to PAIRS (`load_pairs_file`):
+
+    [pairs.llama-8b]
+    target = "meta-llama/Llama-3.1-8B-Instruct"
+    draft = "meta-llama/Llama-3.2-1B-Instruct"
+    tokenizer = "meta-llama/Llama-3.1-8B-Instruct"   # optional: the target's
+
+Each value is any model reference (a folder, a repo id with an optional @REVISION, a
+registry name). A name may not shadow a built-in pair.
 
 Pairs:
     qwen-coder   target Qwen2.5-Coder-1.5B-Instruct, draft Qwen2.5-Coder-0.5B-Instruct
@@ -17,14 +33,18 @@ Pairs:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specdec.config import cache_dir
-from specdec.errors import ModelNotFoundError
+from specdec.errors import ModelNotFoundError, UserError
+from specdec.models import hub
 
 TINY = "tiny"
+# The pairs file in the working directory, unless SPECDEC_PAIRS names another.
+PAIRS_FILE = "specdec.toml"
 
 
 @dataclass(frozen=True)
@@ -43,13 +63,108 @@ PAIRS: dict[str, Pair] = {
     "qwen-coder": Pair("qwen-coder", "qwen-coder/target", "qwen-coder/draft", "qwen-coder/target"),
     TINY: Pair(TINY, f"{TINY}/target", f"{TINY}/draft-mid", f"{TINY}/target"),
 }
+BUILT_IN = frozenset(PAIRS)
+# Roles of a pair from the pairs file (built-in pairs have their own: `roles`).
+USER_ROLES = ("target", "draft")
+# The pairs file whose pairs PAIRS holds now (None: none loaded), and those pairs' names.
+_loaded: tuple[Path | None, frozenset[str]] = (None, frozenset())
+
+
+def pairs_file() -> Path | None:
+    """The pairs file in effect: SPECDEC_PAIRS (which must exist), else ./specdec.toml if any."""
+    env = os.environ.get("SPECDEC_PAIRS")
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise UserError(f"SPECDEC_PAIRS names {path}, which is not a file", "point it at your pairs file or unset it")
+        return path
+    local = Path(PAIRS_FILE)
+    return local if local.is_file() else None
+
+
+def load_pairs_file() -> dict[str, Pair]:
+    """Add the pairs file's pairs to PAIRS (replacing those of a file loaded before) and return
+    PAIRS. A malformed file, or a pair shadowing a built-in one, is a UserError naming it."""
+    import tomllib
+
+    global _loaded
+    path = pairs_file()
+    for name in _loaded[1]:
+        PAIRS.pop(name, None)
+    _loaded = (path, frozenset())
+    if path is None:
+        return PAIRS
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise UserError(f"pairs file {path}: {err}", "fix its TOML (see docs/models-and-gpus.md)") from None
+    table = data.get("pairs", {})
+    if not isinstance(table, dict):
+        raise UserError(f"pairs file {path}: `pairs` is not a table", "write [pairs.NAME] sections")
+    added: dict[str, Pair] = {}
+    for name, entry in table.items():
+        where = f"pairs file {path}: [pairs.{name}]"
+        if name in BUILT_IN:
+            raise UserError(f"{where} shadows the built-in pair {name!r}", "choose another name")
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) and entry[k] for k in USER_ROLES):
+            raise UserError(f"{where} needs `target` and `draft` (model references as strings)",
+                            'e.g. target = "ORG/NAME", draft = "ORG/SMALL-NAME"')
+        unknown = set(entry) - {"target", "draft", "tokenizer"}
+        if unknown:
+            raise UserError(f"{where} has unknown keys {sorted(unknown)}", "use target, draft and tokenizer")
+        added[name] = Pair(name, entry["target"], entry["draft"], str(entry.get("tokenizer") or entry["target"]))
+    PAIRS.update(added)
+    _loaded = (path, frozenset(added))
+    return PAIRS
+
+
+def pair(name: str) -> Pair:
+    """The pair called `name`: built in, or from the pairs file; ModelNotFoundError if neither."""
+    load_pairs_file()
+    if name not in PAIRS:
+        raise ModelNotFoundError(f"unknown model pair {name!r}",
+                                 f"known pairs: {', '.join(sorted(PAIRS))} (add your own in {PAIRS_FILE}, "
+                                 "or pass --target REF --draft REF)")
+    return PAIRS[name]
+
+
+def choose(name: str, target: str | None = None, draft: str | None = None, tokenizer: str | None = None) -> Pair:
+    """The pair `specdec up`, `demo` and `bench` run: pair `name` (built in or from the pairs
+    file) with the roles given replaced by any model references. The tokenizer is the target's:
+    the one given, else the given target, else the pair's."""
+    base = pair(name)
+    if not (target or draft or tokenizer):
+        return base
+    return Pair(name, target or base.target, draft or base.draft, tokenizer or target or base.tokenizer)
+
+
+def check_pair(chosen: Pair) -> dict[str, Path]:
+    """Resolve (pull or build when needed) a pair's models and refuse one that does not fit:
+    the draft's and the gateway tokenizer's vocabularies and special ids must be the target's
+    (specdec.models.compat.IncompatibleModels, one line naming both). Returns role -> folder
+    ("target", "draft", "tokenizer")."""
+    from specdec.models import compat
+
+    refs = {"target": chosen.target, "draft": chosen.draft, "tokenizer": chosen.tokenizer}
+    found = {role: resolve(ref) for role, ref in refs.items()}
+    target = compat.from_folder(found["target"], chosen.target)
+    compat.check(target, compat.from_folder(found["draft"], chosen.draft))
+    if found["tokenizer"] != found["target"]:
+        compat.check(target, compat.from_folder(found["tokenizer"], chosen.tokenizer, with_rows=False),
+                     "gateway tokenizer")
+    return found
+
+
+def _user_pair(name: str) -> Pair | None:
+    return PAIRS[name] if name in PAIRS and name not in BUILT_IN else None
 
 
 def pair_names() -> list[str]:
-    """Every pair `specdec models pull` knows: the pulled ones (`pull.PAIRS`) and tiny."""
+    """Every pair `specdec models pull` knows: the pulled ones (`pull.PAIRS`), tiny, and the
+    pairs file's."""
     from specdec.models import pull
 
-    return sorted({*pull.PAIRS, TINY})
+    return sorted({*pull.PAIRS, TINY, *(p for p in PAIRS if p not in BUILT_IN)})
 
 
 def roles(pair: str) -> tuple[str, ...]:
@@ -58,6 +173,8 @@ def roles(pair: str) -> tuple[str, ...]:
         from specdec.models import tiny
 
         return tiny.ROLES
+    if _user_pair(pair):
+        return USER_ROLES
     from specdec.models import pull
 
     if pair not in pull.PAIRS:
@@ -76,6 +193,9 @@ def prepare(pair: str) -> dict[str, Path]:
         from specdec.models import tiny
 
         return tiny.build(cache_dir() / TINY)
+    user = _user_pair(pair)
+    if user:
+        return {"target": resolve(user.target), "draft": resolve(user.draft)}
     from specdec.models import pull
 
     return pull.pull(pair)
@@ -89,40 +209,55 @@ def folders(pair: str, pull: bool = False) -> dict[str, Path]:
     """
     if pull or pair == TINY:
         return prepare(pair)
+    user = _user_pair(pair)
+    if user:
+        return {"target": resolve(user.target, pull=False), "draft": resolve(user.draft, pull=False)}
     roles(pair)
     from specdec.models import pull as pull_mod
 
     return pull_mod.installed(pair)
 
 
-def resolve(ref: str, pull: bool = True) -> Path:
+def resolve(ref: str, pull: bool = True, revision: str | None = None) -> Path:
     """Return the local folder of a model reference (see module docstring).
 
+    `revision`: for a repo id, the branch, tag or commit (like `vllm serve --revision`; an
+    `@REV` in `ref` does the same). `pull` False: a registry pair must be pulled already.
     Raises ModelNotFoundError (a FileNotFoundError and a `specdec.errors.UserError`) when
-    the reference is neither a folder nor a known registry name PAIR/ROLE, or when `pull`
-    is False and the model is not in the cache.
+    the reference is neither a folder, a known registry name PAIR/ROLE nor a repo id in the
+    cache or on the hub, or when `pull` is False and a registry model is not in the cache.
     """
     path = Path(ref).expanduser()
     if path.is_dir():
+        if revision:
+            raise ModelNotFoundError(f"model {ref!r} is a folder, so revision {revision!r} cannot apply",
+                                     "drop the revision, or pass a Hugging Face repo id")
         return path
+    load_pairs_file()
     pair, _, role = ref.partition("/")
     if pair in pair_names() and not role:
         raise ModelNotFoundError(
             f"model {ref!r} is a pair, not one model",
             f"name one of its roles: {', '.join(f'{ref}/{r}' for r in roles(ref))}",
         )
-    if pair not in pair_names() or not role:
-        raise ModelNotFoundError(
-            f"model {ref!r} is not a folder and not a registry name PAIR/ROLE",
-            f"pass a model folder or PAIR/ROLE such as {PAIRS['qwen-coder'].target} "
-            "(`specdec models list` shows the pairs)",
-        )
-    if role not in roles(pair):
-        raise ModelNotFoundError(
-            f"model {ref!r}: pair {pair!r} has no role {role!r}",
-            f"use one of: {', '.join(f'{pair}/{r}' for r in roles(pair))}",
-        )
-    return folders(pair, pull=pull)[role]
+    # a pairs-file pair named like a hub organisation leaves that organisation's other repos alone
+    if pair in pair_names() and not (_user_pair(pair) and role not in USER_ROLES and hub.is_repo_id(ref)):
+        if role not in roles(pair):
+            raise ModelNotFoundError(
+                f"model {ref!r}: pair {pair!r} has no role {role!r}",
+                f"use one of: {', '.join(f'{pair}/{r}' for r in roles(pair))}",
+            )
+        user = _user_pair(pair)
+        if user:
+            return resolve(user.target if role == "target" else user.draft, pull=pull)
+        return folders(pair, pull=pull)[role]
+    if hub.is_repo_id(ref):
+        return hub.resolve(ref, revision)
+    raise ModelNotFoundError(
+        f"model {ref!r} is not a folder, a registry name PAIR/ROLE or a Hugging Face repo id ORG/NAME",
+        f"pass a model folder, PAIR/ROLE such as {PAIRS['qwen-coder'].target} "
+        "(`specdec models list` shows the pairs) or ORG/NAME[@REVISION]",
+    )
 
 
 def list_pairs() -> list[dict[str, Any]]:
@@ -149,21 +284,27 @@ def list_pairs() -> list[dict[str, Any]]:
 QUANTIZE = ("none", "int8")
 
 
-def load_causal_lm(ref: str, dtype: str = "float32", quantize: str = "none") -> object:
-    """A transformers causal LM for a model reference, in eval mode, on the CPU.
+def load_causal_lm(ref: str, dtype: str = "float32", quantize: str = "none", revision: str | None = None,
+                   device: str = "cpu") -> object:
+    """A transformers causal LM for a model reference (`revision`: as for `resolve`), in eval
+    mode, on `device` ("cpu" or "cuda": see specdec.models.device for choosing it).
 
     quantize "int8": dynamic int8 quantisation of every Linear layer (weights int8, activations
-    quantised per batch; torch's fbgemm kernels). A CPU drafter is memory-bound, so this makes
-    it about 3x faster (Qwen2.5-Coder 0.5B on one core, `specdec bench` column "draft ms/tok":
-    178 ms fp32 -> 67 ms int8). It changes
-    only the draft's proposals, never the output: the target verifies every draft.
+    quantised per batch; torch's fbgemm kernels; CPU only). A CPU drafter is memory-bound, so
+    this makes it about 3x faster (Qwen2.5-Coder 0.5B on one core, `specdec bench` column "draft
+    ms/tok": 178 ms fp32 -> 67 ms int8). It changes only the draft's proposals, never the
+    output: the target verifies every draft.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     if quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {QUANTIZE}, not {quantize!r}")
-    model = AutoModelForCausalLM.from_pretrained(resolve(ref), dtype=getattr(torch, dtype)).eval()
+    if quantize == "int8" and device != "cpu":
+        raise ValueError(f"quantize int8 is CPU-only, not for device {device!r}")
+    model = AutoModelForCausalLM.from_pretrained(resolve(ref, revision=revision), dtype=getattr(torch, dtype)).eval()
+    if device != "cpu":
+        return model.to(device)
     if quantize == "int8":
         import warnings
 

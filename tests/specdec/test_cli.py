@@ -174,7 +174,7 @@ def test_model_errors_are_user_errors_and_file_not_found(cache: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="is a pair, not one model; name one of its roles: "
                                                  "qwen-coder/target, qwen-coder/draft"):
         resolve("qwen-coder")
-    with pytest.raises(FileNotFoundError, match="not a folder and not a registry name PAIR/ROLE"):
+    with pytest.raises(FileNotFoundError, match="not a folder, a registry name PAIR/ROLE or a Hugging Face repo id ORG/NAME"):
         resolve("/no/such/model")
     with pytest.raises(UserError) as err:
         resolve("qwen-coder/target", pull=False)
