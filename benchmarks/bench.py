@@ -77,7 +77,7 @@ from typing import Any
 import numpy as np
 
 from specdec.acceptance import expected_tokens  # E(alpha, gamma): tokens per target step
-from specdec.models import PAIRS
+from specdec.models import check_pair, choose
 
 QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "gammas": "1,2,4,8", "concurrency": "1,4,16",
          "workloads": "code,long,c8"}
@@ -248,8 +248,10 @@ class SpecdecCluster:
     """The three services for the specdec rows: started on first use, restarted when a row
     needs another drafter setting, stopped at the end."""
 
-    def __init__(self, pair: str, out: Path, dtype: str, verifier_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, pair: str, out: Path, dtype: str, verifier_args: tuple[str, ...] = (),
+                 target: str | None = None, draft: str | None = None) -> None:
         self.pair, self.out, self.dtype, self.verifier_args = pair, out, dtype, list(verifier_args)
+        self.target, self.draft = target, draft  # model references replacing the pair's (None: the pair's)
         self.cluster: Any = None
         self.drafter_setting: tuple[str, int | None] = ("", None)
 
@@ -263,7 +265,7 @@ class SpecdecCluster:
             off = ["--metrics-port", "0"]
             self.cluster = Cluster(
                 pair=self.pair, gateway_port=free_port(), drafter_port=free_port(), verifier_port=free_port(),
-                log_dir=self.out / "logs",
+                log_dir=self.out / "logs", target=self.target, draft=self.draft,
                 extra_args={"verifier": [*off, "--dtype", self.dtype, "--no-prefix-caching", *self.verifier_args],
                             "drafter": [*off, "--dtype", self.dtype, "--quantize", quantize,
                                         *(["--branches", str(branches)] if branches is not None else [])],
@@ -507,7 +509,11 @@ def _cpu_model() -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", choices=sorted(PAIRS), default="qwen-coder")
+    p.add_argument("--models", default="qwen-coder", metavar="PAIR",
+                   help="a built-in pair (qwen-coder, tiny) or one of your pairs file (specdec.toml or SPECDEC_PAIRS)")
+    p.add_argument("--target", metavar="REF", help="target model replacing the pair's: a folder, PAIR/ROLE or a Hugging "
+                   "Face repo id ORG/NAME[@REVISION]")
+    p.add_argument("--draft", metavar="REF", help="draft model replacing the pair's")
     p.add_argument("--prompts", type=int, default=None,
                    help="prompts of the code workload (batch-1 rows run each); default: 3 built-in ones, or all of "
                         "--prompts-file")
@@ -529,20 +535,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from specdec.models import resolve
-
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
     t_start = time.time()
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    pair = PAIRS[args.models]
-    target_ref, draft_ref, tok_ref = pair.target, pair.draft, pair.tokenizer
-    target, draft = str(resolve(target_ref)), str(resolve(draft_ref))
+    pair = choose(args.models, args.target, args.draft)
+    target_ref, draft_ref = pair.target, pair.draft
+    found = check_pair(pair)  # a draft that does not fit the target: refused here, in one line
+    target, draft = str(found["target"]), str(found["draft"])
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve(tok_ref)))
+    tokenizer = AutoTokenizer.from_pretrained(str(found["tokenizer"]))
     workloads = tuple(w for w in (args.workloads or ("code" if args.prompts_file else ",".join(WORKLOADS))).split(",") if w)
     if args.prompts_file is not None:
         code_ids, code_texts = file_prompts(args.prompts_file)
@@ -568,7 +573,8 @@ def main(args: argparse.Namespace) -> int:
           f"concurrency {concurrency}, {len(runs)} runs, {total} requests; target core {cpus[0]}, "
           f"drafter core {cpus[-1]}", file=sys.stderr)
     rows: list[dict[str, Any]] = []
-    cluster = SpecdecCluster(args.models, out, args.dtype, QUICK_VERIFIER_ARGS if args.quick else ())
+    cluster = SpecdecCluster(args.models, out, args.dtype, QUICK_VERIFIER_ARGS if args.quick else (),
+                             args.target, args.draft)
     bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
     try:
         for run in runs:

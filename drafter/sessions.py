@@ -324,6 +324,12 @@ class ModelDraftSession(DraftSession):
 
     `cached` counts context tokens whose keys/values are in the cache; each step feeds
     only context[cached:] (one token in steady state, a few after a commit).
+
+    The model may sit on a GPU (`model.device`): its inputs and KV cache live there, and the
+    choice of a token is made from the logits on the CPU except for a greedy pick without
+    alternatives (an argmax on the device). `vocab_limit` (> 0): drafts are chosen among the
+    first vocab_limit ids only, the draft tokenizer's: padding rows of the embedding past
+    them are never proposed (specdec.models.compat).
     """
 
     def __init__(
@@ -338,11 +344,14 @@ class ModelDraftSession(DraftSession):
         seed: int | None,
         q_top_k: int,
         prefill_chunk: int = 128,
+        vocab_limit: int = 0,
     ) -> None:
         super().__init__(prompt, gamma, lookahead, prefill_chunk=prefill_chunk)
         from transformers import DynamicCache
 
         self.model = model
+        self.device = getattr(model, "device", torch.device("cpu"))
+        self.vocab_limit = vocab_limit
         self.cache = DynamicCache()
         self.cached = 0
         self.temperature = temperature
@@ -359,7 +368,7 @@ class ModelDraftSession(DraftSession):
         new = self.context[self.cached : upto]
         # [1, len(new)] -> logits [1, len(new), vocab]
         out = self.model(
-            input_ids=torch.tensor([new], dtype=torch.long),
+            input_ids=torch.tensor([new], dtype=torch.long, device=self.device),
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
@@ -383,10 +392,13 @@ class ModelDraftSession(DraftSession):
     def _pick(self, logits: torch.Tensor, with_alts: bool) -> Draft:
         """The draft token from one position's logits [vocab]; with_alts: its conf and the
         branch_alts likeliest other tokens (temperature 0: the model's own softmax)."""
+        if self.vocab_limit:
+            logits = logits[: self.vocab_limit]  # [vocab_limit]: no padding row
+        if self.temperature == 0 and not with_alts:
+            return Draft(int(logits.argmax()), 1.0, None)  # on the model's device
+        logits = logits.float().cpu()  # sampling and alternatives: on the CPU, with self.generator
         if self.temperature == 0:
             token = int(logits.argmax())
-            if not with_alts:
-                return Draft(token, 1.0, None)
             probs = torch.softmax(logits.float(), dim=-1)
             top_p, top_i = torch.topk(probs, self.branch_alts + 1)
             alts = tuple((int(i), float(q)) for i, q in zip(top_i.tolist(), top_p.tolist()) if i != token)
@@ -409,7 +421,7 @@ class ModelDraftSession(DraftSession):
         if len(corrections) > 1:
             cache.batch_repeat_interleave(len(corrections))
         return {"position": position, "corrections": corrections, "cache": cache, "ms": 0.0,
-                "next": torch.tensor([[t] for t in corrections], dtype=torch.long),  # [B, 1]
+                "next": torch.tensor([[t] for t in corrections], dtype=torch.long, device=self.device),  # [B, 1]
                 "conts": [[] for _ in corrections]}
 
     @torch.inference_mode()
@@ -423,7 +435,7 @@ class ModelDraftSession(DraftSession):
         picks = [self._pick(out.logits[b, -1], with_alts=False) for b in range(len(job["corrections"]))]
         for cont, d in zip(job["conts"], picks):
             cont.append(d)
-        job["next"] = torch.tensor([[d.token_id] for d in picks], dtype=torch.long)
+        job["next"] = torch.tensor([[d.token_id] for d in picks], dtype=torch.long, device=self.device)
         job["ms"] += (time.perf_counter() - t0) * 1e3
         if len(job["conts"][0]) < self.gamma:
             return None

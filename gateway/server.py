@@ -18,11 +18,12 @@ from typing import Any, Self
 import grpc
 from prometheus_client import CollectorRegistry
 
-from gateway.pool import NoReplica, Pool
+from gateway.pool import NoReplica, Pool, Replica
 from gateway.rounds import Plan, Round, Stats, tenant_of
 from gateway.text import TextStream
 from specdec import security, serving, telemetry
 from specdec.config import GatewayConfig
+from specdec.models import compat
 from specdec.validation import InvalidField, check_gamma, check_request_id, check_sampling, check_sizes, check_token_ids
 from specdec.wire import DRAFT_METHOD_NAMES, draft_method, finish_reason_name, pb, rpc
 
@@ -105,7 +106,10 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         telemetry.setup_tracing("gateway")  # Round takes its tracer from the provider
         self.metrics = telemetry.GatewayMetrics(registry)
         self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer))
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer, revision=cfg.tokenizer_revision or None))
+        self.vocabulary = compat.from_tokenizer(self.tokenizer, cfg.tokenizer)
+        self._drafter_misfits: dict[str, str | None] = {}  # drafter address -> compat.mismatch line (None: fits)
+        self._target_vocabulary: compat.Vocabulary | None = None  # from GetVerifierInfo (None: not sent)
         # prompts are tokenised (and chat templates rendered, by the REST bridge) on this thread,
         # never on the event loop that carries every stream; one thread: the tokenizer is shared
         self.tokenizer_executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
@@ -186,7 +190,11 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                             err.details())
                 raise VerifierUnavailable(f"verifier: no answer within verifier_retry_s ({wait_s:g} s) "
                                           f"({err.code().name}); retry later") from err
+            target = compat.from_pb(info.vocabulary, info.model)
+            if target is not None:  # the gateway's tokenizer must be the target's
+                compat.check(target, self.vocabulary, "gateway tokenizer")
             self._target = TargetInfo(info.vocab_size, info.max_model_len, info.max_gamma)
+            self._target_vocabulary = target
         return self._target
 
     async def plan(self, spec: "pb.GenerationSpec", key: str = "anonymous") -> Plan:
@@ -240,7 +248,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         drafter = None
         if plan.gamma > 0 and plan.drafter != pb.DRAFT_METHOD_NONE:
             await self.drafters.checked(DRAFTER_FIRST_CHECK_S)  # only the first requests after start wait
-            drafter = self.drafters.choose()  # None: none serves, the round decodes plainly
+            drafter = await self._fitting_drafter() if plan.drafter == pb.DRAFT_METHOD_MODEL else self.drafters.choose()
         vocab = self._target.vocab_size if self._target is not None else None
         round_ = Round(plan, verifier.stub, drafter.stub if drafter is not None else None, self.cfg.drafter_timeout_s,
                        self.spikes, self.metrics, model=self.cfg.tokenizer, parent=parent, vocab_size=vocab,
@@ -248,6 +256,28 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                        on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None)
         round_.replicas = (verifier, drafter)  # type: ignore[attr-defined]
         return round_
+
+    async def _fitting_drafter(self) -> Replica | None:
+        """A serving drafter replica whose draft model fits the target (specdec.models.compat), asked
+        once per replica with GetDrafterInfo; None when none serves or fits: the round decodes
+        plainly. A misfit is logged once, as the line naming both models and the difference. (The
+        n-gram method has no model and is never checked: the caller only asks for method MODEL.)"""
+        tried: set[str] = set()
+        while (drafter := self.drafters.choose(exclude=tried)) is not None:
+            if drafter.address not in self._drafter_misfits and self._target_vocabulary is not None:
+                try:
+                    info = await drafter.stub.GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=VERIFIER_INFO_TIMEOUT_S)
+                except grpc.aio.AioRpcError:
+                    return drafter  # unknown for now: its health check and its Draft call decide
+                draft = compat.from_pb(info.vocabulary, info.model)
+                line = compat.mismatch(self._target_vocabulary, draft) if draft is not None else None
+                self._drafter_misfits[drafter.address] = line
+                if line:
+                    log.error("drafter %s refused: %s", drafter.address, line)
+            if not self._drafter_misfits.get(drafter.address):
+                return drafter
+            tried.add(drafter.address)
+        return None
 
     def _resumed(self, plan: Plan, streamed: list[int], migration: int) -> Plan:
         """The plan that resumes `plan` after `streamed` tokens reached the client: the prompt
@@ -352,6 +382,9 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             raise  # unreachable: abort raises
         except VerifierUnavailable as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            raise
+        except compat.IncompatibleModels as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
             raise
 
     async def Generate(self, request, context) -> "pb.GenerateResponse":  # noqa: N802

@@ -31,7 +31,7 @@ from typing import Any
 
 from specdec import config
 from specdec.errors import UserError
-from specdec.models import PAIRS, prepare
+from specdec.models import check_pair, choose
 
 
 def serve_config(args: argparse.Namespace) -> object:
@@ -103,15 +103,35 @@ def _start(cluster: Any) -> None:
         raise UserError(f"a service did not start: {err}", "its log says why") from err
 
 
+def _checked_pair(args: argparse.Namespace) -> str:
+    """Resolve the models `up` / `demo` run (--models with --target, --draft, --tokenizer) and refuse
+    a pair that does not fit, before any service starts; returns how to name the pair in messages."""
+    chosen = choose(args.models, args.target, args.draft, args.tokenizer)
+    check_pair(chosen)
+    return args.models if chosen.name == args.models and not (args.target or args.draft or args.tokenizer) else \
+        f"target {chosen.target}, draft {chosen.draft}"
+
+
+def _add_pair_flags(p: argparse.ArgumentParser) -> None:
+    """--models, --target, --draft, --tokenizer of `up` and `demo`."""
+    p.add_argument("--models", default="qwen-coder", metavar="PAIR",
+                   help="a built-in pair (qwen-coder, tiny) or one of your pairs file (specdec.toml or SPECDEC_PAIRS)")
+    p.add_argument("--target", metavar="REF", help="target model reference replacing the pair's: a folder, PAIR/ROLE or "
+                   "a Hugging Face repo id ORG/NAME[@REVISION]")
+    p.add_argument("--draft", metavar="REF", help="draft model reference (default: the pair's draft)")
+    p.add_argument("--tokenizer", metavar="REF", help="the gateway's tokenizer (default: the target's)")
+
+
 def _up(args: argparse.Namespace) -> None:
     from specdec.launch import Cluster
 
-    prepare(args.models)
+    what = _checked_pair(args)
     cluster = Cluster(
         pair=args.models, draft=args.draft, gateway_port=args.port, drafter_port=args.drafter_port,
-        verifier_port=args.verifier_port, log_dir=Path(args.log_dir), pin=not args.no_pin,
+        verifier_port=args.verifier_port, log_dir=Path(args.log_dir), pin=not args.no_pin, target=args.target,
+        tokenizer=args.tokenizer,
     )
-    print(f"starting verifier, drafter and gateway ({args.models}); logs in {args.log_dir}", file=sys.stderr)
+    print(f"starting verifier, drafter and gateway ({what}); logs in {args.log_dir}", file=sys.stderr)
     _start(cluster)
     print(f"ready: gateway on 127.0.0.1:{args.port} (Ctrl-C stops)", file=sys.stderr)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the services on SIGTERM too
@@ -273,13 +293,13 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from specdec.launch import Cluster, free_port
 
-    prepare(args.models)
+    what = _checked_pair(args)
     ports = [free_port() for _ in range(3)]
     off = ["--metrics-port", "0"]  # a one-shot run needs no metrics or REST ports
     cluster = Cluster(pair=args.models, gateway_port=ports[0], drafter_port=ports[1], verifier_port=ports[2],
-                      log_dir=Path(args.log_dir),
+                      log_dir=Path(args.log_dir), target=args.target, draft=args.draft, tokenizer=args.tokenizer,
                       extra_args={"verifier": off, "drafter": off, "gateway": [*off, "--rest-port", "0"]})
-    print(f"starting verifier, drafter and gateway ({args.models}); logs in {args.log_dir}", file=sys.stderr)
+    print(f"starting verifier, drafter and gateway ({what}); logs in {args.log_dir}", file=sys.stderr)
     _start(cluster)
     try:
         print(f"prompt: {args.prompt!r}\n", file=sys.stderr)
@@ -384,8 +404,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _add_serve(sub)
 
     up = sub.add_parser("up", help="start the three services locally")
-    up.add_argument("--models", default="qwen-coder", choices=sorted(PAIRS))
-    up.add_argument("--draft", help="draft model reference (default: the pair's draft)")
+    _add_pair_flags(up)
     up.add_argument("--port", type=int, default=config.DEFAULT_GATEWAY_PORT)
     up.add_argument("--drafter-port", type=int, default=config.DEFAULT_DRAFTER_PORT)
     up.add_argument("--verifier-port", type=int, default=config.DEFAULT_VERIFIER_PORT)
@@ -400,7 +419,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     demo = sub.add_parser("demo", help="start the services, run one generation with stats, stop")
-    demo.add_argument("--models", default="qwen-coder", choices=sorted(PAIRS))
+    _add_pair_flags(demo)
     demo.add_argument("--prompt", default="def quicksort(items: list[int]) -> list[int]:\n")
     demo.add_argument("--log-dir", default="logs")
     demo.set_defaults(func=lambda a: _demo(_demo_defaults(a)), token_ids=False)

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.models import PAIRS
+from specdec.models import choose
 
 
 
@@ -127,7 +127,7 @@ class Cluster:
     """The three services of one deployment, started locally."""
 
     pair: str = "qwen-coder"
-    draft: str | None = None
+    draft: str | None = None  # a model reference replacing the pair's draft (None: the pair's)
     gateway_port: int = 50051
     drafter_port: int = 50052
     verifier_port: int = 50053
@@ -136,9 +136,11 @@ class Cluster:
     # extra flags per service kind, e.g. {"gateway": ["--rest-port", "0"]}
     extra_args: dict[str, list[str]] = field(default_factory=dict)
     services: list[Service] = field(default_factory=list)
+    target: str | None = None  # a model reference replacing the pair's target (and its tokenizer)
+    tokenizer: str | None = None  # the gateway's tokenizer (None: the target's)
 
     def start(self, timeout_s: float = 900.0) -> None:
-        pair = PAIRS[self.pair]
+        pair = choose(self.pair, self.target, self.draft, self.tokenizer)
         target, default_draft, tokenizer = pair.target, pair.draft, pair.tokenizer
         target_cpus, draft_cpus = split_cpus() if self.pin else (None, None)
         threads = str(len(target_cpus)) if target_cpus else "0"

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from dataclasses import replace
 
 import grpc
 from prometheus_client import CollectorRegistry
 
 from specdec import serving, telemetry
 from specdec.config import VerifierConfig
+from specdec.models import compat
 from specdec.validation import (
     BACKEND_REQUEST_ID_EXTRA,
     MAX_REQUEST_ID_CHARS,
@@ -70,7 +72,13 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         self.model_name = cfg.model
         self.tracer = telemetry.setup_tracing("verifier")
         self.metrics = telemetry.VerifierMetrics(registry)
-        self.engine = TargetEngine(cfg, str(resolve(cfg.model)), self.metrics)
+        path = resolve(cfg.model, revision=cfg.revision or None)
+        self.engine = TargetEngine(cfg, str(path), self.metrics)
+        # the engine's context length: max_model_len, or the model's own when left to vLLM (0 on CUDA)
+        self.max_model_len = self.engine.board.max_model_len
+        # what a gateway checks its tokenizer and drafters against (rows: the engine's)
+        # (the tokenizer as transformers loads it, as the gateway and the drafter load theirs)
+        self.vocabulary = replace(compat.from_folder(path, cfg.model, with_rows=False), vocab_size=self.engine.vocab_size)
         self._ids: set[str] = set()
         self.slots = serving.SessionSlots("verifier", cfg.max_sessions)
 
@@ -81,7 +89,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.engine.vocab_size)
         check_gamma("open.gamma", req.gamma, self.cfg.max_gamma)
         sp = req.sampling
-        check_sampling("open.sampling", sp, len(req.prompt_token_ids), self.cfg.max_model_len, self.engine.vocab_size)
+        check_sampling("open.sampling", sp, len(req.prompt_token_ids), self.max_model_len, self.engine.vocab_size)
         return GenerationRequest(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
@@ -202,12 +210,13 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         return pb.GetVerifierInfoResponse(
             model=self.model_name,
             vocab_size=self.engine.vocab_size,
-            max_model_len=self.cfg.max_model_len,
+            max_model_len=self.max_model_len,
             max_gamma=self.cfg.max_gamma,
             eos_token_ids=self.engine.eos_token_ids,
             max_sessions=self.cfg.max_sessions,
             active_sessions=self.slots.active,
             draining=self.slots.draining,
+            vocabulary=compat.to_pb(self.vocabulary),
         )
 
 
