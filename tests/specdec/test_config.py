@@ -89,11 +89,12 @@ def test_every_field_has_help_a_flag_and_an_env_var(kind: str, monkeypatch) -> N
         action = options[flag_name(f.name)]
         assert action.dest == f.name and action.default is None
         assert action.help.endswith(f"(default: {config.show_default(f.default)}; env {env_name(f.name)})")
-        if f.type == "bool":
+        type_ = f.type.removesuffix(" | None")  # a None default: "auto" (e.g. enforce_eager)
+        if type_ == "bool":
             assert isinstance(action, argparse.BooleanOptionalAction)
             assert f"--no-{f.name.replace('_', '-')}" in options
         # the environment variable reaches the config
-        value = {"int": "7", "float": "2.5", "str": "none", "bool": "0" if f.default else "1"}[f.type]
+        value = {"int": "7", "float": "2.5", "str": "none", "bool": "0" if f.default else "1"}[type_]
         if kind == "gateway" and f.name == "default_drafter":
             value = "ngram"
         if f.name == "tls_client_auth":
@@ -101,7 +102,7 @@ def test_every_field_has_help_a_flag_and_an_env_var(kind: str, monkeypatch) -> N
         monkeypatch.setenv(env_name(f.name), value)
         built = getattr(serve(kind), f.name)
         monkeypatch.delenv(env_name(f.name))
-        expected = {"int": 7, "float": 2.5, "str": value, "bool": not f.default}[f.type]
+        expected = {"int": 7, "float": 2.5, "str": value, "bool": not f.default}[type_]
         assert built == expected and built != f.default, f.name
     # no flag without a field (besides -h)
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -121,7 +122,7 @@ def test_flags_reach_the_config() -> None:
     assert isinstance(cfg, VerifierConfig)
     assert cfg.draft_wait_ms == 125.0 and cfg.max_gamma == 5 and cfg.io_cpus == "0,1"
     assert cfg.adaptive_gamma is False and cfg.prefix_caching is False and cfg.cpu_sampler_fix is False
-    assert cfg.batch_window_ms == 3.0 and cfg.enforce_eager is True  # untouched: the default
+    assert cfg.batch_window_ms == 3.0 and cfg.enforce_eager is None  # untouched: the default (auto)
     cfg = serve("drafter", "--sample-drafts", "--quantize", "none", "--flush-ms", "7.5", "--q-top-k", "8",
                 "--ngram-max", "6", "--ngram-min", "2")
     assert isinstance(cfg, DrafterConfig)
@@ -190,3 +191,16 @@ def test_add_flags_rejects_fields_without_help() -> None:
 
     with pytest.raises(ValueError, match="no help"):
         config.add_flags(argparse.ArgumentParser(), Bare)
+
+
+def test_auto_settings_take_auto_from_the_environment_and_a_value_from_a_flag(monkeypatch) -> None:
+    """enforce_eager unset is "auto" (decided per device by verifier.vllm_hooks.engine_settings);
+    SPECDEC_ENFORCE_EAGER=auto keeps it so, a flag or a true/false value sets it."""
+    assert serve("verifier").enforce_eager is None
+    assert serve("verifier", "--no-enforce-eager").enforce_eager is False
+    monkeypatch.setenv("SPECDEC_ENFORCE_EAGER", "auto")
+    assert serve("verifier").enforce_eager is None
+    monkeypatch.setenv("SPECDEC_ENFORCE_EAGER", "1")
+    assert serve("verifier").enforce_eager is True
+    action = serve_parser("verifier")._option_string_actions["--enforce-eager"]
+    assert action.help.endswith("(default: auto; env SPECDEC_ENFORCE_EAGER)")

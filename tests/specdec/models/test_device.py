@@ -1,0 +1,57 @@
+"""Where the drafter runs, decided without a GPU: the probe is injected."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.errors import UserError
+from specdec.models.device import GpuProbe, Placement, draft_placement
+
+
+def no_gpu() -> GpuProbe:
+    return GpuProbe(cuda=False)
+
+
+def h100() -> GpuProbe:
+    return GpuProbe(cuda=True, bf16=True)
+
+
+def t4() -> GpuProbe:  # no bfloat16
+    return GpuProbe(cuda=True, bf16=False)
+
+
+def test_auto_is_cuda_in_bf16_on_a_gpu_host_and_int8_on_a_cpu_host() -> None:
+    assert draft_placement(probe=h100) == Placement("cuda", "bfloat16", "none")
+    assert draft_placement(probe=t4) == Placement("cuda", "float16", "none")
+    assert draft_placement(probe=no_gpu) == Placement("cpu", "float32", "int8")
+
+
+def test_cpu_is_the_cpu_even_with_a_gpu_and_never_asks_the_probe() -> None:
+    def must_not_probe() -> GpuProbe:
+        raise AssertionError("probed")
+
+    assert draft_placement("cpu", probe=must_not_probe) == Placement("cpu", "float32", "int8")
+    assert draft_placement("cpu", "bfloat16", "none", probe=must_not_probe) == Placement("cpu", "bfloat16", "none")
+
+
+def test_explicit_settings_win_on_a_gpu() -> None:
+    assert draft_placement("cuda", "float32", probe=h100) == Placement("cuda", "float32", "none")
+    assert draft_placement("auto", "float16", "none", probe=h100) == Placement("cuda", "float16", "none")
+
+
+def test_impossible_requests_are_one_error_naming_the_setting() -> None:
+    with pytest.raises(UserError, match="device cuda: torch sees no CUDA GPU on this host; .*--device cpu"):
+        draft_placement("cuda", probe=no_gpu)
+    with pytest.raises(UserError, match="quantize int8 is CPU-only"):
+        draft_placement("cuda", quantize="int8", probe=h100)
+    with pytest.raises(UserError, match="device 'tpu' is not one of auto, cpu, cuda"):
+        draft_placement("tpu", probe=h100)
+
+
+def test_the_drafter_flag_reaches_the_config() -> None:
+    from specdec import cli, config
+
+    args = cli.build_parser(["serve"]).parse_args(["serve", "drafter", "--device", "cuda", "--revision", "v2"])
+    cfg = cli.serve_config(args)
+    assert isinstance(cfg, config.DrafterConfig)
+    assert (cfg.device, cfg.revision, cfg.dtype, cfg.quantize) == ("cuda", "v2", "auto", "auto")
