@@ -108,7 +108,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer, revision=cfg.tokenizer_revision or None))
         self.vocabulary = compat.from_tokenizer(self.tokenizer, cfg.tokenizer)
-        self._drafter_misfits: dict[str, str | None] = {}  # drafter address -> compat.mismatch line (None: fits)
+        # drafter address -> its check: compat.mismatch's line, None when it fits (_fitting_drafter)
+        self._drafter_checks: dict[str, asyncio.Future[str | None]] = {}
         self._target_vocabulary: compat.Vocabulary | None = None  # from GetVerifierInfo (None: not sent)
         # prompts are tokenised (and chat templates rendered, by the REST bridge) on this thread,
         # never on the event loop that carries every stream; one thread: the tokenizer is shared
@@ -259,23 +260,33 @@ class GatewayServicer(rpc.GatewayServiceServicer):
 
     async def _fitting_drafter(self) -> Replica | None:
         """A serving drafter replica whose draft model fits the target (specdec.models.compat), asked
-        once per replica with GetDrafterInfo; None when none serves or fits: the round decodes
-        plainly. A misfit is logged once, as the line naming both models and the difference. (The
-        n-gram method has no model and is never checked: the caller only asks for method MODEL.)"""
+        once per replica with GetDrafterInfo (concurrent requests share the one call); None when none
+        serves or fits: the round decodes plainly. A misfit is logged once, as the line naming both
+        models and the difference. (The n-gram method has no model and is never checked: the
+        caller only asks for method MODEL.)"""
+        target = self._target_vocabulary
+
+        async def misfit(drafter: Replica) -> str | None:
+            info = await drafter.stub.GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=VERIFIER_INFO_TIMEOUT_S)
+            draft = compat.from_pb(info.vocabulary, info.model)
+            line = compat.mismatch(target, draft) if target is not None and draft is not None else None
+            if line:
+                log.error("drafter %s refused: %s", drafter.address, line)
+            return line
+
         tried: set[str] = set()
         while (drafter := self.drafters.choose(exclude=tried)) is not None:
-            if drafter.address not in self._drafter_misfits and self._target_vocabulary is not None:
-                try:
-                    info = await drafter.stub.GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=VERIFIER_INFO_TIMEOUT_S)
-                except grpc.aio.AioRpcError:
-                    return drafter  # unknown for now: its health check and its Draft call decide
-                draft = compat.from_pb(info.vocabulary, info.model)
-                line = compat.mismatch(self._target_vocabulary, draft) if draft is not None else None
-                self._drafter_misfits[drafter.address] = line
-                if line:
-                    log.error("drafter %s refused: %s", drafter.address, line)
-            if not self._drafter_misfits.get(drafter.address):
+            if target is None:  # a verifier that sent no vocabulary: nothing to check against
                 return drafter
+            check = self._drafter_checks.get(drafter.address)
+            if check is None:
+                check = self._drafter_checks[drafter.address] = asyncio.ensure_future(misfit(drafter))
+            try:
+                if not await asyncio.shield(check):
+                    return drafter
+            except grpc.aio.AioRpcError:
+                self._drafter_checks.pop(drafter.address, None)  # asked again next time
+                return drafter  # unknown for now: its health check and its Draft call decide
             tried.add(drafter.address)
         return None
 

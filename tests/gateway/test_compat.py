@@ -33,6 +33,7 @@ class FakeStub:
 
     async def GetDrafterInfo(self, *args, **kwargs):  # noqa: N802
         self.calls += 1
+        await asyncio.sleep(0)  # a real call yields to the loop: other requests come in meanwhile
         return self.info
 
 
@@ -68,7 +69,7 @@ def servicer(tiny_target, verifier_vocab: compat.Vocabulary, drafters: list[Simp
     s.vocabulary = compat.from_tokenizer(s.tokenizer, "tiny/target")
     s.metrics = telemetry.GatewayMetrics(CollectorRegistry())
     s.spikes = telemetry.SpikeDetector()
-    s._target, s._target_vocabulary, s._drafter_misfits = None, None, {}
+    s._target, s._target_vocabulary, s._drafter_checks = None, None, {}
     info = pb.GetVerifierInfoResponse(model="tiny/target", vocab_size=verifier_vocab.vocab_size, max_model_len=2048,
                                       max_gamma=8, vocabulary=compat.to_pb(verifier_vocab))
     s.verifiers = FakePool([replica("verifier", info)])
@@ -92,11 +93,11 @@ def test_a_drafter_that_does_not_fit_is_passed_over_once_logged(tiny_target, tar
 
     async def run():
         await s.target_info()
-        return [await s._fitting_drafter() for _ in range(3)]
+        return await asyncio.gather(*(s._fitting_drafter() for _ in range(3)))  # at once: one check each
 
     with caplog.at_level(logging.ERROR, logger="specdec.gateway"):
         chosen = asyncio.run(run())
-    assert chosen == [good, good, good]
+    assert list(chosen) == [good, good, good]
     assert (bad.stub.calls, good.stub.calls) == (1, 1)  # asked once per replica
     refusals = [r.getMessage() for r in caplog.records]
     assert refusals == ["drafter bad:1 refused: draft 'other' does not fit target 'tiny/target': different "
