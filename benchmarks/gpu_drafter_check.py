@@ -1,0 +1,176 @@
+"""The drafter on a GPU, checked against the CPU drafter: same draft tokens, and its cost.
+
+A prepared check for a GPU host (minutes; the tiny pair is built in seconds, random weights):
+
+    python -m benchmarks.gpu_drafter_check                 # GPU (cuda) vs the CPU drafter
+    python -m benchmarks.gpu_drafter_check --device cpu    # the same run, CPU against itself
+
+It drives the drafter's own sessions (drafter.sessions.ModelDraftSession, as the drafter's
+worker does: several sessions stepped round-robin one token at a time, each keeping its KV
+cache across rounds; rejections roll the cache back; idle sessions draft branches, batched
+through the model) with the verdicts of the tiny target (greedy, float32, on the CPU). The
+committed sequence depends on the target only, so the drafts of two placements of the same
+draft model can be compared token for token:
+
+    float32 on --device vs float32 on the CPU   every draft and branch token must be equal
+                                                (exit status 1 otherwise)
+    --dtypes others (default bfloat16)          agreement with the CPU drafts is reported
+
+and prints each placement's draft ms per token (the median of the drafting steps' compute,
+the first round of each session left out as warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from drafter.sessions import BlockOut, ModelDraftSession, Ready
+from specdec.models import load_causal_lm, resolve, tiny
+
+
+@dataclass
+class Run:
+    """What one placement drafted: every block's tokens in order, and per-token costs (ms)."""
+
+    label: str
+    blocks: list[tuple[int, int, bool, list[int]]] = field(default_factory=list)  # (session, start, branch, tokens)
+    token_ms: list[float] = field(default_factory=list)
+    branch_ms: float = 0.0
+    branch_tokens: int = 0
+    rollbacks: int = 0
+    wall_s: float = 0.0
+
+    def tokens(self) -> list[int]:
+        return [t for *_, ts in self.blocks for t in ts]
+
+
+@torch.inference_mode()
+def verdict(target: Any, context: list[int], drafts: list[int]) -> list[int]:
+    """The target's greedy verdict on `drafts` after `context`: the accepted drafts, then its
+    own token (the correction, or the bonus token when all are accepted)."""
+    ids = torch.tensor([context + drafts])  # [1, len(context) + len(drafts)]
+    preds = target(input_ids=ids).logits[0, len(context) - 1 :].argmax(-1).tolist()  # [len(drafts) + 1]
+    out: list[int] = []
+    for d, p in zip(drafts, preds):
+        out.append(p)
+        if d != p:
+            return out
+    return out + [preds[len(drafts)]]
+
+
+def drive(label: str, draft: Any, target: Any, prompts: list[list[int]], gamma: int, tokens: int,
+          branches: int) -> Run:
+    """Run one draft-model placement through `prompts` (one session each) until each has
+    `tokens` committed tokens past its prompt."""
+    run = Run(label)
+    sessions = [ModelDraftSession(draft, p, gamma, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8,
+                                  vocab_limit=tiny.VOCAB_SIZE) for p in prompts]
+    for s in sessions:
+        s.branches = branches
+        s.flush_ms = float("inf")  # blocks at gamma drafts or when the window is full, never on a timer
+    t0 = time.perf_counter()
+    rounds = [0] * len(sessions)
+    for i, s in enumerate(sessions):  # prefill, then the target's first token
+        while not isinstance(s.step(), Ready):
+            pass
+        s.commit(len(s.context), verdict(target, s.context, [])[-1:])
+    live = set(range(len(sessions)))
+    while live:
+        while any(sessions[i].wants_work() for i in live):  # round-robin, a token at a time
+            for i in sorted(live):
+                s = sessions[i]
+                if not s.wants_work():
+                    continue
+                steps = s.steps
+                out = s.step()
+                if s.steps > steps and rounds[i] > 0:
+                    run.token_ms.append(s.last_token_ms)
+                if isinstance(out, BlockOut) and out.drafts:
+                    run.blocks.append((i, out.start_position, False, [d.token_id for d in out.drafts]))
+        for i in sorted(live):  # windows full: branches, one batched step at a time
+            s = sessions[i]
+            while s.wants_branch():
+                before = s.branch_ms
+                for b in s.branch_step():
+                    run.blocks.append((i, b.start_position, True, [d.token_id for d in b.drafts]))
+                    run.branch_tokens += len(b.drafts) - 1
+                run.branch_ms += s.branch_ms - before
+        for i in sorted(live):
+            s = sessions[i]
+            drafts = s.context[s.committed : s.committed + gamma]
+            committed = s.context[: s.committed]
+            out = verdict(target, committed, drafts)
+            run.rollbacks += len(out) <= len(drafts)
+            s.commit(s.committed, out)
+            rounds[i] += 1
+            if s.committed - len(prompts[i]) >= tokens:
+                live.discard(i)
+    run.wall_s = time.perf_counter() - t0
+    return run
+
+
+def _ms(run: Run) -> str:
+    med = statistics.median(run.token_ms) if run.token_ms else float("nan")
+    per_branch = run.branch_ms / run.branch_tokens if run.branch_tokens else float("nan")
+    return (f"{run.label:<28} draft {med:7.2f} ms/token (median of {len(run.token_ms)}), branches "
+            f"{per_branch:6.2f} ms/token ({run.branch_tokens}), {len(run.blocks)} blocks, {run.rollbacks} rollbacks, "
+            f"{run.wall_s:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="the placement checked (default: cuda)")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="dtypes on --device; float32 must equal the CPU drafter, the others report agreement")
+    ap.add_argument("--draft", default="tiny/draft-mid", help="draft model reference (default: tiny/draft-mid)")
+    ap.add_argument("--target", default="tiny/target", help="the verdicts' model (default: tiny/target)")
+    ap.add_argument("--sessions", type=int, default=4, help="sessions drafted together (default: 4)")
+    ap.add_argument("--tokens", type=int, default=64, help="committed tokens per session (default: 64)")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--branches", type=int, default=3, help="branches per round (0: off; default: 3)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads, as a drafter's (default: 1)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_drafter_check: torch sees no CUDA GPU; run it on a GPU host, or pass --device cpu", file=sys.stderr)
+        return 2
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    target_dir = resolve(args.target)  # the tiny pair is built on first use (seconds)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    prompts = [tok.encode(p) for p in tiny.SAMPLE_PROMPTS]
+    prompts = [prompts[i % len(prompts)] + [i + 1] for i in range(args.sessions)]  # distinct sessions
+    if args.device == "cuda":
+        print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    common = (target, prompts, args.gamma, args.tokens, args.branches)
+    reference = drive("cpu float32 (reference)", load_causal_lm(args.draft, "float32", "none"), *common)
+    print(_ms(reference))
+    failed = False
+    for dtype in [d for d in args.dtypes.split(",") if d]:
+        model = load_causal_lm(args.draft, dtype, "none", device=args.device)
+        drive(f"{args.device} {dtype} warm-up", model, target, prompts[:1], args.gamma, 8, args.branches)
+        run = drive(f"{args.device} {dtype}", model, *common)
+        print(_ms(run))
+        ref, got = reference.tokens(), run.tokens()
+        same = sum(a == b for a, b in zip(ref, got))
+        equal = run.blocks == reference.blocks
+        print(f"  draft tokens equal to the CPU drafter's: {'yes' if equal else 'NO'} "
+              f"({same}/{max(len(ref), len(got))} tokens agree, {len(run.blocks)} vs {len(reference.blocks)} blocks)")
+        if dtype == "float32" and not equal:
+            failed = True
+    if failed:
+        print("gpu_drafter_check: FAILED: float32 drafts differ from the CPU drafter's", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
