@@ -215,7 +215,9 @@ class VerifierConfig(TransportConfig):
     max_model_len: int = setting(
         0, "Context length of the engine (prompt + completion tokens); 0: the model's own on CUDA (as `vllm "
         "serve`), 2048 on the CPU.")
-    max_num_seqs: int = setting(32, "Engine batch size limit (requests decoded together).")
+    max_num_seqs: int = setting(
+        0, "Engine batch size limit (requests decoded together); 0: `vllm serve`'s on CUDA (256, or 1024 on a "
+        "GPU of 70 GiB or more), 32 on the CPU.")
     max_sessions: int = setting(
         512, "Most Verify sessions at once (running and queued in the engine); one more is refused with "
         "RESOURCE_EXHAUSTED naming this limit.")

@@ -80,18 +80,21 @@ PROPOSER_CLASS = f"{__name__}.ExternalDraftProposer"
 # free memory) fail there (its utilisation check) or take all of the host's memory.
 CPU_MAX_MODEL_LEN = 2048
 CPU_KV_CACHE_GIB = 1.0
+CPU_MAX_NUM_SEQS = 32
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     """What the engine is built with, once "auto" (0 / unset) settings are decided for a device.
 
-    None means vLLM's own default: max_model_len None is the model's context length, and
-    kv_cache_memory_bytes None sizes the KV cache from gpu_memory_utilization.
+    None means vLLM's own default: max_model_len None is the model's context length,
+    kv_cache_memory_bytes None sizes the KV cache from gpu_memory_utilization, and max_num_seqs
+    None is what `vllm serve` takes (the engine is built in its usage context, `serve`).
     """
 
     device: str  # "cuda" or "cpu" (vLLM's current_platform.device_type; other accelerators: as cuda)
     max_model_len: int | None
+    max_num_seqs: int | None
     enforce_eager: bool
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
@@ -112,6 +115,7 @@ def engine_settings(cfg: VerifierConfig, device: str) -> EngineSettings:
         return EngineSettings(
             device="cpu",
             max_model_len=cfg.max_model_len or CPU_MAX_MODEL_LEN,
+            max_num_seqs=cfg.max_num_seqs or CPU_MAX_NUM_SEQS,
             enforce_eager=True if cfg.enforce_eager is None else cfg.enforce_eager,
             kv_cache_memory_bytes=int((gib or CPU_KV_CACHE_GIB) * (1 << 30)),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -119,6 +123,7 @@ def engine_settings(cfg: VerifierConfig, device: str) -> EngineSettings:
     return EngineSettings(
         device=device,
         max_model_len=cfg.max_model_len or None,
+        max_num_seqs=cfg.max_num_seqs or None,
         enforce_eager=False if cfg.enforce_eager is None else cfg.enforce_eager,
         kv_cache_memory_bytes=int(gib * (1 << 30)) if gib > 0 else None,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -265,7 +270,7 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device
         tokenizer=model_path,
         dtype=cfg.dtype,
         max_model_len=settings.max_model_len,
-        max_num_seqs=cfg.max_num_seqs,
+        max_num_seqs=settings.max_num_seqs,
         enforce_eager=settings.enforce_eager,
         enable_prefix_caching=cfg.prefix_caching,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
@@ -278,8 +283,13 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device
         },
         disable_log_stats=True,
     )
+    from vllm.usage.usage_lib import UsageContext
+
+    # on CUDA, the defaults `vllm serve` takes (max_num_seqs, max_num_batched_tokens by GPU memory);
+    # on the CPU, the engine's own (every CPU setting above is explicit)
+    usage = UsageContext.OPENAI_API_SERVER if settings.device != "cpu" else UsageContext.ENGINE_CONTEXT
     with _proposer_board(board):
-        engine = LLMEngine.from_engine_args(args)
+        engine = LLMEngine.from_engine_args(args, usage_context=usage)
     board.max_model_len = int(engine.model_config.max_model_len)
     return engine
 
