@@ -45,7 +45,7 @@ def test_config_page_has_every_setting_with_flag_env_default_and_help() -> None:
 
 def test_config_page_shows_choices_and_bool_flags() -> None:
     page = docgen.config_markdown()
-    assert "`--quantize none|int8`" in _row(_section(page, "drafter"), "quantize")
+    assert "`--quantize auto|none|int8`" in _row(_section(page, "drafter"), "quantize")
     assert "`--adaptive-gamma` / `--no-adaptive-gamma`" in _row(_section(page, "verifier"), "adaptive_gamma")
 
 
