@@ -267,7 +267,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         target = self._target_vocabulary
 
         async def misfit(drafter: Replica) -> str | None:
-            info = await drafter.stub.GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=VERIFIER_INFO_TIMEOUT_S)
+            info = await drafter.stub.GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=self.cfg.drafter_timeout_s)
             draft = compat.from_pb(info.vocabulary, info.model)
             line = compat.mismatch(target, draft) if target is not None and draft is not None else None
             if line:

@@ -64,7 +64,12 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeVLLM, list[
     monkeypatch.setattr(engine_module, "configure_vllm_env", lambda cfg: None)
     monkeypatch.setattr(vllm_hooks, "check_vllm_version", lambda: "fake")
     monkeypatch.setattr(vllm_hooks, "apply_cpu_sampler_fix", lambda: False)
-    monkeypatch.setattr(vllm_hooks, "build_engine", lambda cfg, path, board: fake)
+
+    def build_engine(cfg: Any, path: str, board: Any) -> FakeVLLM:
+        board.max_model_len = 2048  # as build_engine does: the engine's context length
+        return fake
+
+    monkeypatch.setattr(vllm_hooks, "build_engine", build_engine)
     monkeypatch.setattr(vllm_hooks, "model_facts", lambda engine: vllm_hooks.ModelFacts(100, [0], {0}))
     monkeypatch.setattr(vllm_hooks, "install_schedule_hook", lambda engine, after, before=None: None)
     monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append((pid, sig)))
