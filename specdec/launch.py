@@ -156,16 +156,21 @@ class Cluster:
             ["--model", self.draft or default_draft, "--threads", "1", *self.extra_args.get("drafter", [])],
             self.log_dir, draft_cpus,
         )
-        gateway = start_service(
-            "gateway", self.gateway_port,
-            ["--tokenizer", tokenizer, "--drafter-address", drafter.address, "--verifier-address", verifier.address,
-             *self.extra_args.get("gateway", [])],
-            self.log_dir, draft_cpus,
-        )
-        self.services = [verifier, drafter, gateway]
+        self.services = [verifier, drafter]
         try:
             for s in self.services:
                 s.wait_ready(timeout_s)
+            # the gateway last: its pools' first health checks then find the drafter and verifier
+            # serving (a drafter still loading would be taken for down until the next check, and the
+            # first requests would decode plainly)
+            gateway = start_service(
+                "gateway", self.gateway_port,
+                ["--tokenizer", tokenizer, "--drafter-address", drafter.address, "--verifier-address",
+                 verifier.address, *self.extra_args.get("gateway", [])],
+                self.log_dir, draft_cpus,
+            )
+            self.services.append(gateway)
+            gateway.wait_ready(timeout_s)
         except BaseException:
             self.stop()
             raise
