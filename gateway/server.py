@@ -32,6 +32,8 @@ log = logging.getLogger("specdec.gateway")
 # How long a request waits for the drafters' pool's first pass (resolve, health checks) after the
 # gateway started; with no drafter serving after it, the request runs as plain target decoding.
 DRAFTER_FIRST_CHECK_S = 5.0
+# How long a serving verifier may take to answer GetVerifierInfo (asked once per gateway).
+INFO_TIMEOUT_S = 30.0
 # After a certificate rotation, how long calls on the old channels may take to finish.
 CHANNEL_DRAIN_S = 3600.0
 # The most times one generation moves to another verifier, and the verifier errors that move it:
@@ -174,14 +176,15 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             self.limits.release(key)
 
     async def target_info(self) -> TargetInfo:
-        """The verifier's limits, asked once; with no verifier that serves and answers within
-        verifier_retry_s, raises VerifierUnavailable."""
+        """The verifier's limits, asked once; with no verifier that serves within verifier_retry_s,
+        or one that serves but does not answer within INFO_TIMEOUT_S, raises VerifierUnavailable."""
         if self._target is None:
             wait_s = self.cfg.verifier_retry_s
             try:
                 replica = await self.verifiers.pick(wait_s)
+                # it serves (its health check says so): a slow answer is a busy verifier, not a gone one
                 info = await replica.stub.GetVerifierInfo(pb.GetVerifierInfoRequest(), wait_for_ready=True,
-                                                          timeout=wait_s)
+                                                          timeout=max(wait_s, INFO_TIMEOUT_S))
             except NoReplica as err:
                 log.warning("verifier: %s", err)
                 raise VerifierUnavailable(f"verifier: none serves within verifier_retry_s ({wait_s:g} s); "
@@ -189,8 +192,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             except grpc.aio.AioRpcError as err:
                 log.warning("verifier %s: GetVerifierInfo failed: %s %s", replica.address, err.code().name,
                             err.details())
-                raise VerifierUnavailable(f"verifier: no answer within verifier_retry_s ({wait_s:g} s) "
-                                          f"({err.code().name}); retry later") from err
+                raise VerifierUnavailable(f"verifier: no answer to GetVerifierInfo ({err.code().name}); "
+                                          "retry later") from err
             target = compat.from_pb(info.vocabulary, info.model)
             if target is not None:  # the gateway's tokenizer must be the target's
                 compat.check(target, self.vocabulary, "gateway tokenizer")
