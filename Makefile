@@ -7,7 +7,7 @@ BUF := .tools/node_modules/.bin/buf
 # vLLM build: the CPU wheel here, the CUDA wheel of the same version where a GPU exists.
 ACCEL := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup protos lint-protos lint-imports test test-slow demo bench clean
+.PHONY: setup protos lint-protos lint-imports lint typecheck test test-unit test-e2e test-slow demo bench clean
 
 setup: $(STAMP) protos
 
@@ -44,13 +44,33 @@ lint-protos: $(BUF)
 lint-imports: setup
 	$(VENV)/bin/lint-imports
 
-# The default suite: unit tests and end-to-end tests of the real services on the tiny pair.
-test: setup lint-protos lint-imports
-	$(PY) -m pytest
+# Static checks (docs/contributing.md): ruff's lint rules ([tool.ruff] in pyproject.toml) over
+# the tree, and mypy ([tool.mypy]) over the four packages.
+lint: setup
+	$(VENV)/bin/ruff check .
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+# The fast tier: no model, no vLLM import, no service (tests/conftest.py applies the markers by
+# folder). Seconds; the first step of `make test`, so a broken unit fails the run at once.
+test-unit: setup
+	$(PY) -m pytest -m unit
+
+# The end-to-end tier: the real services and vLLM on the tiny pair.
+test-e2e: setup
+	$(PY) -m pytest -m 'e2e and not slow'
+
+# The default suite, fastest checks first: unit tests, static checks, then end to end.
+# pytest-randomly orders each run at random and prints its seed (docs/contributing.md).
+test: setup
+	$(MAKE) test-unit
+	$(MAKE) lint typecheck lint-protos lint-imports
+	$(MAKE) test-e2e
 
 # Real-model checks (minutes): pulls the qwen-coder pair on first use.
 test-slow: setup
-	$(PY) -m pytest -m slow -o addopts="-p no:cacheprovider" -v
+	$(PY) -m pytest -m slow -o addopts="" -v
 
 # The main job: the three services on the real Qwen2.5-Coder pair, one generation with its stats.
 demo: setup

@@ -5,6 +5,16 @@ on the tiny pair. One verifier serves all gateways; each drafter serves one draf
 model and has its own gateway:
     "mid"   draft-mid (agrees often, not always)   "same" draft-same (agrees always)
     "far"   draft-far (agrees rarely)
+
+Test tiers (docs/contributing.md): every test gets exactly one of the markers `unit` or
+`e2e`, applied here by folder (pytest_collection_modifyitems), and real-model tests also
+carry `slow`:
+    unit  no model, no vLLM import, no service: runs in seconds (`make test-unit`)
+    e2e   real services, vLLM, or the tiny models: everything under tests/e2e, the modules in
+          E2E_MODULES, any test using a fixture in E2E_FIXTURES, and tests marked `e2e` by hand
+    slow  the real (qwen) pair, kept out of the default suite (`make test-slow`)
+A unit-only run fails if vLLM got imported or a service was started (the guards below), so
+a test that needs either cannot hide in the fast tier.
 """
 
 from __future__ import annotations
@@ -23,8 +33,56 @@ from specdec.launch import Service, free_port, start_service
 from specdec.models import resolve
 
 TESTS = Path(__file__).resolve().parent
+# Folders (under tests/) whose tests all start services or vLLM.
+E2E_FOLDERS = ("e2e",)
+# Modules outside those folders that start services, import vLLM, or load a model throughout.
+E2E_MODULES = (
+    "benchmarks/test_bench.py",  # `specdec bench`: the three services and a vLLM baseline
+    "benchmarks/test_link.py",  # `specdec bench-link`: the services across network namespaces
+    "drafter/test_sessions.py",  # the tiny draft model, loaded with transformers
+    "test_packaging.py",  # a fresh venv serving the drafter and the gateway
+    "test_readme_commands.py",  # the README's commands, services included
+)
+# Fixtures that bring up services, build the tiny models, or run vLLM.
+E2E_FIXTURES = frozenset({"services", "gateway_address", "tiny_target", "tiny_cache"})
 DRAFTS = {"mid": "tiny/draft-mid", "same": "tiny/draft-same", "far": "tiny/draft-far"}
 MAX_GAMMA = 8
+
+
+def _tier(item: pytest.Item) -> str:
+    """'e2e' or 'unit' for one collected test (module docstring)."""
+    rel = Path(str(item.path)).resolve().relative_to(TESTS).as_posix()
+    if (rel.split("/")[0] in E2E_FOLDERS or rel in E2E_MODULES or E2E_FIXTURES & set(item.fixturenames)
+            or item.get_closest_marker("e2e") or item.get_closest_marker("slow")):
+        return "e2e"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(_tier(item))
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_starts_no_service(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `unit` test that starts a service is misfiled: fail it, naming the fix."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(kind: str, *args: object, **kwargs: object) -> Service:
+        raise AssertionError(f"a unit test started a {kind} service: add its module to E2E_MODULES in tests/conftest.py "
+                             "or mark the test `e2e`")
+
+    monkeypatch.setattr("specdec.launch.start_service", refuse)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run of only `unit` tests must not have imported vLLM (module docstring)."""
+    items = getattr(session, "items", [])
+    if items and all(item.get_closest_marker("e2e") is None for item in items) and "vllm" in sys.modules:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print("\nunit tier: vLLM was imported; move the test that imports it to the e2e tier "
+              "(tests/conftest.py E2E_MODULES, or @pytest.mark.e2e)", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")
