@@ -174,7 +174,7 @@ class Pool:
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(left, self.health_every_s))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def failed(self, r: Replica) -> None:

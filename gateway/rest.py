@@ -35,19 +35,19 @@ import json
 import re
 import time
 import uuid
-from http import HTTPStatus
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from gateway.client import AsyncGatewayClient, generation_spec, stats_dict, vllm_spec_metrics
 from specdec.config import MAX_LOGPROBS

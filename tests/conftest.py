@@ -70,8 +70,10 @@ def _unit_tier_starts_no_service(request: pytest.FixtureRequest, monkeypatch: py
         return
 
     def refuse(kind: str, *args: object, **kwargs: object) -> Service:
-        raise AssertionError(f"a unit test started a {kind} service: add its module to E2E_MODULES in tests/conftest.py "
-                             "or mark the test `e2e`")
+        raise AssertionError(
+            f"a unit test started a {kind} service: add its module to E2E_MODULES in tests/conftest.py "
+            "or mark the test `e2e`"
+        )
 
     monkeypatch.setattr("specdec.launch.start_service", refuse)
 

@@ -47,7 +47,9 @@ def cases(tiny_target: Path) -> tuple[list[list[int]], list[list[int]]]:
     return ps, reference
 
 
-async def _drain_while_streaming(gateway: Service, victim: Service, ps: list[list[int]]) -> tuple[list, grpc.StatusCode]:
+async def _drain_while_streaming(
+    gateway: Service, victim: Service, ps: list[list[int]]
+) -> tuple[list, grpc.StatusCode]:
     """Start N streams, SIGTERM `victim` once each has its first tokens, send one more request,
     then read the N streams to their end. Returns (token ids per stream, the late request's code)."""
     async with AsyncGatewayClient(gateway.address, timeout_s=300) as client:
@@ -68,7 +70,7 @@ async def _drain_while_streaming(gateway: Service, victim: Service, ps: list[lis
                 chunk = await call.read()
             return ids
 
-        return await asyncio.gather(*(rest(c, f) for c, f in zip(calls, firsts))), late
+        return await asyncio.gather(*(rest(c, f) for c, f in zip(calls, firsts, strict=True))), late
 
 
 def test_sigterm_to_the_gateway_drains(stack: Services, cases) -> None:

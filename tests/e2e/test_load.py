@@ -94,7 +94,10 @@ def test_64_streaming_clients_for_a_minute(services, tiny_target: Path) -> None:
     for kind in ("grpc", "rest"):
         rows = [r for r in results if r[0] == kind]
         ttft, total = [r[1] * 1e3 for r in rows], [r[2] * 1e3 for r in rows]
-        print(f"load {kind}: {len(rows)} requests in {wall:.0f} s ({len(rows) / wall:.1f} req/s, "
-              f"{len(rows) * MAX_TOKENS / wall:.0f} tok/s); TTFT p50 {pct(ttft, .5):.0f} ms p99 {pct(ttft, .99):.0f} ms; "
-              f"latency p50 {pct(total, .5):.0f} ms p99 {pct(total, .99):.0f} ms; errors 0")
+        print(
+            f"load {kind}: {len(rows)} requests in {wall:.0f} s ({len(rows) / wall:.1f} req/s, "
+            f"{len(rows) * MAX_TOKENS / wall:.0f} tok/s); "
+            f"TTFT p50 {pct(ttft, 0.5):.0f} ms p99 {pct(ttft, 0.99):.0f} ms; "
+            f"latency p50 {pct(total, 0.5):.0f} ms p99 {pct(total, 0.99):.0f} ms; errors 0"
+        )
     assert {r[0] for r in results} == {"grpc", "rest"}

@@ -89,7 +89,7 @@ async def _streams(gateway: Service, ps: list[list[int]], during) -> list:
                 chunk = await call.read()
             return ids, last.stats.migrations
 
-        return await asyncio.gather(*(rest(c, f) for c, f in zip(calls, firsts)))
+        return await asyncio.gather(*(rest(c, f) for c, f in zip(calls, firsts, strict=True)))
 
 
 def test_requests_spread_over_the_replicas(stack, cases) -> None:
@@ -101,7 +101,7 @@ def test_requests_spread_over_the_replicas(stack, cases) -> None:
             await asyncio.gather(*(client.generate(spec(ps[i % N], 8, gamma=4)) for i in range(32)))
 
     asyncio.run(run())
-    got = [served(v) - b for v, b in zip(stack["verifiers"], before)]
+    got = [served(v) - b for v, b in zip(stack["verifiers"], before, strict=True)]
     assert sum(got) == 32 and min(got) >= 0.3 * 32, got
 
 

@@ -117,7 +117,9 @@ def test_json_has_every_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                       "branch_coverage"}
     assert d["gammas"] == [1, 3] and d["prompts"] == 2 and d["acceptance_gamma"] == 3
     cover = d["branch_coverage"]
-    assert len(cover) == 3 and all(0 <= x <= 1 for x in cover) and cover == sorted(cover)  # more alternatives, more cover
+    assert (
+        len(cover) == 3 and all(0 <= x <= 1 for x in cover) and cover == sorted(cover)
+    )  # more alternatives, more cover
     assert len(d["acceptance_by_offset"]) == 3
     assert set(d["costs"]) == {"context_tokens", "target_decode_ms", "draft_decode_ms", "c", "verify_ms",
                                "verify_over_decode"}

@@ -60,7 +60,11 @@ def test_exported_spans_and_trace_inspection(tmp_path) -> None:
     assert "SPIKE: verify" in line and line.count("\n") >= 5
 
 
-METRICS = {"gateway": telemetry.GatewayMetrics, "drafter": telemetry.DrafterMetrics, "verifier": telemetry.VerifierMetrics}
+METRICS = {
+    "gateway": telemetry.GatewayMetrics,
+    "drafter": telemetry.DrafterMetrics,
+    "verifier": telemetry.VerifierMetrics,
+}
 # each service's families as exposed (counters with _total), the contract with dashboards and tests
 FAMILIES = {
     "gateway": {

@@ -181,7 +181,9 @@ def test_schedule_hook_reports_each_step() -> None:
     calls: list[object] = []
     scheduler = types.SimpleNamespace(waiting=[object(), object()])
     scheduler.schedule = lambda *args, **kwargs: calls.append(("schedule", args, kwargs)) or output
-    engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=scheduler)))
+    engine = types.SimpleNamespace(
+        engine_core=types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=scheduler))
+    )
     vllm_hooks.install_schedule_hook(engine, calls.append, lambda: calls.append("before"))
     assert scheduler.schedule(True, x=1) is output  # arguments and result pass through
     assert calls[:2] == ["before", ("schedule", (True,), {"x": 1})]
@@ -200,7 +202,9 @@ def test_model_facts_collect_every_stop_id() -> None:
         try_get_generation_config=lambda: {"eos_token_id": [2, 7]},
         get_vocab_size=lambda: 2048,
     )
-    engine = types.SimpleNamespace(model_config=model_config, get_tokenizer=lambda: types.SimpleNamespace(eos_token_id=9))
+    engine = types.SimpleNamespace(
+        model_config=model_config, get_tokenizer=lambda: types.SimpleNamespace(eos_token_id=9)
+    )
     assert vllm_hooks.model_facts(engine) == vllm_hooks.ModelFacts(2048, [2], {2, 7, 9})
 
 
