@@ -44,9 +44,12 @@ E2E_MODULES = (
     "test_readme_commands.py",  # the README's commands, services included
 )
 # Fixtures that bring up services, build the tiny models, or run vLLM.
-E2E_FIXTURES = frozenset({"services", "gateway_address", "tiny_target", "tiny_cache"})
+E2E_FIXTURES = frozenset({"services", "default_services", "stack", "gateway_address", "tiny_target", "tiny_cache"})
 DRAFTS = {"mid": "tiny/draft-mid", "same": "tiny/draft-same", "far": "tiny/draft-far"}
 MAX_GAMMA = 8
+# The fixed-gamma verifier's draft-wait margin: a step that waits for a drafter that never
+# answers waits this long (tests/e2e/test_hostile_drafter.py bounds waits by it).
+DRAFT_WAIT_MARGIN_MS = 2000
 
 
 def _tier(item: pytest.Item) -> str:
@@ -107,6 +110,7 @@ class Services:
         self.verifier: Service | None = None
         self.gateways: dict[str, Service] = {}
         self.drafters: dict[str, Service] = {}
+        self.defaults = False  # True: every service runs with its default settings (default_services)
 
     def _start(self, kind: str, args: list[str]) -> Service:
         svc = start_service(kind, free_port(), args, self.log_dir, env=self.env, metrics_port=free_port())
@@ -124,7 +128,7 @@ class Services:
             # cap would rightly skip most of them (the cap: tests/verifier/test_proposer.py,
             # tests/e2e/test_slow_prefill.py).
             ["--model", "tiny/target", "--max-gamma", str(MAX_GAMMA), "--threads", "1", "--max-num-seqs", "64",
-             "--no-adaptive-gamma", "--draft-wait-margin-ms", "2000"],
+             "--no-adaptive-gamma", "--draft-wait-margin-ms", str(DRAFT_WAIT_MARGIN_MS)],
         )
 
     def start_pair(self, draft: str, verifier: Service) -> tuple[Service, Service]:
@@ -160,6 +164,33 @@ def services(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
         yield s
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def default_services(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
+    """The configuration a user gets: every service with its default settings (adaptive gamma,
+    the drafters' pace cap, branches and hold all on); only the model and one thread each are
+    set. The greedy and sampling exactness suites run on this stack as well as on `services`,
+    whose verifier fixes gamma to isolate the acceptance rule at every requested gamma."""
+    s = Services(log_dir)
+    s.defaults = True
+    try:
+        s.verifier = s._start("verifier", ["--model", "tiny/target", "--threads", "1"])
+        for name, draft in DRAFTS.items():
+            s.drafters[name] = s._start("drafter", ["--model", draft, "--threads", "1"])
+            s.gateways[name] = s.start_gateway(s.drafters[name].address, s.verifier.address)
+        for svc in s.started:
+            svc.wait_ready(300)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(params=["fixed-gamma", "defaults"])
+def stack(request: pytest.FixtureRequest) -> Services:
+    """Each exactness test once per stack: `services` (fixed gamma: the mechanism at every
+    gamma) and `default_services` (what a user runs)."""
+    return request.getfixturevalue("services" if request.param == "fixed-gamma" else "default_services")
 
 
 @pytest.fixture(scope="session")
