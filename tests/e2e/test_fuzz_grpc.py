@@ -539,6 +539,8 @@ def test_drafter_draft_stream_fuzz(services, target: Target) -> None:
             seen["OK"] += 1
             # half-closing ends the session: a bad message behind the last commit may never be read
             assert expect in ("ok", "ok or commit", "commit") and not d.invalid, f"{where}: accepted"
+            # a session it accepted was answered: its `ready` at least (a drafter that sends nothing fails)
+            assert readies == 1, f"{where}: the session ended OK without a `ready`"
 
         run()
     print(f"drafter Draft: {dict(seen)}")
