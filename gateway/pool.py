@@ -148,7 +148,7 @@ class Pool:
                 await asyncio.wait_for(self._checked.wait(), timeout=timeout_s)
         return self._checked.is_set()
 
-    def choose(self, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]
+    def choose(self, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]  # immutable default, only read
         """The power of two choices among healthy replicas (not in `exclude`); None when none."""
         healthy = [r for r in self.replicas.values() if r.address not in exclude and r.serving]
         if not healthy:
@@ -158,7 +158,7 @@ class Pool:
         a, b = self.rng.sample(healthy, 2)
         return a if a.in_flight <= b.in_flight else b
 
-    async def pick(self, timeout_s: float, exclude: set[str] = frozenset()) -> Replica:  # type: ignore[assignment]
+    async def pick(self, timeout_s: float, exclude: set[str] = frozenset()) -> Replica:  # type: ignore[assignment]  # (as choose)
         """A replica for one request, waiting up to `timeout_s` for one to be healthy."""
         self.start()
         deadline = time.monotonic() + timeout_s

@@ -160,7 +160,7 @@ class _GenerationRequest(BaseModel):
     add_special_tokens: bool | None = None
     response_format: dict[str, Any] | None = None
     gamma: UInt32 | None = Field(None, description="draft tokens per target step (extension)")
-    drafter: Literal[DRAFT_METHOD_NAMES] | None = Field(None, description="drafter method (extension)")  # type: ignore[valid-type]
+    drafter: Literal[DRAFT_METHOD_NAMES] | None = Field(None, description="drafter method (extension)")  # type: ignore[valid-type]  # Literal built from the wire's names at import
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -350,9 +350,9 @@ def completion_prompt(tokenizer: Any, req: CompletionRequest) -> tuple[list[int]
         ids = list(tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens is not False))
         return ids, prompt
     for i, t in enumerate(prompt):  # the gateway checks the vocabulary; these cannot even be decoded
-        if not 0 <= t <= 2**31 - 1:  # type: ignore[operator]
+        if not 0 <= t <= 2**31 - 1:  # type: ignore[operator]  # token ids here: the text forms returned above
             raise APIError(400, f"prompt: token id {t} at index {i} is outside the vocabulary", "prompt")
-    return list(prompt), tokenizer.decode(prompt)  # type: ignore[arg-type]
+    return list(prompt), tokenizer.decode(prompt)  # type: ignore[arg-type]  # (token ids, as above)
 
 
 def chat_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:

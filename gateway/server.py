@@ -183,7 +183,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                        self.spikes, self.metrics, model=self.cfg.tokenizer, parent=parent, vocab_size=vocab,
                        stats=stats,
                        on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None)
-        round_.replicas = (verifier, drafter)  # type: ignore[attr-defined]
+        round_.replicas = (verifier, drafter)  # type: ignore[attr-defined]  # the servicer's tag on its Round
         return round_
 
     def _resumed(self, plan: Plan, streamed: list[int], migration: int) -> Plan:
@@ -222,7 +222,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         try:
             while True:
                 sent = len(round_.plan.prompt_token_ids)  # position up to which tokens reached the client
-                verifier, drafter = round_.replicas  # type: ignore[attr-defined]
+                verifier, drafter = round_.replicas  # type: ignore[attr-defined]  # (set in _round)
                 verifier.in_flight += 1
                 if drafter is not None:
                     drafter.in_flight += 1
@@ -355,7 +355,7 @@ async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: async
                     metrics_app=prometheus_client.make_asgi_app(servicer.metrics.registry))
 
     class Server(uvicorn.Server):
-        def capture_signals(self):  # type: ignore[override]
+        def capture_signals(self):  # type: ignore[override]  # a no-op context in place of uvicorn's
             return contextlib.nullcontext()  # serving.serve owns SIGINT/SIGTERM
 
     tls: dict[str, Any] = {}
