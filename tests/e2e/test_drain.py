@@ -3,10 +3,12 @@
 8 streaming generations in flight; SIGTERM to a gateway: all 8 finish, exact, while a new
 request is refused with UNAVAILABLE. The same with SIGTERM to a verifier (this module's own,
 behind a fresh gateway). Then a drain that runs out (shutdown_timeout_s shorter than the
-generation): the call ends with UNAVAILABLE saying so, not a bare cancel.
+generation, in front of a verifier that never answers: an in-process fake, as the hostile
+drafter of tests/e2e/test_hostile_drafter.py): the call ends with UNAVAILABLE saying so, not
+a bare cancel.
 
 Each test brings its own victim (a fresh gateway; this module's verifier, which only the
-verifier test stops; no verifier at all for the last), so the tests pass in any order. None
+verifier test stops; the silent fake for the last), so the tests pass in any order. None
 sleeps to synchronise: each waits for the event (the victim's health says NOT_SERVING, the
 gateway counts the request in flight) in a bounded loop.
 """
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -24,10 +28,12 @@ import pytest
 from conftest import Services, vllm_reference
 from gen import prompts, scrape, spec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
 from transformers import AutoTokenizer
 
 from gateway.client import AsyncGatewayClient
-from specdec.launch import Service, free_port
+from specdec.launch import Service
+from specdec.wire import pb, rpc
 
 N = 8
 MAX_TOKENS = 160
@@ -118,10 +124,41 @@ def test_sigterm_to_the_verifier_drains(stack: Services, cases) -> None:
     assert stack.verifier.proc.wait(timeout=120) == 0
 
 
-def test_a_drain_that_runs_out_says_so(services: Services) -> None:
-    """A gateway whose drain is shorter than its generation, in front of a verifier address
-    where nothing listens: the request waits there for a verifier that serves."""
-    gateway = services.start_gateway(services.drafters["mid"].address, f"127.0.0.1:{free_port()}",
+class SilentVerifier(rpc.VerifierServiceServicer):
+    """A verifier that serves its health and limits but never answers a Verify call (it holds
+    the stream open until the caller cancels): the peer a drain must give up on."""
+
+    def GetVerifierInfo(self, request, context) -> "pb.GetVerifierInfoResponse":  # noqa: N802
+        return pb.GetVerifierInfoResponse(model="silent", vocab_size=512, max_model_len=2048, max_gamma=8)
+
+    def Verify(self, request_iterator, context) -> Iterator["pb.VerifyResponse"]:  # noqa: N802
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)
+        cancelled.wait(300)
+        return iter(())
+
+
+@pytest.fixture
+def silent_verifier() -> Iterator[str]:
+    """The address of a SilentVerifier served in this process."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    rpc.add_VerifierServiceServicer_to_server(SilentVerifier(), server)
+    health = HealthServicer()
+    for name in ("", "specdec.v1.VerifierService"):
+        health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(grace=0)
+
+
+def test_a_drain_that_runs_out_says_so(services: Services, silent_verifier: str) -> None:
+    """A gateway whose drain is shorter than its generation, in front of a verifier that never
+    answers: the drain runs out and says so."""
+    gateway = services.start_gateway(services.drafters["mid"].address, silent_verifier,
                                      ("--shutdown-timeout-s", "0.5"))
     gateway.wait_ready(120)
 
@@ -132,7 +169,7 @@ def test_a_drain_that_runs_out_says_so(services: Services) -> None:
         async with AsyncGatewayClient(gateway.address, timeout_s=120) as client:
             call = client.stream(spec([1, 2, 3], 8, gamma=4))
             deadline = time.monotonic() + 60
-            while in_flight() < 1:  # the request is in the gateway, waiting for a verifier
+            while in_flight() < 1:  # the request is in the gateway, its Verify call unanswered
                 assert time.monotonic() < deadline, "the request never reached the gateway"
                 await asyncio.sleep(0.02)  # poll interval of the bounded wait
             gateway.proc.send_signal(signal.SIGTERM)

@@ -24,6 +24,8 @@ import grpc
 import pytest
 from conftest import DRAFT_WAIT_MARGIN_MS, vllm_reference
 from gen import spec
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
 
 from specdec.wire import pb, rpc
 
@@ -134,6 +136,12 @@ def hostile(services):
     drafter = HostileDrafter()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     rpc.add_DrafterServiceServicer_to_server(drafter, server)
+    # a drafter says it serves (the gateway health-checks its drafters and sends requests only
+    # to those that do: without this the hostile one would never be asked)
+    health = HealthServicer()
+    for name in ("", "specdec.v1.DrafterService"):
+        health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     gateway = services.start_gateway(f"127.0.0.1:{port}", services.verifier.address)

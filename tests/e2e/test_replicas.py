@@ -79,15 +79,21 @@ def served(v: Service) -> float:
 
 
 def wait_until_both_serve(gateway: Service, verifiers: list[Service], prompt: list[int],
-                          timeout_s: float = 120) -> None:
+                          timeout_s: float = 300) -> None:
     """Send short requests until each verifier has served one more: then the gateway's health
-    checks count both as serving (the event itself, not a sleep for the check interval)."""
+    checks count both as serving (the event itself, not a sleep for the check interval). A
+    request may be refused meanwhile (UNAVAILABLE: the gateway's channel to a verifier that was
+    down is still in gRPC's reconnect backoff, which grows to tens of seconds): it is retried."""
     before = [served(v) for v in verifiers]
     deadline = time.monotonic() + timeout_s
     with GatewayClient(gateway.address, timeout_s=60) as client:
         while not all(served(v) > b for v, b in zip(verifiers, before, strict=True)):
             assert time.monotonic() < deadline, "the gateway never routed to both verifiers"
-            client.generate(spec(prompt, 1, gamma=0))
+            try:
+                client.generate(spec(prompt, 1, gamma=0))
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
 
 
 async def _streams(gateway: Service, ps: list[list[int]], during) -> list:
