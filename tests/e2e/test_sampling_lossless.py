@@ -19,6 +19,10 @@ most 1e-5, so a run's family-wise false-failure rate is at most 9 x 1e-5 = 9e-5 
 gateway i: seed 10**6 + i), so a run's draws are fixed as far as vLLM's seeded sampling is
 deterministic across batch compositions.
 
+On the default stack the generations run DEFAULTS_CONCURRENCY at a time: at the fixed stack's
+32, adaptive gamma rightly backs off to plain decoding on the tiny target (measured: 0 drafts
+verified), which would leave the rejection sampler untested there.
+
 This test failed before the CPU rejection-sampler fix (verifier/vllm_hooks.py, apply_cpu_sampler_fix).
 """
 
