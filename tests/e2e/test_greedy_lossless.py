@@ -17,6 +17,7 @@ from specdec.wire import pb
 
 GAMMAS = (1, 2, 4, 8)
 MAX_TOKENS = 40
+DEFAULTS_CONCURRENCY = 2  # requests at once on the default stack (test_greedy_outputs_equal_target_only)
 # (drafter method, draft model): the n-gram drafter uses no draft model, so it runs once
 CASES = [("model", "mid"), ("model", "far"), ("ngram", "mid")]
 
@@ -42,7 +43,11 @@ def _mismatches(responses, ps, reference) -> list:
 def test_greedy_outputs_equal_target_only(stack: Services, greedy_case, drafter: str, draft: str) -> None:
     ps, reference = greedy_case
     specs = [spec(p, MAX_TOKENS, gamma=g, drafter=drafter) for g in GAMMAS for p in ps]
-    responses = generate_all(stack.gateways[draft].address, specs, concurrency=16)
+    # the default stack at 16 at once can verify no drafts at all on the tiny pair (the pace cap
+    # skips drafts that arrive after the step, adaptive gamma backs off; measured: 0 drafted,
+    # 0 held): at DEFAULTS_CONCURRENCY it still speculates, which is what this test is for
+    concurrency = DEFAULTS_CONCURRENCY if stack.defaults else 16
+    responses = generate_all(stack.gateways[draft].address, specs, concurrency=concurrency)
     mismatches = _mismatches(responses, ps, reference)
     assert not mismatches, f"{len(mismatches)}/{len(specs)} outputs differ; first: {mismatches[0]}"
     drafted = sum(r.stats.drafted_tokens for r in responses)
