@@ -44,6 +44,8 @@ class Network:
 
     def __init__(self, hosts: Sequence[str], prefix: str = "sd-", octet: int = 231) -> None:
         pid = os.getpid()
+        self.prefix_ = prefix
+        self._ports = len(hosts)
         self.subnet = f"10.{octet}.{pid % 250}"
         self.lan = f"{prefix}lan-{pid}"
         self.hosts = {h: (f"{prefix}{h}-{pid}", f"{self.subnet}.{i + 1}") for i, h in enumerate(hosts)}
@@ -61,6 +63,27 @@ class Network:
         except BaseException:
             self.close()
             raise
+
+    def add_host(self, host: str) -> str:
+        """One more host on the bridge (the next free address); returns its address."""
+        ns = f"{self.prefix_}{host}-{os.getpid()}"
+        used = {int(a.rsplit(".", 1)[1]) for _, a in self.hosts.values()}
+        addr = f"{self.subnet}.{next(i for i in range(1, 200) if i not in used)}"
+        port = f"p{self._ports}"
+        self._ports += 1
+        self._add(ns)
+        _ip("-n", self.lan, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("-n", self.lan, "link", "set", port, "master", "br0", "up")
+        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        self.hosts[host] = (ns, addr)
+        return addr
+
+    def remove_host(self, host: str) -> None:
+        """Delete a host (its namespace, and with it its link to the bridge)."""
+        ns, _ = self.hosts.pop(host)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self._made.remove(ns)
 
     def _add(self, ns: str) -> None:
         _ip("netns", "add", ns)

@@ -19,7 +19,14 @@ from prometheus_client import CollectorRegistry
 from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Ready
 from specdec import serving, telemetry
 from specdec.config import MAX_GAMMA_LIMIT, DrafterConfig
-from specdec.validation import InvalidField, check_sampling, check_token_ids
+from specdec.validation import (
+    BACKEND_REQUEST_ID_EXTRA,
+    MAX_REQUEST_ID_CHARS,
+    InvalidField,
+    check_request_id,
+    check_sampling,
+    check_token_ids,
+)
 from specdec.wire import draft_method_name, pb, rpc
 
 log = logging.getLogger("specdec.drafter")
@@ -170,6 +177,8 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         return statistics.median(costs[1:] or costs) if costs else 0.0
 
     def _open(self, req: "pb.DraftOpen") -> DraftSession:
+        if req.request_id:  # optional here (only logs and spans carry it), but never unbounded
+            check_request_id("open.request_id", req.request_id, MAX_REQUEST_ID_CHARS + BACKEND_REQUEST_ID_EXTRA)
         check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.vocab_size)
         if not 1 <= req.gamma <= MAX_GAMMA_LIMIT:
             raise InvalidField("open.gamma", f"{req.gamma} is out of range [1, {MAX_GAMMA_LIMIT}]")
@@ -210,7 +219,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             await self._draft(context)
 
     async def _draft(self, context: grpc.aio.ServicerContext) -> None:
-        opened, session = await serving.open_session(context, self._open)
+        opened, session = await serving.open_session(context, self._open, self.cfg.first_message_timeout_s)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[BlockOut | Ready | BaseException | None] = asyncio.Queue()
         span = self.tracer.start_span(
@@ -220,6 +229,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                         "specdec.method": draft_method_name(opened.method or pb.DRAFT_METHOD_MODEL)},
         )
         self.metrics.sessions.inc()
+        self.metrics.requests.inc()
         self.worker.add(session, lambda item: loop.call_soon_threadsafe(out.put_nowait, item))
 
         async def read_commits() -> None:

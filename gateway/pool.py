@@ -7,9 +7,10 @@
 
 Terms:
     in flight   requests this gateway has on a replica now (its own count: no extra RPC)
-    healthy     its gRPC health check answers SERVING (checked every `health_every_s`); a replica
-                whose call failed as if it were gone counts as unhealthy until its health check
-                answers SERVING again
+    healthy     its gRPC health check answers SERVING (checked every `health_every_s`; a check
+                that times out counts only at the SLOW_CHECKS-th in a row); a replica whose call
+                failed as if it were gone counts as unhealthy until its health check answers
+                SERVING again
     pick        the power of two choices: two healthy replicas at random, the one with fewer
                 requests in flight (ties: either); a draining replica (NOT_SERVING) or one that
                 failed is skipped until it recovers; with none healthy, `pick` waits for one
@@ -40,6 +41,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 log = logging.getLogger("specdec.gateway")
 
 
+# A replica whose health checks time out this many times in a row is skipped (one slow answer, from
+# a replica busy with its own work, is not a replica that went away; a refused connection is).
+SLOW_CHECKS = 3
+
+
 class NoReplica(Exception):
     """No healthy replica within the wait."""
 
@@ -53,6 +59,7 @@ class Replica:
     stub: Any
     in_flight: int = 0
     serving: bool = True  # its health check's last answer (optimistic until the first check)
+    slow_checks: int = 0  # health checks in a row that timed out (a busy replica, not a gone one)
 
 
 def split_addresses(spec: str) -> list[str]:
@@ -111,11 +118,18 @@ class Pool:
                     asyncio.get_running_loop().create_task(gone.channel.close())
 
     async def _check(self, r: Replica) -> None:
+        """One health check: SERVING or not as answered; a refused connection (gone) at once; a
+        check that times out (a busy replica) only the SLOW_CHECKS-th time in a row."""
         try:
             answer = await health_pb2_grpc.HealthStub(r.channel).Check(
                 health_pb2.HealthCheckRequest(service=self.service), timeout=max(0.5, self.health_every_s))
             r.serving = answer.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
+            r.slow_checks = 0
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                r.slow_checks += 1
+                if r.slow_checks < SLOW_CHECKS:
+                    return
             r.serving = False
 
     async def _watch(self) -> None:
@@ -147,6 +161,10 @@ class Pool:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._checked.wait(), timeout=timeout_s)
         return self._checked.is_set()
+
+    def serving(self) -> int:
+        """How many replicas answered SERVING to their last health check (and did not fail since)."""
+        return sum(r.serving for r in self.replicas.values())
 
     def choose(self, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]  # immutable default, only read
         """The power of two choices among healthy replicas (not in `exclude`); None when none."""

@@ -31,11 +31,13 @@ Serve it next to the gRPC server, in the same event loop:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -44,7 +46,7 @@ from typing import Annotated, Any, Literal
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
@@ -56,6 +58,7 @@ from specdec.wire import DRAFT_METHOD_NAMES, finish_reason_name, pb
 
 GATEWAY_SERVICE = "specdec.v1.GatewayService"
 HEALTH_TIMEOUT_S = 2.0
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # GatewayConfig.max_request_mb's default
 
 # Integer fields sized like the proto fields they land in (a larger value is a 400, not a crash).
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -154,7 +157,7 @@ class _GenerationRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id; like vLLM, only accepted
-    request_id: str | None = Field(None, max_length=256, description="the response id's suffix, as in vLLM")
+    request_id: str | None = Field(None, description="the response id's suffix, as in vLLM (specdec.validation's rule: the gateway checks it)")
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     add_special_tokens: bool | None = None
@@ -622,24 +625,94 @@ async def stream_events(
     yield _sse("[DONE]")
 
 
+async def _disconnected(request: Request) -> None:
+    """Return when the client of `request` (its body already read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---------------------------------------------------------------------------- the guard
+
+
+class Guard:
+    """ASGI middleware in front of every route: the work a request may cause before it is known.
+
+    - The API key first: a /v1 route (and /metrics with `metrics_auth`) without a known key is
+      answered 401 from its headers alone; none of its body is read, nothing is parsed,
+      tokenised or templated.
+    - Then the body's size: over `max_body` bytes (a Content-Length over it, or a body that
+      grows past it while it is read) is answered 413 without reading the rest.
+    /health stays open. Each refusal is counted in `refused` (the gateway's
+    `specdec:gateway_refused_total`, by reason), when given."""
+
+    def __init__(self, app: Any, keys: KeyStore | None, max_body: int, metrics_auth: bool, refused: Any = None) -> None:
+        self.app, self.keys, self.max_body, self.metrics_auth = app, keys, max_body, metrics_auth
+        self.refused = refused
+
+    def _count(self, reason: str) -> None:
+        if self.refused is not None:
+            self.refused.labels(reason).inc()
+
+    def _needs_key(self, path: str) -> bool:
+        if self.keys is None or not self.keys.enabled:
+            return False
+        return path.startswith("/v1/") or path == "/v1" or (self.metrics_auth and path.startswith("/metrics"))
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        if self._needs_key(scope["path"]) and self.keys.identify(headers.get("authorization")) is None:  # type: ignore[union-attr]  # keys is set when _needs_key is true
+            err = APIError(401, "missing or unknown API key: send `Authorization: Bearer <key>`", None,
+                           "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+            self._count("unauthenticated")
+            await err.response()(scope, receive, send)
+            return
+        too_large = APIError(413, f"the request body is larger than max_request_mb ({self.max_body / (1 << 20):g} MiB)",
+                             None, "invalid_request_error", "request_too_large")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body:
+            self._count("request_too_large")
+            await too_large.response()(scope, receive, send)
+            return
+        read = 0
+
+        async def bounded_receive() -> dict[str, Any]:
+            nonlocal read
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > self.max_body:  # a chunked body that grew past the cap: FastAPI passes it on
+                    self._count("request_too_large")
+                    raise HTTPException(413, too_large.message)
+            return message
+
+        await self.app(scope, bounded_receive, send)
+
+
 # ---------------------------------------------------------------------------- app
 
 
 def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeyStore | None = None,
-              metrics_auth: bool = False, metrics_app: Any = None) -> FastAPI:
+              metrics_auth: bool = False, metrics_app: Any = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              tokenizer_executor: Executor | None = None, refused: Any = None) -> FastAPI:
     """The REST bridge for the gateway at `gateway_address`. `tokenizer` (the target's)
     renders chat templates; `model_name` is the model id the API reports and accepts.
 
-    API keys: a request's `Authorization` header travels to the gateway with the call, and
-    the gateway checks it (401 / 429 come back from there). `keys` (the gateway's KeyStore)
-    guards the routes that do not call the gateway: /v1/models, and /metrics (`metrics_app`,
-    mounted there) when `metrics_auth`. /health stays open."""
+    API keys: `keys` (the gateway's KeyStore) is checked by `Guard` before any of a request's
+    body is read, for every /v1 route, and for /metrics (`metrics_app`, mounted there) when
+    `metrics_auth`; /health stays open. The `Authorization` header then travels to the gateway
+    with the call, which checks it again and applies the key's rate limits (429 from there).
+    Bodies over `max_request_bytes` are answered 413. Tokenising and chat templating run on
+    `tokenizer_executor` (default: one thread of its own), never on the event loop that carries
+    every stream. `refused`: the gateway's refusal counter (by reason), which counts the bridge's own
+    401 and 413 answers too."""
     state: dict[str, Any] = {}
+    executor = tokenizer_executor or ThreadPoolExecutor(1, thread_name_prefix="rest-tokenizer")
 
-    def authorize(request: Request) -> None:
-        if keys is not None and keys.enabled and keys.identify(request.headers.get("authorization")) is None:
-            raise APIError(401, "missing or unknown API key: send `Authorization: Bearer <key>`", None,
-                           "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
     def forwarded(request: Request) -> tuple[tuple[str, str], ...]:
         auth = request.headers.get("authorization")
@@ -656,6 +729,7 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeySt
             yield
 
     app = FastAPI(title="specdec OpenAI-compatible API", lifespan=lifespan)
+    app.add_middleware(Guard, keys=keys, max_body=max_request_bytes, metrics_auth=metrics_auth, refused=refused)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError) -> JSONResponse:
@@ -673,12 +747,13 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeySt
         return APIError(err.status_code, f"{err.detail} ({request.method} {request.url.path})",
                         code=phrase.lower().replace(" ", "_"), headers=dict(err.headers or {})).response()
 
-    async def generate(req: _GenerationRequest, prompt_ids: list[int], shape: Shape, metadata: Any,
+    async def generate(req: _GenerationRequest, prompt_ids: list[int], shape: Shape, request: Request,
                        echo: str = "") -> Any:
         """Run one request through the gateway and answer it in `shape`."""
         if req.model and req.model != model_name:
             raise APIError(404, f"model: the model {req.model!r} does not exist; this server has {model_name!r}",
                            "model", code="model_not_found")
+        metadata = forwarded(request)
         request_id = req.request_id or uuid.uuid4().hex
         spec = build_spec(req, prompt_ids, request_id)
         answer = Answer(
@@ -692,8 +767,21 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeySt
             chunks = await _open_stream(state["gateway"], spec, shape.prompt_param, metadata)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(stream_events(answer, chunks, include_usage), media_type="text/event-stream")
+        # as vLLM's `with_cancellation`: a client that goes away cancels its generation (the gRPC
+        # call, so the gateway, the verifier's engine and the drafter stop working for it)
+        call = asyncio.ensure_future(state["gateway"].generate(spec, metadata=metadata))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            r = await state["gateway"].generate(spec, metadata=metadata)
+            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not call.done():  # the client went away first (or this handler is cancelled)
+                call.cancel()
+                call.add_done_callback(lambda task: task.cancelled() or task.exception())
+        if not call.done():
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        try:
+            r = call.result()
         except grpc.aio.AioRpcError as err:
             raise grpc_error(err, shape.prompt_param) from err
         if answer.logprobs is not None:
@@ -706,18 +794,18 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeySt
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> Any:
         refuse_surrogates(req)
-        ids, text = completion_prompt(tokenizer, req)
-        return await generate(req, ids, COMPLETION, forwarded(request),
+        ids, text = await off_loop(completion_prompt, tokenizer, req)
+        return await generate(req, ids, COMPLETION, request,
                               echo=text if req.echo and not req.return_token_ids else "")
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatRequest, request: Request) -> Any:
         refuse_surrogates(req)
-        return await generate(req, chat_prompt(tokenizer, req), CHAT, forwarded(request), echo=chat_echo(req))
+        ids = await off_loop(chat_prompt, tokenizer, req)
+        return await generate(req, ids, CHAT, request, echo=chat_echo(req))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        authorize(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specdec"}]}
 
     @app.get("/health")
@@ -733,14 +821,5 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeySt
         return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
 
     if metrics_app is not None:
-        if metrics_auth:
-            @app.middleware("http")
-            async def _metrics_key(request: Request, call_next: Any) -> Any:
-                if request.url.path.startswith("/metrics"):
-                    try:
-                        authorize(request)
-                    except APIError as err:
-                        return err.response()
-                return await call_next(request)
-        app.mount("/metrics", metrics_app)
+        app.mount("/metrics", metrics_app)  # behind Guard's key check when metrics_auth
     return app

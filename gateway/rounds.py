@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import weakref
@@ -77,13 +78,29 @@ async def verifier_vocab_size(stub: object) -> int:
 
 @dataclass
 class Plan:
-    """A validated request, ready to run."""
+    """A validated request, ready to run.
+
+    `request_id` is the client's (or one the gateway made up); `tenant` is the namespace of the
+    API key that sent it (`tenant_of`), put before it on the verifier and drafter side
+    (`backend_id`), so two keys' requests never share an id there."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: "pb.SamplingParams"
     gamma: int
     drafter: int  # pb.DraftMethod: MODEL, NGRAM or NONE
+    tenant: str = ""
+
+    @property
+    def backend_id(self) -> str:
+        """The id the verifier and the drafter know this request by: `<tenant>.<request_id>`."""
+        return f"{self.tenant}.{self.request_id}" if self.tenant else self.request_id
+
+
+def tenant_of(key_id: str) -> str:
+    """An API key's namespace for request ids at the verifier: `t` and 8 hex digits of the
+    SHA-256 of its key id (the key id itself is already a hash of the key; "anonymous" without keys)."""
+    return "t" + hashlib.sha256(key_id.encode()).hexdigest()[:8]
 
 
 @dataclass
@@ -188,6 +205,9 @@ class Round:
     check): the generation runs as plain target decoding from its first step, and the stats say
     why. `on_drafter_unavailable()` is called when the drafter's call ends with UNAVAILABLE
     (its process went away), so the caller's pool skips it until it serves again.
+    `verdict_timeout_s` (> 0): once the verifier has sent its first verdict (queueing and prefill
+    never count), a silence this long while it still owes verdicts ends the round with
+    UNAVAILABLE, which the gateway treats as a verifier gone (migration).
     """
 
     def __init__(
@@ -203,8 +223,10 @@ class Round:
         vocab_size: int | None = None,
         stats: Stats | None = None,
         on_drafter_unavailable: Callable[[], None] | None = None,
+        verdict_timeout_s: float = 0.0,
     ) -> None:
         self.plan = plan
+        self.verdict_timeout_s = verdict_timeout_s
         self.on_drafter_unavailable = on_drafter_unavailable
         self.verifier_stub = verifier_stub
         self.drafter_stub = drafter_stub
@@ -463,6 +485,18 @@ class Round:
         )
         self._committed = end
 
+    async def _next_verdict(self, vcall: grpc.aio.StreamStreamCall) -> Any:
+        """The verifier's next message; after its first verdict, within verdict_timeout_s."""
+        if self.verdict_timeout_s <= 0 or self.stats.verdicts == 0:
+            return await vcall.read()
+        try:
+            return await asyncio.wait_for(vcall.read(), self.verdict_timeout_s)
+        except TimeoutError:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                details=f"the verifier sent nothing for verdict_timeout_s ({self.verdict_timeout_s:g} s) while it "
+                        "owed verdicts") from None
+
     async def verdicts(self) -> AsyncIterator["pb.VerifyResponse"]:
         p = self.plan
         carrier = telemetry.inject_context_of(self._ctx)
@@ -472,7 +506,7 @@ class Round:
         self._to_verifier.put_nowait(
             pb.VerifyRequest(
                 open=pb.VerifyOpen(
-                    request_id=p.request_id,
+                    request_id=p.backend_id,
                     prompt_token_ids=p.prompt_token_ids,
                     sampling=p.sampling,
                     gamma=self.stats.gamma,
@@ -488,7 +522,7 @@ class Round:
                 self._to_drafter.put_nowait(
                     pb.DraftRequest(
                         open=pb.DraftOpen(
-                            request_id=p.request_id,
+                            request_id=p.backend_id,
                             prompt_token_ids=p.prompt_token_ids,
                             sampling=p.sampling,
                             gamma=p.gamma,
@@ -501,7 +535,7 @@ class Round:
                 tasks.append(asyncio.create_task(self._relay_blocks(self._dcall)))
                 tasks.append(asyncio.create_task(self._watch_drafter()))
             while True:
-                v = await vcall.read()
+                v = await self._next_verdict(vcall)
                 if v is grpc.aio.EOF:  # it went away mid-stream (a shutdown): as UNAVAILABLE, so it migrates
                     raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                                details="the verifier ended the stream without a finish reason")
@@ -528,8 +562,12 @@ class Round:
             for t in tasks:
                 t.cancel()
             for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
+                try:
                     await t
+                except asyncio.CancelledError:
+                    pass  # cancelled just above: the round is over
+                except Exception:  # a bug in a helper (they handle the errors they expect): say so
+                    log.exception("request %s: round helper %s failed", p.request_id, t.get_coro().__qualname__)
             if self._dcall is not None:
                 self._dcall.cancel()
             vcall.cancel()

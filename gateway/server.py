@@ -6,28 +6,28 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import ssl
 import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import grpc
 from prometheus_client import CollectorRegistry
 
 from gateway.pool import NoReplica, Pool
-from gateway.rounds import Plan, Round, Stats
+from gateway.rounds import Plan, Round, Stats, tenant_of
 from gateway.text import TextStream
 from specdec import security, serving, telemetry
 from specdec.config import GatewayConfig
-from specdec.validation import InvalidField, check_gamma, check_sampling, check_token_ids
+from specdec.validation import InvalidField, check_gamma, check_request_id, check_sampling, check_sizes, check_token_ids
 from specdec.wire import DRAFT_METHOD_NAMES, draft_method, finish_reason_name, pb, rpc
 
 log = logging.getLogger("specdec.gateway")
 
-# How long a request waits for an unreachable verifier before failing with its status.
-VERIFIER_INFO_TIMEOUT_S = 30.0
 # How long a request waits for the drafters' pool's first pass (resolve, health checks) after the
 # gateway started; with no drafter serving after it, the request runs as plain target decoding.
 DRAFTER_FIRST_CHECK_S = 5.0
@@ -38,6 +38,38 @@ CHANNEL_DRAIN_S = 3600.0
 # the stream open: RST_STREAM).
 MAX_MIGRATIONS = 3
 MIGRATE_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+
+
+def _hosts(addresses: str) -> list[str]:
+    """The hosts of a drafter_address / verifier_address value (a list, or dns:///NAME:PORT)."""
+    hosts = []
+    for address in addresses.split(","):
+        address = address.strip().removeprefix("dns:///")
+        if address:
+            hosts.append(address if address.startswith("unix:") else address.rsplit(":", 1)[0])
+    return hosts
+
+
+def exposure_warnings(cfg: GatewayConfig, keys: security.KeyStore) -> list[str]:
+    """What the gateway logs as warnings at start-up about settings that expose it: serving other
+    hosts without API keys, and plaintext to drafters or verifiers on other hosts (no tls_ca)."""
+    out = []
+    if not keys.enabled and not security.is_loopback(cfg.host):
+        out.append(f"gateway: serving {cfg.host}, which other hosts can reach, with NO API KEYS: anyone who "
+                   "reaches it can generate. Set SPECDEC_API_KEY_FILE (a file of keys, one per line).")
+    if not cfg.tls_ca:
+        for role, addresses in (("verifier", cfg.verifier_address), ("drafter", cfg.drafter_address)):
+            remote = [h for h in _hosts(addresses) if not security.is_loopback(h)]
+            if remote:
+                out.append(f"gateway: PLAINTEXT gRPC to the {role}s on {', '.join(remote)} (tls_ca is unset): "
+                           "prompts and tokens cross the network unencrypted and unauthenticated. Set "
+                           "SPECDEC_TLS_CA (and SPECDEC_TLS_CERT / _KEY for mTLS), see `specdec certs`.")
+    return out
+
+
+class VerifierUnavailable(Exception):
+    """No verifier serves (or answers) within verifier_retry_s. Its message is for clients: it
+    names no backend address (the log has them)."""
 
 
 @dataclass
@@ -74,12 +106,21 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self.metrics = telemetry.GatewayMetrics(registry)
         self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer))
+        # prompts are tokenised (and chat templates rendered, by the REST bridge) on this thread,
+        # never on the event loop that carries every stream; one thread: the tokenizer is shared
+        self.tokenizer_executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self.keys = security.KeyStore.from_config(cfg)
-        self.limits = security.RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, cfg.max_streams_per_key)
+        for warning in exposure_warnings(cfg, self.keys):
+            log.warning(warning)
+        self.limits = security.RateLimiter.from_config(cfg, self.keys.enabled)
         self.slots = serving.SessionSlots("gateway", cfg.max_inflight, "max_inflight")
         self._client_files = security.CertFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
         self._pools: list[Pool] = []
         self._connect()
+        for role in ("drafter", "verifier"):  # read at scrape time: a certificate rotation remakes the pools
+            self.metrics.replicas.labels(role, "serving").set_function(lambda role=role: self._pool(role).serving())
+            self.metrics.replicas.labels(role, "not_serving").set_function(
+                lambda role=role: len(self._pool(role).replicas) - self._pool(role).serving())
         self._target: TargetInfo | None = None
 
     def _connect(self) -> None:
@@ -101,6 +142,10 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             pool.start()
         for pool in old:
             asyncio.get_running_loop().create_task(pool.close(grace_s=CHANNEL_DRAIN_S))
+
+    def _pool(self, role: str) -> Pool:
+        """The current pool of `role` (drafter | verifier)."""
+        return self.drafters if role == "drafter" else self.verifiers
 
     @contextlib.asynccontextmanager
     async def admitted(self, context: grpc.aio.ServicerContext) -> AsyncIterator[str]:
@@ -124,24 +169,40 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             self.limits.release(key)
 
     async def target_info(self) -> TargetInfo:
-        """The verifier's limits, asked once (waits for the verifier to come up)."""
+        """The verifier's limits, asked once; with no verifier that serves and answers within
+        verifier_retry_s, raises VerifierUnavailable."""
         if self._target is None:
-            replica = await self.verifiers.pick(VERIFIER_INFO_TIMEOUT_S)
-            info = await replica.stub.GetVerifierInfo(
-                pb.GetVerifierInfoRequest(), wait_for_ready=True, timeout=VERIFIER_INFO_TIMEOUT_S
-            )
+            wait_s = self.cfg.verifier_retry_s
+            try:
+                replica = await self.verifiers.pick(wait_s)
+                info = await replica.stub.GetVerifierInfo(pb.GetVerifierInfoRequest(), wait_for_ready=True,
+                                                          timeout=wait_s)
+            except NoReplica as err:
+                log.warning("verifier: %s", err)
+                raise VerifierUnavailable(f"verifier: none serves within verifier_retry_s ({wait_s:g} s); "
+                                          "retry later") from err
+            except grpc.aio.AioRpcError as err:
+                log.warning("verifier %s: GetVerifierInfo failed: %s %s", replica.address, err.code().name,
+                            err.details())
+                raise VerifierUnavailable(f"verifier: no answer within verifier_retry_s ({wait_s:g} s) "
+                                          f"({err.code().name}); retry later") from err
             self._target = TargetInfo(info.vocab_size, info.max_model_len, info.max_gamma)
         return self._target
 
-    async def plan(self, spec: "pb.GenerationSpec") -> Plan:
-        """Validate a request and fill in the defaults; raises InvalidField."""
+    async def plan(self, spec: "pb.GenerationSpec", key: str = "anonymous") -> Plan:
+        """Validate a request of API key `key` (its key id) and fill in the defaults; raises InvalidField.
+        The request's id is namespaced by the key at the verifier and drafter (Plan.backend_id)."""
+        if spec.request_id:
+            check_request_id("spec.request_id", spec.request_id)
+        check_sizes("spec.sampling", spec.sampling)  # bounded before any work, the verifier's answer included
         if self._client_files.changed():
             self._connect()
         target = await self.target_info()
         if spec.prompt_text and spec.prompt_token_ids:
             raise InvalidField("spec.prompt_token_ids", "give either prompt_text or prompt_token_ids, not both")
         if spec.prompt_text:
-            prompt = list(self.tokenizer.encode(spec.prompt_text))
+            prompt = list(await asyncio.get_running_loop().run_in_executor(
+                self.tokenizer_executor, self.tokenizer.encode, spec.prompt_text))
             if not prompt:
                 raise InvalidField("spec.prompt_text", "encodes to no tokens")
         else:
@@ -163,7 +224,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         if not sampling.HasField("max_tokens"):
             sampling.max_tokens = min(self.cfg.default_max_tokens, target.max_model_len - len(prompt))
         check_sampling("spec.sampling", sampling, len(prompt), target.max_model_len, target.vocab_size)
-        return Plan(spec.request_id or uuid.uuid4().hex, prompt, sampling, gamma, drafter)
+        return Plan(spec.request_id or uuid.uuid4().hex, prompt, sampling, gamma, drafter, tenant_of(key))
 
     async def _round(self, plan: Plan, context: grpc.aio.ServicerContext, stats: Stats | None = None) -> Round:
         """A Round on the least-loaded serving verifier and drafter (gateway.pool); with no
@@ -172,7 +233,9 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         try:
             verifier = await self.verifiers.pick(self.cfg.verifier_retry_s)
         except NoReplica as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: {err}")
+            log.warning("verifier: %s", err)  # the addresses go to the log, not to the client
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: none serves within verifier_retry_s "
+                                f"({self.cfg.verifier_retry_s:g} s); retry later")
             raise  # unreachable: abort raises
         drafter = None
         if plan.gamma > 0 and plan.drafter != pb.DRAFT_METHOD_NONE:
@@ -181,7 +244,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         vocab = self._target.vocab_size if self._target is not None else None
         round_ = Round(plan, verifier.stub, drafter.stub if drafter is not None else None, self.cfg.drafter_timeout_s,
                        self.spikes, self.metrics, model=self.cfg.tokenizer, parent=parent, vocab_size=vocab,
-                       stats=stats,
+                       stats=stats, verdict_timeout_s=self.cfg.verdict_timeout_s,
                        on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None)
         round_.replicas = (verifier, drafter)  # type: ignore[attr-defined]  # the servicer's tag on its Round
         return round_
@@ -193,7 +256,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         sampling.CopyFrom(plan.sampling)
         sampling.max_tokens = plan.sampling.max_tokens - len(streamed)
         sampling.min_tokens = max(0, plan.sampling.min_tokens - len(streamed))
-        return Plan(f"{plan.request_id}-m{migration}", plan.prompt_token_ids + streamed, sampling, plan.gamma, plan.drafter)
+        return Plan(f"{plan.request_id}-m{migration}", plan.prompt_token_ids + streamed, sampling, plan.gamma, plan.drafter,
+                    plan.tenant)
 
     async def _chunks(self, round_: Round, context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
         """The round's tokens as text chunks, as early as they are certain; ends at the finish
@@ -261,6 +325,12 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                     if err.code() not in MIGRATE_ON or migrations >= MAX_MIGRATIONS:
                         await context.abort(err.code(), f"verifier: {err.details()}")
                     self.verifiers.failed(verifier)
+                    if len(streamed) >= sampling.max_tokens:  # the client has every token: nothing to resume
+                        log.warning("request %s: verifier %s went away (%s) after the last token; ending the "
+                                    "stream", plan.request_id, verifier.address, err.details())
+                        finish = pb.FINISH_REASON_LENGTH
+                        yield Chunk(text.add([], final=True), [], 0, 0, finish)
+                        return
                     log.warning("request %s: verifier %s went away (%s) after %d tokens; resuming elsewhere",
                                 plan.request_id, verifier.address, err.details(), len(streamed))
                     self.metrics.migrations.inc()
@@ -274,27 +344,27 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             self.metrics.requests_running.dec()
             self.metrics.requests.labels(finish_reason_name(finish) or "unspecified").inc()
 
-    async def _checked_plan(self, spec: "pb.GenerationSpec", context: grpc.aio.ServicerContext) -> Plan:
+    async def _checked_plan(self, spec: "pb.GenerationSpec", context: grpc.aio.ServicerContext, key: str) -> Plan:
         try:
-            return await self.plan(spec)
+            return await self.plan(spec, key)
         except InvalidField as err:
             await serving.abort_invalid(context, err)
             raise  # unreachable: abort raises
-        except grpc.aio.AioRpcError as err:
-            await context.abort(err.code(), f"verifier: {err.details()}")
+        except VerifierUnavailable as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
             raise
 
     async def Generate(self, request, context) -> "pb.GenerateResponse":  # noqa: N802
-        async with self.admitted(context), self.slots.hold(context):
-            return await self._generate(request, context)
+        async with self.admitted(context) as key, self.slots.hold(context):
+            return await self._generate(request, context, key)
 
     async def GenerateStream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:  # noqa: N802
-        async with self.admitted(context), self.slots.hold(context):
-            async for chunk in self._generate_stream(request, context):
+        async with self.admitted(context) as key, self.slots.hold(context):
+            async for chunk in self._generate_stream(request, context, key):
                 yield chunk
 
-    async def _generate(self, request, context) -> "pb.GenerateResponse":
-        plan = await self._checked_plan(request.spec, context)
+    async def _generate(self, request, context, key: str) -> "pb.GenerateResponse":
+        plan = await self._checked_plan(request.spec, context, key)
         t0 = time.perf_counter()
         first_ms = 0.0
         round_ = await self._round(plan, context)
@@ -318,8 +388,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             logprobs=logprobs,
         )
 
-    async def _generate_stream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:
-        plan = await self._checked_plan(request.spec, context)
+    async def _generate_stream(self, request, context, key: str) -> AsyncIterator["pb.GenerateStreamResponse"]:
+        plan = await self._checked_plan(request.spec, context, key)
         round_ = await self._round(plan, context)
         n = 0
         async for chunk in self._chunks(round_, context):
@@ -339,6 +409,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
 
     async def close(self) -> None:
         await asyncio.gather(*(pool.close() for pool in self._pools))
+        self.tokenizer_executor.shutdown(wait=False)
 
 
 async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: asyncio.Event, local: str) -> None:
@@ -352,28 +423,23 @@ async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: async
     from gateway.rest import build_app
 
     app = build_app(local, servicer.tokenizer, cfg.tokenizer, keys=servicer.keys, metrics_auth=cfg.metrics_auth,
-                    metrics_app=prometheus_client.make_asgi_app(servicer.metrics.registry))
+                    metrics_app=prometheus_client.make_asgi_app(servicer.metrics.registry),
+                    max_request_bytes=int(cfg.max_request_mb * (1 << 20)), tokenizer_executor=servicer.tokenizer_executor,
+                    refused=servicer.metrics.refused)
 
     class Server(uvicorn.Server):
         def capture_signals(self):  # type: ignore[override]  # a no-op context in place of uvicorn's
             return contextlib.nullcontext()  # serving.serve owns SIGINT/SIGTERM
 
-    tls: dict[str, Any] = {}
-    if security.tls_enabled(cfg):
-        import ssl
-
-        tls = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key}
-        if cfg.tls_ca:
-            tls["ssl_ca_certs"] = cfg.tls_ca
-        if cfg.tls_client_auth == "require":
-            tls["ssl_cert_reqs"] = ssl.CERT_REQUIRED
-    elif not security.is_loopback(cfg.host):
+    context = ReloadingSSLContext(cfg) if security.tls_enabled(cfg) else None
+    if context is None and not security.is_loopback(cfg.host):
         log.warning("gateway: serving PLAINTEXT HTTP (REST bridge) on %s:%d, which other hosts can reach; set "
                     "SPECDEC_TLS_CERT / SPECDEC_TLS_KEY", cfg.host, cfg.rest_port)
+    tls: dict[str, Any] = {"ssl_context_factory": lambda config, default: context} if context is not None else {}
     config = uvicorn.Config(app, host=cfg.host, port=cfg.rest_port, log_level="warning", **tls)
     server = Server(config)
     task = asyncio.create_task(server.serve())
-    reload = asyncio.create_task(_reload_rest_certificates(config, cfg)) if tls else None
+    reload = asyncio.create_task(_reload_rest_certificates(context)) if context is not None else None
     await stop.wait()
     server.should_exit = True
     await task
@@ -381,23 +447,61 @@ async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: async
         reload.cancel()
 
 
-async def _reload_rest_certificates(config: Any, cfg: GatewayConfig, every_s: float = 1.0) -> None:
-    """Load the REST bridge's certificate into its SSL context again when its files change (or
-    after SIGHUP); new connections get the new one. (gRPC servers check at each handshake.)"""
-    files = security.CertFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
-    files.read()
-    while True:
-        await asyncio.sleep(every_s)
-        if config.ssl is None or not files.changed():
-            continue
+def rest_ssl_context(cfg: GatewayConfig) -> ssl.SSLContext:
+    """A new TLS server context of the REST bridge from the files as they are now: the gateway's
+    certificate and key; with tls_client_auth=require, client certificates must chain to
+    tls_client_ca (default tls_ca)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    if cfg.tls_client_ca or cfg.tls_ca:
+        context.load_verify_locations(cfg.tls_client_ca or cfg.tls_ca)
+    context.verify_mode = ssl.CERT_REQUIRED if cfg.tls_client_auth == "require" else ssl.CERT_NONE
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+class ReloadingSSLContext(ssl.SSLContext):
+    """The REST bridge's TLS context: every new connection is made by `current`, a context
+    built whole from the files (rest_ssl_context), which `reload()` replaces when they change
+    (or after SIGHUP). A replaced context's trust store goes with it: a CA removed from the
+    bundle is no longer trusted. Connections already open keep theirs."""
+
+    def __new__(cls, cfg: GatewayConfig) -> Self:
+        return super().__new__(cls, ssl.PROTOCOL_TLS_SERVER)
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.files = security.CertFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca or cfg.tls_ca)
+        self.files.read()
+        self.current = rest_ssl_context(cfg)
+
+    def wrap_bio(self, *args: Any, **kwargs: Any) -> Any:  # what asyncio calls for each connection
+        return self.current.wrap_bio(*args, **kwargs)
+
+    def wrap_socket(self, *args: Any, **kwargs: Any) -> Any:
+        return self.current.wrap_socket(*args, **kwargs)
+
+    def reload(self) -> bool:
+        """Build a new context when the files changed (or SIGHUP came); False when they did not,
+        or when the new files do not load (the current context stays)."""
+        if not self.files.changed():
+            return False
         try:
-            files.read()
-            config.ssl.load_cert_chain(cfg.tls_cert, cfg.tls_key)
-            if cfg.tls_ca:
-                config.ssl.load_verify_locations(cfg.tls_ca)
-            log.info("REST bridge certificates reloaded from %s", cfg.tls_cert)
+            self.files.read()
+            self.current = rest_ssl_context(self.cfg)
         except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
             log.warning("REST bridge certificate reload failed (%s); keeping the current ones", err)
+            return False
+        log.info("REST bridge certificates reloaded from %s", self.cfg.tls_cert)
+        return True
+
+
+async def _reload_rest_certificates(context: ReloadingSSLContext, every_s: float = 1.0) -> None:
+    """Reload the REST bridge's certificates when their files change (or after SIGHUP); new
+    connections get the new ones. (gRPC servers check at each handshake.)"""
+    while True:
+        await asyncio.sleep(every_s)
+        context.reload()
 
 
 async def main(cfg: GatewayConfig) -> None:

@@ -407,14 +407,14 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     _add_models(sub)
 
-    certs = sub.add_parser("certs", help="write a development CA and the services' and a client's certificates",
-                           description=_certs_doc())
+    certs = sub.add_parser("certs", help="write a development PKI: a CA and a certificate per role, and an end "
+                           "users' CA and certificate", description=_certs_doc())
     certs.add_argument("dir", metavar="DIR", help="folder to write them to")
     certs.add_argument("--hosts", default="", help="comma-separated DNS names and IP addresses the services are "
                        "reached at (localhost and 127.0.0.1 are always added)")
     certs.add_argument("--days", type=int, default=365, help="validity (default: 365)")
-    certs.add_argument("--ca", default=None, metavar="DIR", help="issue from the CA in DIR (its ca.pem, ca-key.pem) "
-                       "instead of a new one: rotation, or more hosts")
+    certs.add_argument("--ca", default=None, metavar="DIR", help="issue from the CAs in DIR (ca.pem, ca-key.pem, "
+                       "client-ca.pem, client-ca-key.pem) instead of new ones: rotation, or more hosts")
     certs.add_argument("--force", action="store_true", help="replace certificates already in DIR")
     certs.set_defaults(func=_certs)
 

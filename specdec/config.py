@@ -105,8 +105,21 @@ class TransportConfig:
         "with tls_client_auth=require a server accepts only clients whose certificate chains to it.",
         metavar="PATH")
     tls_client_auth: str = setting(
-        "none", "require: mutual TLS, only clients with a certificate from tls_ca are served (none: any client).",
-        choices=("none", "require"))
+        "none", "require: mutual TLS, only clients with a certificate from tls_client_ca (or tls_ca) are served "
+        "(none: any client).", choices=("none", "require"))
+    tls_client_ca: str = setting(
+        "", "PEM CA bundle this server's clients' certificates must chain to under tls_client_auth=require "
+        "(empty: tls_ca). A gateway sets it to the CA of its end users' certificates (`specdec certs`: "
+        "client-ca.pem), so those never chain to tls_ca, which drafters and verifiers trust.", metavar="PATH")
+    tls_allowed_peers: str = setting(
+        "", "Comma-separated identities allowed to call this service (with tls_client_auth=require): a call "
+        "whose client certificate names none of them in its subjectAltName (a URI such as "
+        "spiffe://specdec/gateway, a DNS name or an IP) ends with PERMISSION_DENIED. Empty: any certificate "
+        "that chains to the CA (warned about at start). Health checks stay open to every TLS client.",
+        metavar="SANS")
+    health_port: int = setting(
+        0, "A plaintext port that serves only the gRPC health service (grpc.health.v1: the same SERVING / "
+        "NOT_SERVING as the main port), for probes that speak no TLS (the kubelet's grpc probes). 0: off.")
     max_message_mb: float = setting(16.0, "Largest gRPC message received or sent, MiB (over it: RESOURCE_EXHAUSTED).")
     keepalive_time_s: float = setting(
         20.0, "gRPC keepalive: clients ping an idle connection this often and servers accept pings at half "
@@ -165,6 +178,9 @@ class DrafterConfig(TransportConfig):
     inject_delay_ms: float = setting(
         0.0, "Fault injection (tests, drills): sleep this long (ms) in every inject_every-th draft step.")
     inject_every: int = setting(0, "Fault injection: every how many draft steps inject_delay_ms is slept (0: never).")
+    first_message_timeout_s: float = setting(
+        10.0, "A Draft stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
+        "frees its max_sessions slot (0: no limit).")
 
 
 @dataclass
@@ -225,6 +241,9 @@ class VerifierConfig(TransportConfig):
         0, "Fault injection: every how many engine steps inject_delay_ms is slept (0: never).")
     inject_prefill_delay_ms: float = setting(
         0.0, "Fault injection: sleep this long (ms) in every engine step that starts a new request's prefill.")
+    first_message_timeout_s: float = setting(
+        10.0, "A Verify stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
+        "frees its max_sessions slot (0: no limit).")
 
 
 @dataclass
@@ -294,6 +313,17 @@ class GatewayConfig(TransportConfig):
         "spike_ms when that is > 0.")
     spike_min_ms: float = setting(5.0, "Floor (ms) of the relative spike threshold; see spike_factor.")
     spike_ms: float = setting(0.0, "Fixed spike threshold (ms) instead of the relative one (0: relative).")
+    verdict_timeout_s: float = setting(
+        60.0, "Seconds the verifier may stay silent while it owes verdicts, once it sent the first (its queueing "
+        "and prefill never count); past it the verifier is treated as gone and the generation resumes on another "
+        "(migration). 0: no limit (keepalive still finds a verifier whose process hangs).")
+    max_inflight_share_per_key: float = setting(
+        0.5, "With API keys configured, the largest share of max_inflight one key may hold at once (0.5: half "
+        "the slots, so no one key can take them all); max_streams_per_key, when set, caps it further. 1: no "
+        "per-key share. Without keys every client is one key and this does not apply.")
+    max_request_mb: float = setting(
+        8.0, "Largest REST request body, MiB; over it: 413, without reading the rest. (The API key is checked "
+        "before any of the body is read.)")
 
 
 SERVICE_CONFIGS: dict[str, type] = {"drafter": DrafterConfig, "verifier": VerifierConfig, "gateway": GatewayConfig}

@@ -6,7 +6,14 @@ Terms:
                     with cert + key serves TLS; a client with a CA verifies its server with it and,
                     with cert + key too, presents them as its client certificate (mTLS).
     client auth     `tls_client_auth = require`: a server accepts only clients whose certificate
-                    chains to `tls_ca` (in a deployment: only gateways reach drafters and verifiers).
+                    chains to `tls_client_ca` (default `tls_ca`). A gateway's clients (end users)
+                    have certificates from a CA of their own, so they cannot even complete a
+                    handshake with a drafter or a verifier, which trust only the services' CA.
+    identity        a peer's identity is what its certificate names in its subjectAltName: URIs
+                    (`spiffe://specdec/gateway`, the role URIs `specdec certs` issues), DNS names,
+                    IPs. `tls_allowed_peers` lists the identities a server serves (drafters and
+                    verifiers: the gateways'); a call from any other certificate ends with
+                    PERMISSION_DENIED before the handler runs. Health checks stay open.
     reload          certificates are read again when their files change (checked at every new
                     TLS handshake, a stat per file) or after SIGHUP (`request_reload`), so a
                     rotation (cert-manager rewriting a Secret) needs no restart. Connections
@@ -99,9 +106,12 @@ def check_tls_settings(cfg: Any) -> None:
         raise ValueError("tls_cert and tls_key: set both (SPECDEC_TLS_CERT, SPECDEC_TLS_KEY) or neither")
     if cfg.tls_client_auth not in ("none", "require"):
         raise ValueError(f"tls_client_auth: {cfg.tls_client_auth!r} is not none or require")
-    if cfg.tls_client_auth == "require" and not (tls_enabled(cfg) and cfg.tls_ca):
-        raise ValueError("tls_client_auth=require needs tls_cert, tls_key and tls_ca (the CA clients must chain to)")
-    for name in ("tls_cert", "tls_key", "tls_ca"):
+    if cfg.tls_client_auth == "require" and not (tls_enabled(cfg) and (cfg.tls_client_ca or cfg.tls_ca)):
+        raise ValueError("tls_client_auth=require needs tls_cert, tls_key and tls_client_ca or tls_ca (the CA "
+                         "clients must chain to)")
+    if cfg.tls_allowed_peers and cfg.tls_client_auth != "require":
+        raise ValueError("tls_allowed_peers needs tls_client_auth=require (identities come from client certificates)")
+    for name in ("tls_cert", "tls_key", "tls_ca", "tls_client_ca"):
         path = getattr(cfg, name)
         if path and not Path(path).is_file():
             raise ValueError(f"{name}: {path} is not a readable file")
@@ -109,7 +119,7 @@ def check_tls_settings(cfg: Any) -> None:
 
 def server_credentials(cfg: Any) -> grpc.ServerCredentials:
     """TLS credentials for a gRPC server that re-read the files when they change (or on SIGHUP)."""
-    files = CertFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    files = CertFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca or cfg.tls_ca)
     require = cfg.tls_client_auth == "require"
 
     def configuration() -> Any:
@@ -205,6 +215,103 @@ def client_channel(address: str, cfg: Any, server_name: str = "") -> grpc.aio.Ch
     return grpc.aio.insecure_channel(address, options=opts)
 
 
+# ---------------------------------------------------------------------------- identities
+
+HEALTH_METHODS = "/grpc.health.v1.Health/"  # open to every TLS client: probes carry no role identity
+
+
+def certificate_identities(pem: bytes) -> set[str]:
+    """The identities a PEM certificate names: its subjectAltName URIs, DNS names and IPs."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(pem)
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return set()
+    return ({str(v) for v in san.get_values_for_type(x509.UniformResourceIdentifier)}
+            | {str(v) for v in san.get_values_for_type(x509.DNSName)}
+            | {str(v) for v in san.get_values_for_type(x509.IPAddress)})
+
+
+def allowed_peers(cfg: Any) -> list[str]:
+    return [p.strip() for p in (cfg.tls_allowed_peers or "").split(",") if p.strip()]
+
+
+class PeerIdentityCheck(grpc.aio.ServerInterceptor):
+    """Serve only peers whose client certificate names one of `allowed` (see `identity` in the
+    module docstring); every other call (health checks aside) ends with PERMISSION_DENIED before
+    its handler runs. The check reads the certificate gRPC verified in the handshake."""
+
+    def __init__(self, allowed: Iterable[str]) -> None:
+        self.allowed = set(allowed)
+        self._seen: dict[bytes, set[str]] = {}  # certificate -> identities (parsed once per certificate)
+
+    def _refusal(self, context: grpc.aio.ServicerContext) -> str | None:
+        """Why this call's peer is refused (None: it is allowed)."""
+        pems = context.auth_context().get("x509_pem_cert") or []
+        if not pems:
+            return "no client certificate"
+        pem = pems[0]
+        if pem not in self._seen:
+            if len(self._seen) > 1024:
+                self._seen.clear()
+            self._seen[pem] = certificate_identities(pem)
+        names = self._seen[pem]
+        if names & self.allowed:
+            return None
+        return f"the client certificate ({', '.join(sorted(names)) or 'no subjectAltName'}) is not one of tls_allowed_peers"
+
+    async def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_METHODS):
+            return handler
+        return _guarded(handler, self._refusal, details.method)
+
+
+def _guarded(handler: grpc.RpcMethodHandler, refusal: Callable[[Any], str | None], method: str) -> Any:
+    """`handler` with `refusal(context)` checked first: PERMISSION_DENIED when it says why."""
+    import inspect
+
+    kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
+    behavior = getattr(handler, kind)
+
+    async def deny(context: grpc.aio.ServicerContext) -> None:
+        why = refusal(context)
+        if why is not None:
+            log.warning("refused %s from %s: %s", method, context.peer(), why)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"peer not allowed: {why}")
+
+    if inspect.isasyncgenfunction(behavior):
+        async def guarded_gen(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await deny(context)
+            async for item in behavior(request, context):
+                yield item
+        wrapped: Any = guarded_gen
+    else:
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await deny(context)
+            return await behavior(request, context)
+        wrapped = guarded
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    return make(wrapped, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+def server_interceptors(name: str, cfg: Any) -> list[grpc.aio.ServerInterceptor]:
+    """The identity check when `tls_allowed_peers` is set; a warning when client certificates are
+    required but any certificate from the CA may call."""
+    peers = allowed_peers(cfg)
+    if peers:
+        log.info("%s: serving only the peers %s", name, ", ".join(peers))
+        return [PeerIdentityCheck(peers)]
+    if cfg.tls_client_auth == "require" and name in ("drafter", "verifier"):
+        log.warning("%s: any client certificate from the CA may call this service (it skips the gateway's API "
+                    "keys and limits): set SPECDEC_TLS_ALLOWED_PEERS to the gateways' identity, e.g. "
+                    "spiffe://specdec/gateway", name)
+    return []
+
+
 # ---------------------------------------------------------------------------- API keys
 
 
@@ -286,6 +393,7 @@ class RateLimiter:
     burst: int = 0
     max_streams: int = 0
     clock: Callable[[], float] = time.monotonic
+    streams_setting: str = "max_streams_per_key"  # the setting `max_streams` comes from, for the refusal
     _buckets: dict[str, _Bucket] = field(default_factory=dict)
 
     def acquire(self, key: str) -> Admission:
@@ -296,7 +404,7 @@ class RateLimiter:
         if b is None:
             b = self._buckets[key] = _Bucket(capacity, now)
         if self.max_streams and b.streams >= self.max_streams:
-            return Admission(False, f"max_streams_per_key ({self.max_streams}) generations are already in flight "
+            return Admission(False, f"{self.streams_setting} ({self.max_streams}) generations are already in flight "
                                     "for this API key", 1.0)
         if self.rps > 0:
             b.tokens = min(capacity, b.tokens + (now - b.stamp) * self.rps)
@@ -312,6 +420,18 @@ class RateLimiter:
         b = self._buckets.get(key)
         if b is not None and b.streams > 0:
             b.streams -= 1
+
+    @classmethod
+    def from_config(cls, cfg: Any, keys_enabled: bool) -> RateLimiter:
+        """The gateway's limiter: `max_streams` is max_streams_per_key (0: none) and, with API keys,
+        at most max_inflight_share_per_key of max_inflight (rounded up, at least 1)."""
+        streams, setting = cfg.max_streams_per_key, "max_streams_per_key"
+        share = cfg.max_inflight_share_per_key
+        if keys_enabled and cfg.max_inflight and 0 < share < 1:
+            cap = max(1, math.ceil(share * cfg.max_inflight))
+            if not streams or cap < streams:
+                streams, setting = cap, f"max_inflight_share_per_key ({share:g} of max_inflight)"
+        return cls(cfg.rate_limit_rps, cfg.rate_limit_burst, streams, streams_setting=setting)
 
     def retry_after_header(self, admission: Admission) -> str:
         """Retry-After's value: whole seconds, at least 1."""

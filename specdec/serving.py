@@ -33,10 +33,18 @@ async def abort_invalid(context: grpc.aio.ServicerContext, err: InvalidField) ->
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
 
-async def open_session(context: grpc.aio.ServicerContext, build: Callable[[Any], T]) -> tuple[Any, T]:
+async def open_session(context: grpc.aio.ServicerContext, build: Callable[[Any], T],
+                       timeout_s: float = 0.0) -> tuple[Any, T]:
     """Read a session stream's first message, which must be `open`, and build the session
-    from it; a bad one ends the call with INVALID_ARGUMENT naming the field."""
-    first = await context.read()
+    from it; a bad one ends the call with INVALID_ARGUMENT naming the field. A stream that
+    sends nothing for `timeout_s` (first_message_timeout_s; 0: no limit) ends with
+    DEADLINE_EXCEEDED, so a half-open stream cannot hold its max_sessions slot."""
+    try:
+        first = await (asyncio.wait_for(context.read(), timeout_s) if timeout_s > 0 else context.read())
+    except TimeoutError:
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"open: no `open` came within first_message_timeout_s ({timeout_s:g} s)")
+        raise  # unreachable: abort raises
     if first is grpc.aio.EOF or first.WhichOneof("kind") != "open":
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must be `open`")
     try:
@@ -146,7 +154,8 @@ async def serve(
     SIGHUP re-reads the TLS certificates.
     """
     security.check_tls_settings(cfg)
-    server = grpc.aio.server(options=security.grpc_options(cfg, server=True))
+    server = grpc.aio.server(options=security.grpc_options(cfg, server=True),
+                             interceptors=security.server_interceptors(name, cfg))
     bound = security.add_port(server, name, f"{cfg.host}:{cfg.port}", cfg)
     if bound == 0:
         raise OSError(f"{name}: cannot bind {cfg.host}:{cfg.port}")
@@ -156,10 +165,18 @@ async def serve(
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.host, registry=registry)
         log.info("%s metrics on http://%s:%d/metrics", name, cfg.host, cfg.metrics_port)
-    servicer = build(registry)
-    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    probes = None  # health_port: the same health answers in plaintext, nothing else (bound before loading too)
+    if cfg.health_port:
+        probes = grpc.aio.server(options=security.grpc_options(cfg, server=True))
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probes)
+        if probes.add_insecure_port(f"{cfg.host}:{cfg.health_port}") == 0:
+            raise OSError(f"{name}: cannot bind the health port {cfg.host}:{cfg.health_port}")
+        await probes.start()  # answers NOT_FOUND until the servicer is built and the statuses are set
+        log.info("%s health checks (plaintext) on %s:%d", name, cfg.host, cfg.health_port)
+    servicer = build(registry)
+    add_to_server(servicer, server)
     reflection.enable_server_reflection([service, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     await server.start()
     for svc in ("", service):
@@ -183,6 +200,8 @@ async def serve(
         ended = await servicer.slots.drain(cfg.shutdown_timeout_s)
         log.info("%s stopping%s", name, f" ({ended} calls ended unfinished)" if ended else "")
         await server.stop(GRACE_S)
+        if probes is not None:
+            await probes.stop(0)
         stopped.set()
         if side is not None:
             await side

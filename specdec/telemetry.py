@@ -219,8 +219,10 @@ class GatewayMetrics:
         specdec:generation_tokens_total, specdec:prompt_tokens_total
         specdec:requests_total{finish_reason}, specdec:requests_running (queue depth)
         specdec:latency_spikes_total{stage}, specdec:drafter_fallbacks_total
-        specdec:gateway_refused_total{reason}             unauthenticated, rate_limited
+        specdec:gateway_refused_total{reason}             unauthenticated, rate_limited, request_too_large
         specdec:gateway_migrations_total                  generations resumed on another verifier
+        specdec:gateway_replicas{pool, state}             drafter / verifier replicas the gateway knows,
+                                                          by their last health check (serving, not_serving)
 
     PromQL:
         Acceptance rate over 5 minutes:
@@ -281,12 +283,20 @@ class GatewayMetrics:
         )
         # by reason only: API keys (or their ids) are never metric labels
         self.refused = Counter(
-            "specdec:gateway_refused", "Calls refused before any work, by reason (unauthenticated, rate_limited)",
+            "specdec:gateway_refused", "Calls refused before any work, by reason (unauthenticated, rate_limited, request_too_large)",
             ["reason"], registry=registry,
         )
         self.fallbacks = Counter(
             "specdec:drafter_fallbacks", "Requests that went on without their drafter", registry=registry
         )
+        # read at scrape time from the pools (GatewayServicer binds them): pool = drafter | verifier
+        self.replicas = Gauge(
+            "specdec:gateway_replicas", "Replicas the gateway knows, by their last health check (serving, not_serving)",
+            ["pool", "state"], registry=registry,
+        )
+        for pool in ("drafter", "verifier"):
+            for state in ("serving", "not_serving"):
+                self.replicas.labels(pool, state).set(0)
 
 
 class DrafterMetrics:
@@ -294,6 +304,7 @@ class DrafterMetrics:
 
     Families:
         specdec:drafter_sessions        open draft sessions (gauge)
+        specdec:drafter_requests_total  draft sessions opened (one per generation sent to this drafter)
         specdec:drafter_blocks_total    blocks sent
         specdec:drafter_tokens_total    draft tokens sent
         specdec:drafter_step_seconds    histogram: one draft token's compute
@@ -309,6 +320,7 @@ class DrafterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.sessions = Gauge("specdec:drafter_sessions", "Open draft sessions", registry=registry)
+        self.requests = Counter("specdec:drafter_requests", "Draft sessions opened", registry=registry)
         self.blocks = Counter("specdec:drafter_blocks", "Blocks sent", registry=registry)
         self.tokens = Counter("specdec:drafter_tokens", "Draft tokens sent", registry=registry)
         self.step_seconds = Histogram(

@@ -7,10 +7,28 @@ which field was wrong, and the service keeps serving.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from specdec.config import MAX_GAMMA_LIMIT, MAX_LOGPROBS
+
+# ---- bounds on what a client may send (docs/security.md lists them with the tests that check them)
+
+# Stop strings per request, and the longest one (characters). The gateway scans every stop string
+# on every chunk it streams, so both bound its work per chunk (OpenAI allows 4 stop strings).
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+# stop_token_ids per request (each is also checked against the vocabulary).
+MAX_STOP_TOKEN_IDS = 256
+# A client's request id: at most this many characters, each one of REQUEST_ID_CHARS (no spaces,
+# newlines or control characters: the id is written into logs and trace spans as it is).
+MAX_REQUEST_ID_CHARS = 128
+REQUEST_ID_CHARS = "A-Z a-z 0-9 . _ : -"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+# Room the gateway adds to a client's id on the verifier and drafter side: its tenant prefix
+# (`t<8 hex>.`) and a migration's `-m<N>` suffix.
+BACKEND_REQUEST_ID_EXTRA = 32
 
 
 class InvalidField(ValueError):
@@ -30,9 +48,35 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int, allow_empty
             raise InvalidField(field, f"token id {t} at index {i} is outside the vocabulary [0, {vocab_size})")
 
 
+def check_request_id(field: str, request_id: str, limit: int = MAX_REQUEST_ID_CHARS) -> None:
+    """A request id: 1 to `limit` characters from REQUEST_ID_CHARS."""
+    if not request_id:
+        raise InvalidField(field, "must not be empty")
+    if len(request_id) > limit:
+        raise InvalidField(field, f"{len(request_id)} characters, more than the {limit} allowed")
+    if not _REQUEST_ID.fullmatch(request_id):
+        bad = next(c for c in request_id if not _REQUEST_ID.fullmatch(c))
+        raise InvalidField(field, f"character {bad!r} is not allowed (only {REQUEST_ID_CHARS})")
+
+
 def check_gamma(field: str, gamma: int, max_gamma: int) -> None:
     if not 0 <= gamma <= min(max_gamma, MAX_GAMMA_LIMIT):
         raise InvalidField(field, f"{gamma} is out of range [0, {min(max_gamma, MAX_GAMMA_LIMIT)}]")
+
+
+def check_sizes(field: str, sampling: Any) -> None:
+    """The size bounds of a specdec.v1.SamplingParams, which need nothing of the model: stop
+    strings (count, each non-empty and at most MAX_STOP_STRING_CHARS) and stop_token_ids (count)."""
+    if len(sampling.stop) > MAX_STOP_STRINGS:
+        raise InvalidField(f"{field}.stop", f"{len(sampling.stop)} stop strings, more than the {MAX_STOP_STRINGS} allowed")
+    for i, s in enumerate(sampling.stop):
+        if not s:
+            raise InvalidField(f"{field}.stop[{i}]", "must not be empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise InvalidField(f"{field}.stop[{i}]", f"{len(s)} characters, more than the {MAX_STOP_STRING_CHARS} allowed")
+    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidField(f"{field}.stop_token_ids", f"{len(sampling.stop_token_ids)} ids, more than the "
+                           f"{MAX_STOP_TOKEN_IDS} allowed")
 
 
 def check_sampling(
@@ -60,9 +104,7 @@ def check_sampling(
             f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
             f"context of {max_model_len} tokens",
         )
-    for i, s in enumerate(sampling.stop):
-        if not s:
-            raise InvalidField(f"{field}.stop[{i}]", "must not be empty")
+    check_sizes(field, sampling)
     for name in ("presence_penalty", "frequency_penalty"):  # vLLM's and OpenAI's range
         value = getattr(sampling, name)
         if not -2.0 <= value <= 2.0:

@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,9 +40,12 @@ E2E_FOLDERS = ("e2e",)
 E2E_MODULES = (
     "benchmarks/test_bench.py",  # `specdec bench`: the three services and a vLLM baseline
     "benchmarks/test_link.py",  # `specdec bench-link`: the services across network namespaces
+    "deploy/test_cluster.py",  # deploy/k8s run by a small kubelet: the services in pods
+    "drafter/test_half_open.py",  # the real DrafterServicer on the tiny draft model
     "drafter/test_sessions.py",  # the tiny draft model, loaded with transformers
     "test_packaging.py",  # a fresh venv serving the drafter and the gateway
     "test_readme_commands.py",  # the README's commands, services included
+    "verifier/test_engine_failure.py",  # a verifier servicer on the tiny target: vLLM in-process
 )
 # Fixtures that bring up services, build the tiny models, or run vLLM.
 E2E_FIXTURES = frozenset({"services", "default_services", "stack", "gateway_address", "tiny_target", "tiny_cache"})
@@ -204,13 +208,57 @@ def aio_channel_factory():
     return lambda address: grpc.aio.insecure_channel(address)
 
 
+class ReferenceWorker:
+    """A plain vLLM engine serving one model for the whole session (tests/e2e/vllm_reference.py):
+    one cold start per model per session, however many modules ask for references."""
+
+    def __init__(self, model: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(TESTS / "e2e" / "vllm_reference.py"), str(model)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self._stderr: list[str] = []
+        threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr or []), daemon=True).start()
+
+    def generate(self, requests: list[dict]) -> list[list[int]]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps(requests) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except OSError:
+            line = ""
+        if not line:
+            raise RuntimeError("the vLLM reference worker died:\n" + "".join(self._stderr)[-4000:])
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_REFERENCES: dict[str, ReferenceWorker] = {}
+_REFERENCE_LOCK = threading.Lock()
+
+
 def vllm_reference(model: Path, requests: list[dict]) -> list[list[int]]:
-    """Token ids a plain vLLM engine (no speculation) generates for each request."""
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / "e2e" / "vllm_reference.py"), str(model)],
-        input=json.dumps(requests), capture_output=True, text=True, timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"reference run failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Token ids a plain vLLM engine (no speculation) generates for each request (the session's
+    ReferenceWorker for `model`, started on first use)."""
+    with _REFERENCE_LOCK:
+        worker = _REFERENCES.get(str(model))
+        if worker is None or worker.proc.poll() is not None:
+            worker = _REFERENCES[str(model)] = ReferenceWorker(model)
+        return worker.generate(requests)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reference_workers() -> Iterator[None]:
+    """Stop the session's reference engines at its end."""
+    yield
+    for worker in _REFERENCES.values():
+        worker.close()
+    _REFERENCES.clear()

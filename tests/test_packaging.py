@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 # What a fresh clone does not have (build outputs, environments, caches, logs).
 NOT_IN_CLONE = {
     ".git", ".venv", ".tools", "node_modules", "__pycache__", ".pytest_cache", ".specdec-cache",
-    "logs", "bench-results", "build", "dist",
+    "logs", "bench-results", "build", "dist", "site",
 }
 INSTALL_TIMEOUT_S = 1200
 READY_TIMEOUT_S = 180

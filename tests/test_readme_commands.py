@@ -1,9 +1,11 @@
-"""Every `specdec` command in README.md's shell blocks works, on the tiny pair.
+"""Every documented `specdec` command works, on the tiny pair.
 
-The README says each of its `specdec` commands also runs on the tiny pair with `qwen-coder`
-replaced by `tiny` (`qwen-coder/draft` by `tiny/draft-mid`). This module takes every line of
-its ```bash / ```sh / ```console / ``` blocks that runs `specdec` (after any VAR=value
-assignments), makes that replacement and:
+The documented commands are those of README.md, of the docs site's pages (docs/**/*.md) and of
+deploy/README.md (the site's Deployment page includes it). The docs say each of their `specdec`
+commands also runs on the tiny pair with `qwen-coder` replaced by `tiny` (`qwen-coder/draft` by
+`tiny/draft-mid`; docs/usage.md "Using it"). This module takes every line of their ```bash /
+```sh / ```console / ``` blocks that runs `specdec` (after any VAR=value assignments), makes that
+replacement and:
 
 - runs the local ones (models, eval-draft) as they are;
 - starts `specdec up` as documented (env assignments included, free ports added, /metrics and
@@ -15,8 +17,9 @@ assignments), makes that replacement and:
   `serve`, build the service's config and name models the registry knows).
 
 A command fails its test when it exits non-zero or prints a traceback. A synopsis's optional
-`[...]` parts are included; `a|b` alternatives must agree after the replacement. `make` lines
-are not `specdec` lines (`make demo` and `make bench` run elsewhere).
+`[...]` parts are included; `a|b` alternatives must agree after the replacement. A command
+written on several pages is run once. `make` lines are not `specdec` lines (`make demo` and
+`make bench` run elsewhere).
 """
 
 from __future__ import annotations
@@ -35,18 +38,26 @@ from pathlib import Path
 
 import pytest
 
-from specdec import cli, models
+from specdec import cli, config, models
 from specdec.launch import free_port
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+
+def documented_pages() -> list[Path]:
+    """README.md, every page of the docs site (docs/**/*.md) and deploy/README.md."""
+    return [README, *sorted((REPO / "docs").rglob("*.md")), REPO / "deploy" / "README.md"]
+
+
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
-# The README's own rule: qwen-coder -> tiny; qwen-coder/draft -> the tiny pair's default draft.
+# The docs' own rule: qwen-coder -> tiny; qwen-coder/draft -> the tiny pair's default draft.
 REPLACE = (("qwen-coder/draft", models.PAIRS["tiny"].draft), ("qwen-coder", "tiny"))
 TRACEBACK = "Traceback (most recent call last)"
 TIMEOUT_S = 300
 
-# Documented commands this test does not run, exactly as the README writes them (comment
-# dropped), with the reason. test_not_run_lists_only_readme_commands keeps this list honest.
+# Documented commands this test does not run, exactly as the docs write them (comment dropped),
+# with the reason. test_not_run_lists_only_documented_commands keeps this list honest.
 _SERVICE = "a long-running service; `specdec up` (run here) starts the same `specdec serve` commands"
 _BENCH = "the full benchmark takes minutes even on tiny; `specdec bench --quick` runs in tests/benchmarks/test_bench.py"
 _LINK = ("makes network namespaces and runs the benchmark across them (minutes); `specdec bench-link --quick` "
@@ -80,9 +91,9 @@ LONG_RUNNING = {"serve", "bench", "bench-link", "demo"}
 
 @dataclass(frozen=True)
 class Command:
-    """One documented command: the README's text and what the test runs."""
+    """One documented command: the docs' text and what the test runs."""
 
-    text: str  # as the README writes it, comment dropped (NOT_RUN's key)
+    text: str  # as the docs write it, comment dropped (NOT_RUN's key)
     env: tuple[tuple[str, str], ...]  # leading VAR=value assignments
     argv: tuple[str, ...]  # after `specdec`, replaced for the tiny pair, synopsis expanded
 
@@ -123,7 +134,7 @@ def _expand(tokens: list[str]) -> list[str]:
 
 
 def readme_commands(text: str) -> list[Command]:
-    """Every `specdec` command line of the shell blocks of a README's text."""
+    """Every `specdec` command line of the shell blocks of a markdown page's text."""
     commands, lang = [], None
     for raw in text.splitlines():
         fence = re.match(r"^\s*```\s*([\w-]*)", raw)
@@ -153,7 +164,20 @@ def readme_commands(text: str) -> list[Command]:
     return commands
 
 
-COMMANDS = readme_commands(README.read_text())
+def documented_commands(pages: list[Path]) -> tuple[list[Command], dict[str, list[str]]]:
+    """Every `specdec` command of `pages`, each once (first page first), and the pages that
+    write each (by the command's text)."""
+    commands, where = [], {}
+    for page in pages:
+        for cmd in readme_commands(page.read_text()):
+            if cmd.text not in where:
+                commands.append(cmd)
+                where[cmd.text] = []
+            where[cmd.text].append(str(page.relative_to(REPO)))
+    return commands, where
+
+
+COMMANDS, WHERE = documented_commands(documented_pages())
 RUN = [c for c in COMMANDS if c.text not in NOT_RUN and c.name not in AGAINST_UP and c.name != "up"]
 PARSE = [c for c in COMMANDS if c.text in NOT_RUN]
 
@@ -187,7 +211,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @dataclass
 class Up:
-    """`specdec up` as the README starts it, with what the commands that need it use."""
+    """`specdec up` as the docs start it, with what the commands that need it use."""
 
     proc: subprocess.Popen[str]
     argv: tuple[str, ...]
@@ -209,11 +233,11 @@ def _stop(proc: subprocess.Popen[str], sig: int) -> int:
 
 @pytest.fixture(scope="module")
 def up(workdir: Path) -> Iterator[Up]:
-    """The README's `specdec up` lines (all the same command on tiny; their env assignments
+    """The docs' `specdec up` lines (all the same command on tiny; their env assignments
     together, e.g. SPECDEC_TRACE_FILE), on free ports with /metrics and REST off; one
     generation is made so the traces hold a known request id."""
     lines = [c for c in COMMANDS if c.name == "up"]
-    assert lines, "README.md has no `specdec up` line"
+    assert lines, "no documented `specdec up` line"
     assert len({c.argv for c in lines}) == 1, f"the `specdec up` lines differ on tiny: {[c.argv for c in lines]}"
     ports = [free_port() for _ in range(3)]
     argv = (*lines[0].argv, "--port", str(ports[0]), "--drafter-port", str(ports[1]), "--verifier-port", str(ports[2]))
@@ -255,27 +279,36 @@ def up(workdir: Path) -> Iterator[Up]:
             pass
 
 
-def test_readme_has_runnable_commands() -> None:
+def test_docs_have_runnable_commands() -> None:
     names = {c.name for c in COMMANDS}
     assert {"up", "generate", "models", "eval-draft", "traces", "serve"} <= names, names
     assert RUN and PARSE
 
 
-def test_not_run_lists_only_readme_commands() -> None:
-    """NOT_RUN cannot rot: each entry is a command the README has, verbatim."""
+def test_commands_are_followed_to_their_pages() -> None:
+    """The commands that moved from README.md into docs/ are found there: the command line of
+    docs/usage.md and the benchmark commands of docs/performance.md."""
+    assert "docs/usage.md" in WHERE["specdec models pull qwen-coder"]
+    assert "docs/performance.md" in WHERE["specdec bench --models qwen-coder --out bench-results"]
+
+
+def test_not_run_lists_only_documented_commands() -> None:
+    """NOT_RUN cannot rot: each entry is a command the docs have, verbatim."""
     texts = {c.text for c in COMMANDS}
-    assert sorted(set(NOT_RUN) - texts) == [], "NOT_RUN entries that README.md no longer has"
+    assert sorted(set(NOT_RUN) - texts) == [], "NOT_RUN entries that no documented page has any more"
 
 
 @pytest.mark.parametrize("cmd", PARSE, ids=_ids(PARSE))
 def test_not_run_command_parses(cmd: Command) -> None:
-    """A command not run here still has flags that exist and values that parse."""
+    """A command not run here still has flags that exist and values that parse, and the models
+    it names (after the tiny replacement) are ones the registry knows. A model it leaves to a
+    default (the gateway's --tokenizer, qwen-coder/target) is not the command's to name."""
     argv = list(cmd.argv)
     args = cli.build_parser(argv).parse_args(argv)
     if cmd.name == "serve":
         cfg = cli.serve_config(args)
         for field in ("model", "tokenizer"):
-            if ref := getattr(cfg, field, ""):
+            if config.flag_name(field) in argv and (ref := getattr(cfg, field, "")):
                 assert models.resolve(ref, pull=False).is_dir()
 
 

@@ -11,6 +11,12 @@ construction, scheduler hook) goes through verifier.vllm_hooks.
 
 Per step and request the engine thread emits a `Verdict` (the new tokens, how many
 drafts were checked and accepted, the tokens computed) to the session's callback.
+
+No silent hang: any exception on the engine thread (a step, a command, emitting a verdict)
+fails the engine as a whole: `failed` says why, every session's callback gets an
+`EngineFailed` (the server ends those calls with UNAVAILABLE, so their gateways resume them on
+another verifier), a session submitted afterwards gets one at once, and the process is sent
+SIGTERM (health turns NOT_SERVING while it drains, then it exits with a failure status).
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ from verifier import vllm_hooks
 from verifier.vllm_hooks import configure_vllm_env
 
 log = logging.getLogger("specdec.verifier")
+
+
+class EngineFailed(Exception):
+    """The engine thread died (the message says why): the request cannot go on here."""
 
 
 @dataclass
@@ -98,6 +108,8 @@ class TargetEngine:
     """
 
     def __init__(self, cfg: VerifierConfig, model_path: str, metrics: telemetry.VerifierMetrics | None = None) -> None:
+        self.failed = ""  # why the engine died ("" while it runs)
+        self._fail_lock = threading.Lock()  # orders a failure against submissions
         configure_vllm_env(cfg)
         vllm_hooks.check_vllm_version()
         from verifier.proposer import DraftBoard
@@ -131,7 +143,6 @@ class TargetEngine:
         self._early: dict[str, _Early] = {}
         self._early_lock = threading.Lock()
         self.steps = 0
-        self.failed = ""  # why the engine died ("" while it runs)
         self._thread = threading.Thread(target=self._run, name="target-engine", daemon=True)
         self._stopped = False
         self._thread.start()
@@ -162,10 +173,15 @@ class TargetEngine:
                 live.first_scheduled = live.first_scheduled or now
 
     # ---- called from any thread -------------------------------------------------
-    def submit(self, req: GenerationRequest, on_verdict: Callable[[Verdict], None]) -> None:
-        with self._early_lock:
-            self._early[req.request_id] = _Early(max_blocks_per_commit(req.gamma))
-        self._commands.put(("add", (req, on_verdict)))
+    def submit(self, req: GenerationRequest, on_verdict: Callable[[Verdict | EngineFailed], None]) -> None:
+        """Queue a request; its verdicts (or one EngineFailed) go to `on_verdict`, on the engine thread."""
+        with self._fail_lock:
+            if self.failed:  # the thread is gone: nobody would ever answer
+                on_verdict(EngineFailed(self.failed))
+                return
+            with self._early_lock:
+                self._early[req.request_id] = _Early(max_blocks_per_commit(req.gamma))
+            self._commands.put(("add", (req, on_verdict)))
         self._wake.set()
         self.board.arrival()
 
@@ -311,6 +327,37 @@ class TargetEngine:
             cb(Verdict(start, safe, 0, 0, None, 0, 0, 0.0, preview=True))
 
     def _run(self) -> None:
+        """The engine thread: steps until stopped; any exception fails the engine (_fail)."""
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 (whatever it is, the sessions must hear of it)
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The engine thread failed: every session gets EngineFailed (its call then ends with
+        UNAVAILABLE and its gateway migrates it), later ones at submission, and the process
+        stops (SIGTERM: health NOT_SERVING, drain, exit) so its supervisor restarts it."""
+        log.critical("engine thread failed; the verifier stops (its supervisor restarts it)", exc_info=exc)
+        with self._fail_lock:
+            self.failed = f"engine failed: {type(exc).__name__}: {exc}"
+            callbacks = [live.callback for live in self._live.values()]
+            while True:  # requests queued but not added yet
+                try:
+                    kind, arg = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    callbacks.append(arg[1])
+            self._live.clear()
+            self._by_engine_id.clear()
+        for callback in callbacks:
+            try:
+                callback(EngineFailed(self.failed))
+            except Exception:  # one broken session must not keep the others waiting
+                log.exception("telling a session of the engine failure failed")
+        os.kill(os.getpid(), signal.SIGTERM)  # drain (nothing is left in flight) and exit
+
+    def _loop(self) -> None:
         while not self._stopped:
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
@@ -320,17 +367,7 @@ class TargetEngine:
                 continue
             t0 = time.perf_counter()
             waited0 = self.board.waited_s
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # the engine is broken: fail every live session, stop the process
-                log.exception("engine step failed; the verifier stops (its supervisor restarts it)")
-                self.failed = f"engine step failed: {type(exc).__name__}: {exc}"
-                for live in list(self._live.values()):
-                    live.callback(Verdict(live.position, [], 0, 0, "abort", 0, 0, 0.0))
-                self._live.clear()
-                self._by_engine_id.clear()
-                os.kill(os.getpid(), signal.SIGTERM)  # drain (nothing is left in flight) and exit
-                return
+            outputs = self.engine.step()  # an exception here, or anywhere in the loop, fails the engine
             wait_ms = (self.board.waited_s - waited0) * 1e3
             step_ms = (time.perf_counter() - t0) * 1e3 - wait_ms
             self.steps += 1
@@ -418,7 +455,7 @@ class _Early:
 @dataclass
 class _Live:
     req: GenerationRequest
-    callback: Callable[[Verdict], None]
+    callback: Callable[[Verdict | EngineFailed], None]
     engine_id: str
     submitted: float = 0.0  # perf_counter at submission
     first_scheduled: float = 0.0  # perf_counter when the engine first scheduled it (0: not yet)

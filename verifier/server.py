@@ -16,9 +16,19 @@ from prometheus_client import CollectorRegistry
 
 from specdec import serving, telemetry
 from specdec.config import VerifierConfig
-from specdec.validation import InvalidField, bad_token_id, check_gamma, check_sampling, check_token_ids, reported_ms
+from specdec.validation import (
+    BACKEND_REQUEST_ID_EXTRA,
+    MAX_REQUEST_ID_CHARS,
+    InvalidField,
+    bad_token_id,
+    check_gamma,
+    check_request_id,
+    check_sampling,
+    check_token_ids,
+    reported_ms,
+)
 from specdec.wire import FINISH_REASONS, pb, rpc
-from verifier.engine import GenerationRequest, TargetEngine, Verdict
+from verifier.engine import EngineFailed, GenerationRequest, TargetEngine, Verdict
 
 log = logging.getLogger("specdec.verifier")
 
@@ -65,8 +75,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         self.slots = serving.SessionSlots("verifier", cfg.max_sessions)
 
     def _request(self, req: "pb.VerifyOpen") -> GenerationRequest:
-        if not req.request_id:
-            raise InvalidField("open.request_id", "must not be empty")
+        check_request_id("open.request_id", req.request_id, MAX_REQUEST_ID_CHARS + BACKEND_REQUEST_ID_EXTRA)
         if req.request_id in self._ids:
             raise InvalidField("open.request_id", f"{req.request_id!r} is already in use")
         check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.engine.vocab_size)
@@ -98,9 +107,9 @@ class VerifierServicer(rpc.VerifierServiceServicer):
     async def _verify(self, context: grpc.aio.ServicerContext) -> None:
         if self.engine.failed:  # the process is stopping: say why instead of hanging
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: {self.engine.failed}")
-        opened, req = await serving.open_session(context, self._request)
+        opened, req = await serving.open_session(context, self._request, self.cfg.first_message_timeout_s)
         loop = asyncio.get_running_loop()
-        verdicts: asyncio.Queue[Verdict | InvalidField] = asyncio.Queue()
+        verdicts: asyncio.Queue[Verdict | InvalidField | EngineFailed] = asyncio.Queue()
         span = self.tracer.start_span(
             "specdec.verify_session",
             context=telemetry.extract_context(opened.trace_context or context.invocation_metadata()),
@@ -162,6 +171,8 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                 item = await verdicts.get()
                 if isinstance(item, InvalidField):
                     await serving.abort_invalid(context, item)
+                if isinstance(item, EngineFailed):  # UNAVAILABLE: the gateway resumes it on another verifier
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: {item}")
                 await context.write(verdict_pb(item))
                 if not item.preview:
                     span.add_event("step", {
@@ -211,7 +222,12 @@ def _build(cfg: VerifierConfig, registry: CollectorRegistry) -> VerifierServicer
 
 
 async def main(cfg: VerifierConfig) -> None:
-    await serving.serve(
-        "verifier", cfg, lambda registry: _build(cfg, registry), rpc.add_VerifierServiceServicer_to_server,
-        "specdec.v1.VerifierService",
-    )
+    built: list[VerifierServicer] = []
+
+    def build(registry: CollectorRegistry) -> VerifierServicer:
+        built.append(_build(cfg, registry))
+        return built[-1]
+
+    await serving.serve("verifier", cfg, build, rpc.add_VerifierServiceServicer_to_server, "specdec.v1.VerifierService")
+    if built and built[0].engine.failed:  # stopped because the engine failed: a failure status for its supervisor
+        raise SystemExit(f"verifier: {built[0].engine.failed}")

@@ -6,7 +6,8 @@ It is the image's HEALTHCHECK and, when the services serve TLS, the Kubernetes e
 
     python healthcheck.py [PORT [SERVICE]]
 
-PORT defaults to SPECDEC_PORT (each image sets its role's), SERVICE to "" (the whole server;
+PORT defaults to SPECDEC_HEALTH_PORT when the service serves its plaintext health port (then no
+TLS is needed), else to SPECDEC_PORT (each image sets its role's), SERVICE to "" (the whole server;
 "specdec.v1.VerifierService" and the like ask for one service). With SPECDEC_TLS_CERT and
 SPECDEC_TLS_KEY set (the service's own settings, so the same environment) it connects with
 TLS, verifying the server against SPECDEC_TLS_CA and presenting the service's own
@@ -37,7 +38,7 @@ def _read(path: str) -> bytes | None:
 def channel(port: int) -> grpc.Channel:
     address = f"127.0.0.1:{port}"
     cert, key = os.environ.get("SPECDEC_TLS_CERT", ""), os.environ.get("SPECDEC_TLS_KEY", "")
-    if not (cert and key):
+    if not (cert and key) or str(port) == os.environ.get("SPECDEC_HEALTH_PORT"):
         return grpc.insecure_channel(address)
     creds = grpc.ssl_channel_credentials(
         root_certificates=_read(os.environ.get("SPECDEC_TLS_CA", "")),
@@ -68,7 +69,8 @@ def check(port: int, service: str = "") -> int:
 
 
 def main(argv: list[str]) -> int:
-    port = int(argv[1]) if len(argv) > 1 else int(os.environ.get("SPECDEC_PORT", "0"))
+    default = os.environ.get("SPECDEC_HEALTH_PORT", "0") not in ("", "0") and os.environ["SPECDEC_HEALTH_PORT"]
+    port = int(argv[1]) if len(argv) > 1 else int(default or os.environ.get("SPECDEC_PORT", "0") or 0)
     if not port:
         print("health check: no port (argument or SPECDEC_PORT)", file=sys.stderr)
         return 1

@@ -347,15 +347,17 @@ def test_healthcheck_script_plaintext() -> None:
 
 
 def test_healthcheck_script_mutual_tls(tmp_path: Path) -> None:
-    """Under mTLS (deploy/k8s/components/mtls) the probe presents the pod's own certificate."""
+    """Under mTLS the gateway's probe presents the gateway's own certificate (server and client
+    authentication); drafters' and verifiers' certificates are for server authentication only,
+    so their probes go to the plaintext health port (next test)."""
     from specdec.certs import write_certs
 
-    write_certs(tmp_path, ["verifier-headless.specdec.svc.cluster.local"])
-    pem = {name: (tmp_path / name).read_bytes() for name in ("ca.pem", "server.pem", "server-key.pem")}
-    creds = grpc.ssl_server_credentials([(pem["server-key.pem"], pem["server.pem"])],
+    write_certs(tmp_path, ["gateway.specdec.svc.cluster.local"])
+    pem = {name: (tmp_path / name).read_bytes() for name in ("ca.pem", "gateway.pem", "gateway-key.pem")}
+    creds = grpc.ssl_server_credentials([(pem["gateway-key.pem"], pem["gateway.pem"])],
                                         root_certificates=pem["ca.pem"], require_client_auth=True)
     server = HealthServer(creds)
-    tls = {"SPECDEC_TLS_CERT": str(tmp_path / "server.pem"), "SPECDEC_TLS_KEY": str(tmp_path / "server-key.pem"),
+    tls = {"SPECDEC_TLS_CERT": str(tmp_path / "gateway.pem"), "SPECDEC_TLS_KEY": str(tmp_path / "gateway-key.pem"),
            "SPECDEC_TLS_CA": str(tmp_path / "ca.pem"), "SPECDEC_PORT": str(server.port)}
     try:
         server.set("", True)
@@ -364,5 +366,24 @@ def test_healthcheck_script_mutual_tls(tmp_path: Path) -> None:
         assert _check(env={"SPECDEC_PORT": str(server.port)}).returncode == 1  # plaintext is refused
         wrong_name = _check(env={**tls, "HEALTHCHECK_TLS_SERVER_NAME": "elsewhere.example"})
         assert wrong_name.returncode == 1
+        verifier = {**tls, "SPECDEC_TLS_CERT": str(tmp_path / "verifier.pem"),
+                    "SPECDEC_TLS_KEY": str(tmp_path / "verifier-key.pem")}
+        assert _check(env=verifier).returncode == 1  # a server-only certificate is no client certificate
+    finally:
+        server.stop()
+
+
+def test_healthcheck_script_health_port(tmp_path: Path) -> None:
+    """With SPECDEC_HEALTH_PORT (a service's plaintext health port) the probe goes there, in
+    plaintext, whatever TLS settings the container has."""
+    server = HealthServer()
+    env = {"SPECDEC_TLS_CERT": str(tmp_path / "absent.pem"), "SPECDEC_TLS_KEY": str(tmp_path / "absent.pem"),
+           "SPECDEC_PORT": "1", "SPECDEC_HEALTH_PORT": str(server.port)}
+    try:
+        server.set("", True)
+        ok = _check(env=env)
+        assert ok.returncode == 0, ok.stderr
+        server.set("", False)
+        assert _check(env=env).returncode == 1
     finally:
         server.stop()

@@ -175,14 +175,17 @@ def test_probes_ask_the_grpc_health_service(objs) -> None:
     for kind in KINDS:
         dep = _deployment(objs, kind)
         main, port = _main(dep), _grpc_port(dep)
+        env = _env(main)
         service = f"specdec.v1.{kind.capitalize()}Service"
         for name in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = main[name]
-            if "grpc" in probe:  # the kubelet's native gRPC probe (plaintext)
-                assert probe["grpc"]["port"] == port, f"{kind} {name}"
-                assert "exec" not in probe
+            if "grpc" in probe:  # the kubelet's native gRPC probe (plaintext): the main port, or under TLS
+                assert "exec" not in probe  # the plaintext health port (health checks only)
+                if "SPECDEC_TLS_CERT" in env:
+                    assert probe["grpc"]["port"] == int(env["SPECDEC_HEALTH_PORT"]["value"]), f"{kind} {name}"
+                else:
+                    assert probe["grpc"]["port"] == port, f"{kind} {name}"
                 asked = probe["grpc"].get("service", "")
-                assert "SPECDEC_TLS_CERT" not in _env(main), f"{kind}: a native gRPC probe cannot speak TLS"
             else:  # under TLS: the image's health check client with the pod's certificate
                 cmd = probe["exec"]["command"]
                 assert cmd[:3] == ["python", "/opt/specdec/healthcheck.py", str(port)], f"{kind} {name}: {cmd}"
@@ -217,6 +220,8 @@ def test_ports_match_the_config_defaults(objs) -> None:
         main = _main(_deployment(objs, kind))
         ports = {p["name"]: p["containerPort"] for p in main["ports"]}
         want = {"grpc": cfg.port, "metrics": cfg.metrics_port} | ({"http": cfg.rest_port} if kind == "gateway" else {})
+        if "SPECDEC_HEALTH_PORT" in _env(main):  # under TLS: the plaintext health port the probes use
+            want["health"] = int(_env(main)["SPECDEC_HEALTH_PORT"]["value"])
         assert ports == want, kind
         env = _env(main)
         assert (
@@ -270,10 +275,23 @@ def test_gateway_finds_peers_through_the_headless_services(objs) -> None:
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
 
 
-def test_api_keys_come_from_a_secret(objs) -> None:
-    env = _env(_main(_deployment(objs, "gateway")))
-    ref = env["SPECDEC_API_KEYS"]["valueFrom"]["secretKeyRef"]
-    assert ref["name"] == "specdec-api-keys" and ref["key"] == "api-keys" and not ref.get("optional")
+def test_api_keys_come_from_a_secret_mounted_as_a_file(objs) -> None:
+    """SPECDEC_API_KEY_FILE names a file of the Secret's volume (not SPECDEC_API_KEYS, whose value an
+    environment shows); the Secret is not optional, so the gateway never starts without keys."""
+    deployment = _deployment(objs, "gateway")
+    main = _main(deployment)
+    env = _env(main)
+    assert "SPECDEC_API_KEYS" not in env
+    path = env["SPECDEC_API_KEY_FILE"]["value"]
+    mount = next(m for m in main["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    assert mount.get("readOnly") is True
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    secret = volume["secret"]
+    assert secret["secretName"] == "specdec-api-keys" and not secret.get("optional")
+    assert [(i["key"], i["path"]) for i in secret["items"]] == [
+        ("api-keys", path[len(mount["mountPath"]) :].lstrip("/"))
+    ]
+    assert secret["defaultMode"] & 0o007 == 0, "not readable by others"
     for obj in _of(objs, "ConfigMap"):
         assert not any(
             re.search(r"(^|_)(API_?KEYS?|KEY|TOKEN|PASSWORD|SECRET)(_|$)", k, re.I) for k in obj.get("data", {})
@@ -393,11 +411,14 @@ def test_mtls_mounts_the_certificates_cert_manager_issues(rendered) -> None:
             ("SPECDEC_TLS_CA", "ca.crt"),
         ):
             assert env[var]["value"] == f"{mount['mountPath']}/{file}"
+        spec = certs[secret]["spec"]
+        assert spec["uris"] == [f"spiffe://specdec/{kind}"], "each role its own identity"
         if kind != "gateway":
             assert env["SPECDEC_TLS_CLIENT_AUTH"]["value"] == "require", f"{kind}: only gateways get in"
-        spec = certs[secret]["spec"]
-        assert {"server auth", "client auth"} <= set(spec["usages"]), "the gateway presents its own to its peers"
-        assert "localhost" in spec["dnsNames"], "the exec probes connect to localhost"
+            assert env["SPECDEC_TLS_ALLOWED_PEERS"]["value"] == "spiffe://specdec/gateway", f"{kind}: only gateways"
+            assert "client auth" not in spec["usages"], f"{kind}: its host cannot call anything with it"
+        else:
+            assert {"server auth", "client auth"} <= set(spec["usages"]), "the gateway presents its own to its peers"
         assert spec["issuerRef"]["name"] in issuers and spec["issuerRef"]["kind"] == "Issuer"
         assert spec["privateKey"]["rotationPolicy"] == "Always" and "renewBefore" in spec
         if kind != "gateway":  # the name the gateway dials (dns:///<kind>-headless.<ns>.svc.cluster.local)

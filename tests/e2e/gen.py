@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -67,14 +69,14 @@ def generate_all(address: str, specs: list["pb.GenerationSpec"], concurrency: in
     return asyncio.run(_generate_all(address, specs, concurrency))
 
 
-def _metrics_text(port: int) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+def _metrics_text(port: int, host: str = "127.0.0.1") -> str:
+    return urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
 
 
-def scrape(port: int) -> dict[str, float]:
-    """{sample name with labels: value} from a service's /metrics."""
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """{sample name with labels: value} from a service's /metrics (served on `host`)."""
     out = {}
-    for family in text_string_to_metric_families(_metrics_text(port)):
+    for family in text_string_to_metric_families(_metrics_text(port, host)):
         for s in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
@@ -86,3 +88,13 @@ def scrape_families(port: int) -> set[str]:
     _total, and without the X_created series the text format shows as families of their own."""
     families = {family.name for family in text_string_to_metric_families(_metrics_text(port))}
     return {name for name in families if not (name.endswith("_created") and name[: -len("_created")] in families)}
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Wait until `condition()` holds (checked every 0.1 s): the event itself, not a guess of
+    how long it takes; fails after `timeout_s`, a bound far above the expected time."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+        time.sleep(0.1)

@@ -8,6 +8,8 @@ Tasks (a JSON list), each {"op": ..., ...}; the answers come back in the same or
     probe     one small Generate; the status code name it ends with (OK when it succeeds)
     rest      one HTTPS request to the REST bridge; status, Retry-After and the body
     peer      the serial number of the certificate a TLS server presents
+    info      a verifier's or drafter's own info call (GetVerifierInfo / GetDrafterInfo), made
+              directly, not through a gateway: the status code name it ends with
 TLS files are {"ca": path, "cert": path, "key": path} (any may be empty: no TLS / no client
 certificate).
 """
@@ -78,6 +80,20 @@ def probe(task: dict[str, Any]) -> dict[str, str]:
             return {"code": err.code().name, "details": err.details() or ""}
 
 
+def info(task: dict[str, Any]) -> dict[str, str]:
+    from specdec.wire import rpc
+
+    with _channel(task["address"], task.get("tls")) as channel:
+        try:
+            if task["service"] == "verifier":
+                rpc.VerifierServiceStub(channel).GetVerifierInfo(pb.GetVerifierInfoRequest(), timeout=10)
+            else:
+                rpc.DrafterServiceStub(channel).GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=10)
+            return {"code": "OK", "details": ""}
+        except grpc.RpcError as err:
+            return {"code": err.code().name, "details": err.details() or ""}
+
+
 def _context(tls: dict[str, str]) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=tls["ca"])
     if tls.get("cert"):
@@ -108,7 +124,7 @@ def peer(task: dict[str, Any]) -> int:
             return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).serial_number
 
 
-OPS = {"ready": ready, "generate": generate, "probe": probe, "rest": rest, "peer": peer}
+OPS = {"ready": ready, "generate": generate, "probe": probe, "rest": rest, "peer": peer, "info": info}
 
 
 def main() -> None:

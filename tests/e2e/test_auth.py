@@ -63,3 +63,40 @@ def test_keys_limits_and_open_health(gateway: Service) -> None:
     assert 'specdec:gateway_refused_total{reason="unauthenticated"} 3.0' in metrics
     assert 'specdec:gateway_refused_total{reason="rate_limited"} 2.0' in metrics
     assert not any(k in metrics for k in KEYS)
+
+
+TENANTS = ("sk-tenant-one", "sk-tenant-two")
+
+
+@pytest.fixture(scope="module")
+def tenants_gateway(services) -> Iterator[Service]:
+    gw = services.start_gateway(services.drafters["mid"].address, services.verifier.address,
+                                ("--api-keys", ",".join(TENANTS)))
+    gw.wait_ready(120)
+    yield gw
+    gw.stop()
+
+
+def test_tenants_cannot_touch_each_others_request_ids(tenants_gateway: Service) -> None:
+    """Request ids are namespaced per API key at the verifier: while tenant one's "shared" runs,
+    tenant two's "shared" and "shared-m1" (one's id after a migration) run too, and one's
+    generation is untouched. (One tenant's own duplicate is still refused: test_errors.py.)"""
+    import asyncio
+
+    from gateway.client import AsyncGatewayClient
+
+    async def run() -> tuple[list[int], list[int], list[int]]:
+        async with AsyncGatewayClient(tenants_gateway.address, timeout_s=120, api_key=TENANTS[0]) as one, \
+                AsyncGatewayClient(tenants_gateway.address, timeout_s=120, api_key=TENANTS[1]) as two:
+            long = one.stream(generation_spec([5, 6, 7, 8], max_tokens=300, gamma=2, ignore_eos=True,
+                                              request_id="shared"))
+            first = await long.read()  # tenant one's "shared" is in the verifier now
+            same = await two.generate(generation_spec([5, 6, 7, 8], max_tokens=4, request_id="shared"))
+            migrated = await two.generate(generation_spec([5, 6, 7, 8], max_tokens=4, request_id="shared-m1"))
+            tokens = list(first.token_ids)
+            while (chunk := await long.read()) is not grpc.aio.EOF:
+                tokens.extend(chunk.token_ids)
+            return tokens, list(same.token_ids), list(migrated.token_ids)
+
+    tokens, same, migrated = asyncio.run(run())
+    assert len(tokens) == 300 and len(same) == 4 and len(migrated) == 4

@@ -44,6 +44,11 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from specdec.models import resolve
+from specdec.validation import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from specdec.wire import pb, rpc
 
 MAX_EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "50"))
@@ -200,17 +205,20 @@ def draw_sampling(f: Fields, vocab_size: int | None, context_left: int | None,
     seed = draw(st.sampled_from([UNSET, 0, 1, 2**64 - 1]))
     if seed is not UNSET:
         sp.seed = seed
-    stop = pick("stop", [[], ["\n"], ["zz", "q"], ["\u00e9\u4e2d"]], [[""], ["a", ""]])
-    if "" in stop:  # the path names the empty one
+    stop = pick("stop", [[], ["\n"], ["zz", "q"], ["\u00e9\u4e2d"], ["s"] * MAX_STOP_STRINGS,
+                         ["x" * MAX_STOP_STRING_CHARS]],
+                [[""], ["a", ""], ["s"] * (MAX_STOP_STRINGS + 1), ["a", "x" * (MAX_STOP_STRING_CHARS + 1)]])
+    bad = [i for i, s in enumerate(stop) if not s or len(s) > MAX_STOP_STRING_CHARS]
+    if bad and len(stop) <= MAX_STOP_STRINGS:  # the path names the bad one
         f.invalid.discard(f"{f.prefix}.sampling.stop")
-        f.invalid.add(f"{f.prefix}.sampling.stop[{stop.index('')}]")
+        f.invalid.add(f"{f.prefix}.sampling.stop[{bad[0]}]")
     sp.stop.extend(stop)
     mt = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None
     if mt is not None:
         sp.min_tokens = pick("min_tokens", list(range(0, min(mt, MAX_RUN_TOKENS) + 1)), [mt + 1, 2**32 - 1])
     if vocab_size is not None:
-        sp.stop_token_ids.extend(pick("stop_token_ids", [[], [0], [vocab_size - 1]],
-                                        [[-1], [vocab_size], [5, 2**31 - 1]]))
+        sp.stop_token_ids.extend(pick("stop_token_ids", [[], [0], [vocab_size - 1], [0] * MAX_STOP_TOKEN_IDS],
+                                        [[-1], [vocab_size], [5, 2**31 - 1], [0] * (MAX_STOP_TOKEN_IDS + 1)]))
     else:
         sp.stop_token_ids.extend(draw(st.sampled_from([[], [0], [-1], [2**31 - 1]])))  # unchecked there
     logprobs = values["logprobs"]
@@ -228,7 +236,7 @@ def _prompt_ids(draw: Any, vocab_size: int) -> list[int]:
 
 @st.composite
 def generation_specs(draw: Any, t: Target) -> Drawn:
-    f = Fields(draw, ["prompt", "gamma", "drafter", *SAMPLING_FIELDS], "spec")
+    f = Fields(draw, ["prompt", "gamma", "drafter", "request_id", *SAMPLING_FIELDS], "spec")
     spec = pb.GenerationSpec()
     prompt = f.pick("prompt", ["text", "ids"], ["empty", "bad ids", "both", "too long"], path="prompt_token_ids")
     if prompt == "empty":
@@ -252,7 +260,8 @@ def generation_specs(draw: Any, t: Target) -> Drawn:
     if gamma is not UNSET:
         spec.gamma = gamma
     spec.drafter = f.pick("drafter", [0, 1, 2, 3], [4, 99, -1, 2**31 - 1])
-    spec.request_id = draw(st.sampled_from(["", "fuzz", "\x00 \u00e9", "x" * 300])) + f"-{next(_ids)}"
+    rid = f.pick("request_id", ["", "fuzz", "a.B:c_9-"], ["\x00 \u00e9", "x" * 300, "new\nline"])
+    spec.request_id = f"{rid}-{next(_ids)}" if rid else ""
     return Drawn(spec, f.invalid, max_tokens, logprobs, prompt_len)
 
 
@@ -329,7 +338,7 @@ def test_gateway_generation_spec_fuzz(services, target: Target) -> None:
 def verify_opens(draw: Any, t: Target) -> Drawn:
     f = Fields(draw, ["request_id", "prompt", "gamma", *SAMPLING_FIELDS], "open")
     req = pb.VerifyOpen()
-    rid = f.pick("request_id", ["fuzz", "\x00\u00e9", "r" * 300], [""])
+    rid = f.pick("request_id", ["fuzz", "a.B:c_9-"], ["", "\x00\u00e9", "r" * 300, "new\nline"])
     req.request_id = f"{rid}-{next(_ids)}" if rid else ""
     prompt = f.pick("prompt", ["ids"], ["empty", "bad ids"], path="prompt_token_ids")
     if prompt != "empty":
@@ -433,8 +442,8 @@ def test_verifier_verify_stream_fuzz(services, target: Target) -> None:
 
 @st.composite
 def draft_streams(draw: Any, t: Target) -> tuple[Drawn, list[Any], str]:
-    f = Fields(draw, ["prompt", "gamma", "method", *SAMPLING_FIELDS], "open")
-    req = pb.DraftOpen(request_id=draw(st.sampled_from(["", "fuzz", "\x00\u00e9"])))
+    f = Fields(draw, ["prompt", "gamma", "method", "request_id", *SAMPLING_FIELDS], "open")
+    req = pb.DraftOpen(request_id=f.pick("request_id", ["", "fuzz"], ["\x00\u00e9", "d" * 300]))
     prompt = f.pick("prompt", ["ids"], ["empty", "bad ids"], path="prompt_token_ids")
     if prompt != "empty":
         ids = _prompt_ids(draw, t.draft_vocab_size)

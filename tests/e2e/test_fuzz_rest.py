@@ -5,8 +5,8 @@ running bridge serves it) and sends requests generated from it:
   - fuzz: its positive mode (valid for the document) and negative mode (invalid for it);
   - coverage: its coverage phase (each field at and past its bounds, wrong types, missing
     required fields, and the HTTP methods a route does not serve), deterministic;
-  - contract: the positive mode on the document narrowed to what the bridge accepts (README
-    "Using it" / "REST bridge": top_p in (0, 1], penalties in [-2, 2], no unknown field, ...),
+  - contract: the positive mode on the document narrowed to what the bridge accepts (docs/usage.md
+    "Requests", docs/rest.md: top_p in (0, 1], penalties in [-2, 2], no unknown field, ...),
     so that nearly every request runs on the gateway: each must then answer 200, or a 400
     for one of the few cross-field rules a schema cannot state (CONTRACT_400).
 A plain `hypothesis` test sends what a schema cannot describe: JSON with lone surrogates,
@@ -165,7 +165,7 @@ def contract_document(served: dict[str, Any], vocab_size: int) -> dict[str, Any]
         "frequency_penalty": opt({**number, "minimum": -2, "maximum": 2}),
         "repetition_penalty": opt({**number, "minimum": 1e-6, "maximum": 10_000}),
         "n": {"enum": [1, None]},
-        "request_id": opt({"type": "string", "maxLength": 64}),
+        "request_id": opt({"type": "string", "pattern": "^[A-Za-z0-9._:-]{0,64}$"}),  # specdec.validation's rule
         "response_format": opt({"type": "object", "properties": {"type": {"enum": ["text"]}}, "required": ["type"],
                                 "additionalProperties": False}),
         "gamma": opt({"type": "integer", "minimum": 0, "maximum": MAX_GAMMA}),

@@ -1,7 +1,7 @@
 """Load: 64 concurrent streaming clients for 60 s on the tiny pair, half over gRPC, half over
 the REST bridge (server-sent events), through one gateway. Every request must succeed and
 every greedy output must be exact; p50 / p99 latencies and throughput are printed (the
-figures in README "Reliability" come from this test: `make test` prints them with -s, or
+figures in docs/reliability.md come from this test: `make test` prints them with -s, or
 `pytest tests/e2e/test_load.py -s`). SPECDEC_LOAD_S shortens or lengthens the run.
 """
 

@@ -2,10 +2,13 @@
 
 The hosts are Linux network namespaces on one private bridged subnet (tests/e2e/netns.py);
 each service binds only its host's address, so every hop crosses a real (virtual) network
-link, and the client runs in a fourth namespace (tests/e2e/netns_client.py). One CA
-(`specdec certs`) signs the services' certificate; every gRPC server requires a client
-certificate from it (SPECDEC_TLS_CLIENT_AUTH=require), the gateway requires an API key, and
-its REST bridge serves HTTPS. Skips, with the reason, where namespaces cannot be made.
+link, and the client runs in a fourth namespace (tests/e2e/netns_client.py). `specdec certs`
+issues one certificate per role from the services' CA and the end user's from a CA of its own;
+each host gets only its own role's files. Every gRPC server requires a client certificate
+(SPECDEC_TLS_CLIENT_AUTH=require): the gateway one from the users' CA (SPECDEC_TLS_CLIENT_CA)
+plus an API key; the drafter and the verifier one that names the gateway's identity
+(SPECDEC_TLS_ALLOWED_PEERS=spiffe://specdec/gateway). The REST bridge serves HTTPS. Skips, with
+the reason, where namespaces cannot be made.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import pytest
 from conftest import vllm_reference
 from netns import Network, unavailable_reason
 
-from specdec.certs import write_certs
+from specdec.certs import GATEWAY_IDENTITY, write_certs
 from specdec.launch import Service, start_service
 
 HERE = Path(__file__).resolve().parent
@@ -58,14 +61,15 @@ class Stack:
             return {"ca": str(self.pki / "ca.pem"), "cert": str(self.root / "rogue/client.pem"),
                     "key": str(self.root / "rogue/client-key.pem")}
         return {"ca": str(self.pki / "ca.pem"), "cert": str(self.pki / f"{who}.pem"),
-                "key": str(self.pki / f"{who}-key.pem")}
+                "key": str(self.pki / f"{who}-key.pem")}  # who: client (an end user) or a role
 
     def cert_dir(self, kind: str) -> Path:
-        """Each service reads its certificate from a folder of its own (as from its own Secret)."""
+        """Each service reads its own role's certificate from a folder of its own (as from its own
+        Secret); the gateway also the users' CA."""
         d = self.root / f"certs-{kind}"
         if not d.exists():
             d.mkdir()
-            for name in ("server.pem", "server-key.pem", "ca.pem"):
+            for name in (f"{kind}.pem", f"{kind}-key.pem", "ca.pem", *(["client-ca.pem"] if kind == "gateway" else [])):
                 shutil.copy(self.pki / name, d / name)
         return d
 
@@ -82,15 +86,20 @@ class Stack:
         }
         for kind in ("verifier", "drafter", "gateway"):
             d = self.cert_dir(kind)
-            tls = ["--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server-key.pem"),
-                   "--tls-ca", str(d / "ca.pem"), "--tls-client-auth", "require"]
+            tls = ["--tls-cert", str(d / f"{kind}.pem"), "--tls-key", str(d / f"{kind}-key.pem"),
+                   "--tls-ca", str(d / "ca.pem"), "--tls-client-auth", "require",
+                   *(["--tls-client-ca", str(d / "client-ca.pem")] if kind == "gateway" else
+                     ["--tls-allowed-peers", GATEWAY_IDENTITY])]
             env = {"SPECDEC_TRACE_FILE": str(self.trace_file), "SPECDEC_API_KEYS": KEY}
             self.services[kind] = start_service(
                 kind, PORTS[kind], ["--host", self.net.address(kind), *args[kind], *tls], self.logs, env=env,
                 metrics_port=0, prefix=self.net.prefix(kind))
-        answer = self.client([{"op": "ready", "addresses": [self.address(k) for k in PORTS], "tls": self.tls(),
-                               "timeout_s": 300}])
-        if answer != ["ready"]:
+        answer = self.client([
+            {"op": "ready", "addresses": [self.address("gateway")], "tls": self.tls(), "timeout_s": 300},
+            # health checks are open to any TLS client of the CA; the gateway's is one
+            {"op": "ready", "addresses": [self.address(k) for k in ("verifier", "drafter")], "tls": self.tls("gateway"),
+             "timeout_s": 300}])
+        if answer != ["ready", "ready"]:
             raise RuntimeError(f"services not ready: {answer}; logs in {self.logs}")
 
     def client(self, tasks: list[dict[str, Any]], timeout_s: float = 600) -> list[Any]:
@@ -157,6 +166,18 @@ def test_clients_without_the_right_credentials_are_refused(stack: Stack) -> None
     assert codes[7] == "OK", answers
 
 
+def test_only_the_gateway_identity_reaches_drafter_and_verifier(stack: Stack) -> None:
+    """A certificate holder other than the gateway cannot call a verifier or a drafter directly
+    (which would skip the gateway's API keys, rate limits and max_prompt_tokens): an end user's
+    certificate is from a CA they do not trust, and the drafter host's own certificate is for
+    server authentication only; both fail the handshake. The gateway's identity gets in."""
+    calls = [{"op": "info", "service": service, "address": stack.address(service), "tls": stack.tls(who)}
+             for service in ("verifier", "drafter") for who in ("client", "drafter", "verifier", "gateway")]
+    answers = stack.client(calls)
+    codes = [a["code"] for a in answers]
+    assert codes == ["UNAVAILABLE", "UNAVAILABLE", "UNAVAILABLE", "OK"] * 2, answers
+
+
 def test_rest_bridge_serves_https_with_keys(stack: Stack) -> None:
     body = {"model": "tiny/target", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
     health, no_key, ok, metrics_no_key, metrics = stack.client([
@@ -183,10 +204,10 @@ def test_certificates_rotate_without_a_restart(stack: Stack) -> None:
     write_certs(fresh, [stack.net.address(h) for h in ("verifier", "drafter", "gateway")], ca_dir=stack.pki)
     from cryptography import x509
 
-    serial = x509.load_pem_x509_certificate((fresh / "server.pem").read_bytes()).serial_number
+    serial = x509.load_pem_x509_certificate((fresh / "gateway.pem").read_bytes()).serial_number
     assert serial not in before
     d = stack.cert_dir("gateway")
-    for name in ("server.pem", "server-key.pem"):  # as a Secret update does: new files renamed into place
+    for name in ("gateway.pem", "gateway-key.pem"):  # as a Secret update does: new files renamed into place
         shutil.copy(fresh / name, d / f".{name}.new")
         os.replace(d / f".{name}.new", d / name)
     deadline = time.monotonic() + 30  # the REST bridge checks its files every second

@@ -1,8 +1,11 @@
 """Target-only reference outputs from a plain vLLM engine (no speculation).
 
-Run as a script: reads a JSON list of requests on stdin
-({"prompt_token_ids", "max_tokens", "temperature", "top_p", "seed", "ignore_eos"}),
-writes a JSON list of generated token-id lists on stdout.
+Run as a script, it serves one model for a whole test session (tests/conftest.py
+`vllm_reference` starts it once per model, on first use): each line on stdin is a JSON list of
+requests ({"prompt_token_ids", "max_tokens", "temperature", "top_p", "seed", "ignore_eos"}),
+answered by one line on stdout, the JSON list of generated token-id lists, in order. One
+engine start per session instead of one per call (a cold vLLM start costs 15-20 s here).
+Prefix caching is off, so an answer never depends on what earlier calls left in the cache.
 """
 
 from __future__ import annotations
@@ -13,28 +16,34 @@ import sys
 
 
 def main() -> None:
+    # answers go to the real stdout alone; everything else printed (vLLM's logs) to stderr
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
     model = sys.argv[1]
-    requests = json.load(sys.stdin)
-    llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, kv_cache_memory_bytes=1 << 30)
-    params = [
-        SamplingParams(
-            temperature=r.get("temperature", 0.0),
-            top_p=r.get("top_p", 1.0),
-            seed=r.get("seed"),
-            max_tokens=r["max_tokens"],
-            ignore_eos=r.get("ignore_eos", False),
-            detokenize=False,
-        )
-        for r in requests
-    ]
-    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    json.dump([list(o.outputs[0].token_ids) for o in outputs], sys.stdout)
+    llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, kv_cache_memory_bytes=1 << 30,
+              enable_prefix_caching=False)
+    for line in sys.stdin:
+        requests = json.loads(line)
+        params = [
+            SamplingParams(
+                temperature=r.get("temperature", 0.0),
+                top_p=r.get("top_p", 1.0),
+                seed=r.get("seed"),
+                max_tokens=r["max_tokens"],
+                ignore_eos=r.get("ignore_eos", False),
+                detokenize=False,
+            )
+            for r in requests
+        ]
+        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        out.write(json.dumps([list(o.outputs[0].token_ids) for o in outputs]) + "\n")
+        out.flush()
 
 
 if __name__ == "__main__":

@@ -495,3 +495,75 @@ def test_the_verifier_hold_reaches_the_drafter_and_it_owes_nothing_while_held() 
     assert [(c.start_position, list(c.token_ids), c.hold) for c in commits] == [
         (3, [10], False), (4, [], True), (4, [11], True), (5, [12], False), (6, [13], False)]
     assert not r.stats.fallback_reason and r.stats.to_pb().held_steps == 2
+
+
+def test_a_failing_helper_task_is_logged_not_swallowed(caplog: pytest.LogCaptureFixture) -> None:
+    """A helper of the round (here the drafter relay) failing with an error it does not expect:
+    the round still ends, and the error is logged with its traceback at the end of the round."""
+    async def scenario() -> list:
+        verifier, drafter = FakeCall(), FakeCall()
+        r = _round(verifier, drafter)
+        run = asyncio.create_task(_collect(r))
+        verifier.responses.put_nowait(_verdict(3, [10]))
+        await drafter.written_kind("commit")
+        drafter.responses.put_nowait(RuntimeError("a bug in the relay"))
+        verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True))
+        return await run
+
+    with caplog.at_level("ERROR", logger="specdec.gateway"):
+        verdicts = asyncio.run(scenario())
+    assert [list(v.token_ids) for v in verdicts] == [[10], [11, 12]]
+    failed = [rec for rec in caplog.records if "round helper" in rec.getMessage()]
+    assert failed and failed[0].exc_info and "a bug in the relay" in str(failed[0].exc_info[1])
+
+
+def test_the_verifier_and_drafter_know_a_request_by_its_tenant_namespaced_id() -> None:
+    """Plan.backend_id: the API key's namespace, then the client's id; two keys' "r1" differ."""
+    from gateway.rounds import tenant_of
+
+    async def scenario(key: str) -> tuple[str, str]:
+        verifier, drafter = FakeCall(), FakeCall()
+        plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=1), gamma=2, drafter=pb.DRAFT_METHOD_MODEL,
+                    tenant=tenant_of(key))
+        r = Round(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector(),
+                  telemetry.GatewayMetrics(CollectorRegistry()))
+        run = asyncio.create_task(_collect(r))
+        vopen, dopen = await verifier.written_kind("open"), await drafter.written_kind("open")
+        verifier.responses.put_nowait(_verdict(3, [10], finish=True))
+        await run
+        return vopen.open.request_id, dopen.open.request_id
+
+    a, b = asyncio.run(scenario("key-aaaaaaaa")), asyncio.run(scenario("key-bbbbbbbb"))
+    assert a[0] == a[1] and b[0] == b[1]  # the drafter and the verifier share it
+    assert a[0] != b[0] and a[0].endswith(".r1") and b[0].endswith(".r1")
+    assert a[0] == f"{tenant_of('key-aaaaaaaa')}.r1"
+
+
+def test_a_verifier_silent_while_it_owes_verdicts_is_treated_as_gone() -> None:
+    """verdict_timeout_s: after its first verdict the verifier goes silent (alive, but sends
+    nothing): the round ends with UNAVAILABLE, which the gateway migrates on, instead of waiting
+    forever. Before its first verdict (queueing, prefill) silence is fine."""
+    async def scenario() -> tuple[grpc.aio.AioRpcError, float]:
+        verifier, drafter = FakeCall(), FakeCall()
+        plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=8), gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
+        r = Round(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(),
+                  telemetry.GatewayMetrics(CollectorRegistry()), verdict_timeout_s=TIMEOUT_S)
+        got = []
+
+        async def consume() -> None:
+            async for v in r.verdicts():
+                got.append(v)
+
+        run = asyncio.create_task(consume())
+        await verifier.written_kind("open")
+        await asyncio.sleep(3 * TIMEOUT_S)  # queued and prefilling: no verdict owed yet, no timeout
+        assert not run.done()
+        verifier.responses.put_nowait(_verdict(3, [10]))  # the first verdict, then silence
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(run, 10 * TIMEOUT_S * 10)
+        return info.value, time.monotonic() - t0
+
+    err, waited = asyncio.run(scenario())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "verdict_timeout_s" in err.details()
+    assert waited >= TIMEOUT_S * 0.9

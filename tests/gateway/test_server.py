@@ -104,3 +104,36 @@ def test_a_verifier_that_goes_away_is_resumed_elsewhere_without_gap_or_duplicate
     assert p.prompt_token_ids == [1, 2, 3, 10, 11, 12] and p.request_id == "r-m1"
     assert (p.sampling.max_tokens, p.sampling.min_tokens) == (3, 1)
     assert round_.stats.migrations == 1 and [r.address for r in failed] == ["verifier-a"]
+
+
+def test_a_verifier_that_goes_away_after_the_last_token_ends_the_stream_normally(tiny_target) -> None:
+    """UNAVAILABLE once every token reached the client (previews): no resume with max_tokens 0
+    (which the verifier refuses), the stream ends with finish reason length."""
+    import grpc
+
+    servicer = GatewayServicer.__new__(GatewayServicer)
+    servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    servicer.metrics = telemetry.GatewayMetrics(CollectorRegistry())
+    servicer.verifiers = SimpleNamespace(failed=lambda replica: None)
+    plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=3), 4, pb.DRAFT_METHOD_MODEL)
+
+    async def verdicts():
+        yield pb.VerifyResponse(start_position=3, token_ids=[10])
+        yield pb.VerifyResponse(start_position=4, token_ids=[11, 12], preview=True)  # the last two tokens
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   details="Socket closed")
+
+    resumed = []
+
+    async def next_round(p, context, stats):
+        resumed.append(p)
+        raise AssertionError("nothing is left to resume")
+
+    servicer._round = next_round
+
+    async def run() -> list:
+        return [c async for c in servicer._chunks(fake_round(plan, verdicts), None)]
+
+    chunks = asyncio.run(run())
+    assert [t for c in chunks for t in c.token_ids] == [10, 11, 12] and not resumed
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH

@@ -93,30 +93,152 @@ def test_loopback(host: str, loopback: bool) -> None:
 
 
 def test_tls_settings_that_cannot_work_are_named(tmp_path: Path) -> None:
-    base = dict(tls_cert="", tls_key="", tls_ca="", tls_client_auth="none")
+    base = dict(tls_cert="", tls_key="", tls_ca="", tls_client_auth="none", tls_client_ca="", tls_allowed_peers="")
     security.check_tls_settings(SimpleNamespace(**base))
     for bad, name in [({"tls_cert": "x.pem"}, "tls_key"), ({"tls_client_auth": "require"}, "tls_client_auth"),
+                      ({"tls_allowed_peers": "spiffe://specdec/gateway"}, "tls_allowed_peers"),
                       ({"tls_client_auth": "maybe"}, "tls_client_auth"),
                       ({"tls_cert": str(tmp_path / "no.pem"), "tls_key": str(tmp_path / "no.pem")}, "tls_cert")]:
         with pytest.raises(ValueError, match=name):
             security.check_tls_settings(SimpleNamespace(**{**base, **bad}))
 
 
-def test_certs_chain_to_their_ca_and_name_the_hosts(tmp_path: Path) -> None:
+def _cert(path: Path) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(path.read_bytes())
+
+
+def _usages(cert: x509.Certificate) -> set[str]:
+    return {u._name for u in cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value}
+
+
+def test_certs_give_each_role_its_own_identity(tmp_path: Path) -> None:
     paths = write_certs(tmp_path, ["10.1.2.3", "verifier.internal"])
-    ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
-    server = x509.load_pem_x509_certificate((tmp_path / "server.pem").read_bytes())
-    server.verify_directly_issued_by(ca)
-    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} == {"10.1.2.3", "127.0.0.1"}
-    assert set(san.get_values_for_type(x509.DNSName)) == {"verifier.internal", "localhost"}
-    assert all(os.stat(p).st_mode & 0o077 == 0 for p in paths if p.name.endswith("-key.pem"))
+    ca, client_ca = _cert(tmp_path / "ca.pem"), _cert(tmp_path / "client-ca.pem")
+    for role in ("gateway", "drafter", "verifier"):
+        leaf = _cert(tmp_path / f"{role}.pem")
+        leaf.verify_directly_issued_by(ca)
+        san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} == {"10.1.2.3", "127.0.0.1"}
+        assert set(san.get_values_for_type(x509.DNSName)) == {"verifier.internal", "localhost"}
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [f"spiffe://specdec/{role}"]
+        # drafters and verifiers: server authentication only (their hosts cannot call anything with them)
+        assert _usages(leaf) == ({"serverAuth", "clientAuth"} if role == "gateway" else {"serverAuth"})
+    user = _cert(tmp_path / "client.pem")
+    user.verify_directly_issued_by(client_ca)  # the end users' CA, which drafters and verifiers do not trust
+    with pytest.raises(ValueError):
+        user.verify_directly_issued_by(ca)
+    assert _usages(user) == {"clientAuth"}
+    assert security.certificate_identities((tmp_path / "client.pem").read_bytes()) == {"spiffe://specdec/client"}
+    # keys: 0600 from creation, in a 0700 folder, whatever the umask
+    assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in paths if p.name.endswith("-key.pem"))
+    assert os.stat(tmp_path).st_mode & 0o777 == 0o700
     with pytest.raises(FileExistsError):
         write_certs(tmp_path, ["10.1.2.3"])
-    rotated = write_certs(tmp_path / "next", ["10.1.2.3"], ca_dir=tmp_path)  # same CA, new leaf
-    x509.load_pem_x509_certificate(rotated[2].read_bytes()).verify_directly_issued_by(ca)
+    rotated = write_certs(tmp_path / "next", ["10.1.2.3"], ca_dir=tmp_path)  # same CAs, new leaves
+    _cert(rotated[2]).verify_directly_issued_by(ca)
+    _cert(tmp_path / "next" / "client.pem").verify_directly_issued_by(client_ca)
     # and gRPC takes them
-    security.server_credentials(SimpleNamespace(tls_cert=str(tmp_path / "server.pem"),
-                                                tls_key=str(tmp_path / "server-key.pem"),
+    security.server_credentials(SimpleNamespace(tls_cert=str(tmp_path / "verifier.pem"),
+                                                tls_key=str(tmp_path / "verifier-key.pem"), tls_client_ca="",
                                                 tls_ca=str(tmp_path / "ca.pem"), tls_client_auth="require"))
     assert isinstance(security.channel_credentials(str(tmp_path / "ca.pem")), grpc.ChannelCredentials)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki") / "pki"
+    write_certs(d, ["localhost"])
+    return d
+
+
+async def _call_as(pki: Path, allowed: str, who: str) -> str:
+    """A verifier-like server (the verifier's certificate, client certificates required from the
+    services' CA, `allowed` peers) called by `who` (a role's or the end user's certificate):
+    the status code name of a health check and of a service method, "handshake" when no TLS
+    connection could be made."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    cfg = SimpleNamespace(tls_cert=str(pki / "verifier.pem"), tls_key=str(pki / "verifier-key.pem"),
+                          tls_ca=str(pki / "ca.pem"), tls_client_ca="", tls_client_auth="require",
+                          tls_allowed_peers=allowed)
+    security.check_tls_settings(cfg)
+    server = grpc.aio.server(interceptors=security.server_interceptors("verifier", cfg))
+    h = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(h, server)
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})])
+    port = server.add_secure_port("127.0.0.1:0", security.server_credentials(cfg))
+    await server.start()
+    creds = security.channel_credentials(str(pki / "ca.pem"), str(pki / f"{who}.pem"), str(pki / f"{who}-key.pem"))
+    try:
+        async with grpc.aio.secure_channel(f"localhost:{port}", creds) as ch:
+            codes = []
+            for call in (lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10),
+                         lambda: ch.unary_unary("/test.Echo/Echo")(b"hi", timeout=10)):
+                try:
+                    await call()
+                    codes.append("OK")
+                except grpc.aio.AioRpcError as err:
+                    codes.append("handshake" if err.code() == grpc.StatusCode.UNAVAILABLE else err.code().name)
+            return ",".join(codes)
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("who, allowed, expected", [
+    ("gateway", "spiffe://specdec/gateway", "OK,OK"),             # the gateway's identity: served
+    ("gateway", "spiffe://specdec/other", "OK,PERMISSION_DENIED"),  # a certificate of the CA, not allowed
+    ("gateway", "", "OK,OK"),                                     # no list: any certificate of the CA
+    ("client", "spiffe://specdec/gateway", "handshake,handshake"),  # an end user's: another CA
+    ("drafter", "spiffe://specdec/gateway", "handshake,handshake"),  # a drafter host's: server-only
+])
+def test_only_allowed_peers_call_a_service(pki: Path, who: str, allowed: str, expected: str) -> None:
+    import asyncio
+
+    assert asyncio.run(_call_as(pki, allowed, who)) == expected
+
+
+def test_key_files_are_private_from_their_creation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a permissive umask and no chmod taking effect afterwards, the keys are still 0600 and
+    the folder 0700: the modes are set when the files are created, not fixed up later."""
+    chmods: list[tuple[str, int]] = []
+    old_umask = os.umask(0)
+    try:
+        monkeypatch.setattr(os, "chmod", lambda path, mode, *a, **k: chmods.append((str(path), mode)))
+        out = tmp_path / "certs"
+        paths = write_certs(out, ["10.1.2.3"])
+    finally:
+        os.umask(old_umask)
+    keys = [p for p in paths if p.name.endswith("-key.pem")]
+    assert keys and all(os.stat(p).st_mode & 0o777 == 0o600 for p in keys), [oct(os.stat(p).st_mode) for p in keys]
+    assert os.stat(out).st_mode & 0o777 == 0o700
+    assert not any(p.name.startswith(".") for p in out.iterdir())  # no temporary file left behind
+
+
+def test_an_existing_certs_folder_is_made_private(tmp_path: Path) -> None:
+    out = tmp_path / "certs"
+    out.mkdir(mode=0o755)
+    os.chmod(out, 0o755)
+    write_certs(out, ["10.1.2.3"])
+    assert os.stat(out).st_mode & 0o777 == 0o700
+
+
+def test_with_keys_no_one_key_takes_every_slot_by_default() -> None:
+    """max_inflight_share_per_key (0.5): with API keys, one key holds at most half of max_inflight
+    at once while another key is still admitted; max_streams_per_key caps it further; without
+    keys (one anonymous client) there is no share."""
+    limiter = security.RateLimiter.from_config(GatewayConfig(max_inflight=256), keys_enabled=True)
+    assert limiter.max_streams == 128
+    assert all(limiter.acquire("key-a").ok for _ in range(128))
+    refused = limiter.acquire("key-a")
+    assert not refused.ok and "max_inflight_share_per_key (0.5 of max_inflight) (128)" in refused.reason
+    assert limiter.acquire("key-b").ok
+    assert (
+        security.RateLimiter.from_config(GatewayConfig(max_inflight=256, max_streams_per_key=8), True).max_streams == 8
+    )
+    assert security.RateLimiter.from_config(GatewayConfig(max_inflight=256), keys_enabled=False).max_streams == 0
+    assert security.RateLimiter.from_config(GatewayConfig(max_inflight_share_per_key=1.0), True).max_streams == 0

@@ -1,8 +1,23 @@
 from __future__ import annotations
 
-import pytest
+import re
 
-from specdec.validation import InvalidField, check_gamma, check_sampling, check_token_ids
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.validation import (
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    InvalidField,
+    check_gamma,
+    check_request_id,
+    check_sampling,
+    check_sizes,
+    check_token_ids,
+)
 from specdec.wire import pb
 
 
@@ -41,3 +56,44 @@ def test_sampling_context_limit() -> None:
     check_sampling("s", pb.SamplingParams(max_tokens=6), prompt_len=4, max_model_len=10)
     with pytest.raises(InvalidField, match="exceeds the model's context of 10 tokens"):
         check_sampling("s", pb.SamplingParams(max_tokens=7), prompt_len=4, max_model_len=10)
+
+
+# ---- the bounds on what a client sends (docs/security.md), driven by hypothesis
+
+
+@settings(max_examples=200, deadline=None)
+@given(count=st.integers(0, MAX_STOP_STRINGS + 8), longest=st.integers(1, MAX_STOP_STRING_CHARS + 64),
+       ids=st.integers(0, MAX_STOP_TOKEN_IDS + 64))
+def test_stop_bounds(count: int, longest: int, ids: int) -> None:
+    """Accepted exactly when within every bound; refused naming the field that is over its bound."""
+    stops = ["x" * longest] + ["s"] * (count - 1) if count else []
+    sp = pb.SamplingParams(max_tokens=4, stop=stops, stop_token_ids=[0] * ids)
+    over = []
+    if count > MAX_STOP_STRINGS:
+        over.append("s.stop")
+    elif count and longest > MAX_STOP_STRING_CHARS:
+        over.append("s.stop[0]")
+    if ids > MAX_STOP_TOKEN_IDS:
+        over.append("s.stop_token_ids")
+    for check in (lambda: check_sizes("s", sp), lambda: check_sampling("s", sp, vocab_size=10)):
+        if not over:
+            check()
+            continue
+        with pytest.raises(InvalidField) as info:
+            check()
+        assert info.value.field == over[0]  # the first one over its bound, by name
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=MAX_REQUEST_ID_CHARS + 40),
+                 st.from_regex(r"[A-Za-z0-9._:-]{1,160}", fullmatch=True)))
+def test_request_id_bounds(request_id: str) -> None:
+    """1 to 128 characters of [A-Za-z0-9._:-]: anything else (newlines, spaces, control or
+    non-ASCII characters, too long) is refused naming the field."""
+    ok = 1 <= len(request_id) <= MAX_REQUEST_ID_CHARS and re.fullmatch(r"[A-Za-z0-9._:-]+", request_id)
+    if ok:
+        check_request_id("spec.request_id", request_id)
+        return
+    with pytest.raises(InvalidField) as info:
+        check_request_id("spec.request_id", request_id)
+    assert info.value.field == "spec.request_id"

@@ -45,6 +45,7 @@ def _bare_engine():
     eng.board = DraftBoard()
     eng._live, eng._early, eng._early_lock = {}, {}, threading.Lock()
     eng._commands, eng._wake = queue.SimpleQueue(), threading.Event()
+    eng.failed, eng._fail_lock = "", threading.Lock()
     return eng
 
 

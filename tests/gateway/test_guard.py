@@ -1,0 +1,346 @@
+"""The gateway's guards, on a real in-process gateway (gRPC and its REST bridge) with no verifier
+behind it: what is refused before any work (bounds, API keys, body size), what a client hears
+when no verifier serves, and the warnings of an exposed set-up.
+
+No verifier runs: a request that passes every check ends with UNAVAILABLE after
+verifier_retry_s, so "refused before any work" is told apart from "refused by the verifier".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from gateway.client import generation_spec
+from gateway.rest import build_app
+from gateway.server import GatewayServicer
+from specdec.config import GatewayConfig
+from specdec.launch import free_port
+from specdec.validation import (
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
+from specdec.wire import pb, rpc
+
+RETRY_S = 0.3  # verifier_retry_s of these gateways
+KEY = "sk-guard-1"
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting the calls that tokenise or template, and the threads they ran on."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.calls: list[tuple[str, int]] = []  # (method, thread id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(("encode", threading.get_ident()))
+        return self._tokenizer.encode(*args, **kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(("apply_chat_template", threading.get_ident()))
+        return self._tokenizer.apply_chat_template(*args, **kwargs)
+
+
+class Gateway:
+    """A GatewayServicer on a loopback port, its REST app (in-process, over httpx's ASGI transport)."""
+
+    def __init__(self, servicer: GatewayServicer, address: str, app: Any, tokenizer: CountingTokenizer) -> None:
+        self.servicer, self.address, self.app, self.tokenizer = servicer, address, app, tokenizer
+        self.rest = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rest")
+
+
+@contextlib.asynccontextmanager
+async def gateway(tiny_target: Path, keys: str = "", max_request_mb: float = 8.0, **overrides: Any,
+                  ) -> AsyncIterator[Gateway]:
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = GatewayConfig(**{"tokenizer": str(tiny_target), "verifier_address": nowhere, "drafter_address": nowhere,
+                           "verifier_retry_s": RETRY_S, "rest_port": 0, "metrics_port": 0, "api_keys": keys,
+                           "max_request_mb": max_request_mb, **overrides})
+    servicer = GatewayServicer(cfg, CollectorRegistry())
+    server = grpc.aio.server()
+    rpc.add_GatewayServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    tokenizer = CountingTokenizer(servicer.tokenizer)
+    app = build_app(f"127.0.0.1:{port}", tokenizer, cfg.tokenizer, keys=servicer.keys,
+                    max_request_bytes=int(max_request_mb * (1 << 20)), tokenizer_executor=servicer.tokenizer_executor,
+                    refused=servicer.metrics.refused)
+    try:
+        async with app.router.lifespan_context(app):
+            gw = Gateway(servicer, f"127.0.0.1:{port}", app, tokenizer)
+            async with gw.rest:
+                yield gw
+    finally:
+        await server.stop(0)
+        await servicer.close()
+
+
+async def grpc_error(address: str, spec: pb.GenerationSpec, metadata: tuple = ()) -> grpc.aio.AioRpcError:
+    async with grpc.aio.insecure_channel(address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await rpc.GatewayServiceStub(channel).Generate(pb.GenerateRequest(spec=spec), metadata=metadata,
+                                                           timeout=60)
+    return info.value
+
+
+# ---------------------------------------------------------------------------- bounds
+
+
+def test_bounds_are_refused_by_name_before_any_work(tiny_target: Path) -> None:
+    """Over gRPC INVALID_ARGUMENT naming the field, over REST 400 with `param`, with no verifier
+    asked (none runs: a request that passed would end UNAVAILABLE)."""
+    cases = [  # (spec fields, the gRPC field, the REST body's fields, the REST param)
+        ({"request_id": "a b"}, "spec.request_id", {"request_id": "a b"}, "request_id"),
+        ({"request_id": "line\nbreak"}, "spec.request_id", {"request_id": "line\nbreak"}, "request_id"),
+        ({"request_id": "x" * (MAX_REQUEST_ID_CHARS + 1)}, "spec.request_id",
+         {"request_id": "x" * (MAX_REQUEST_ID_CHARS + 1)}, "request_id"),
+        ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "spec.sampling.stop", {"stop": ["s"] * (MAX_STOP_STRINGS + 1)},
+         "stop"),
+        ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, "spec.sampling.stop[0]",
+         {"stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
+        ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "spec.sampling.stop_token_ids",
+         {"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
+    ]
+
+    async def run() -> None:
+        async with gateway(tiny_target) as gw:
+            for spec_fields, field, body, param in cases:
+                err = await grpc_error(gw.address, generation_spec([1, 2, 3], max_tokens=4, **spec_fields))
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.code(), err.details())
+                assert err.details().startswith(f"{field}:"), err.details()
+                r = await gw.rest.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, **body})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
+            r = await gw.rest.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "n": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+    asyncio.run(run())
+
+
+def test_bounds_driven_by_hypothesis_over_rest(tiny_target: Path) -> None:
+    """Random stop lists, stop_token_ids and request ids through the REST bridge and the gateway:
+    400 naming the first field over its bound exactly when one is; otherwise the request passes
+    every check (and, with no verifier, ends 503)."""
+    chars = st.sampled_from("aZ9._:-") | st.sampled_from(" \n\t/\u00e9\x00")
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        stops=st.integers(0, MAX_STOP_STRINGS + 3),
+        longest=st.integers(1, MAX_STOP_STRING_CHARS + 3),
+        ids=st.integers(0, MAX_STOP_TOKEN_IDS + 3),
+        request_id=st.text(chars, min_size=1, max_size=8)
+        | st.integers(MAX_REQUEST_ID_CHARS - 2, MAX_REQUEST_ID_CHARS + 2).map(lambda n: "r" * n),
+    )
+    def check(stops: int, longest: int, ids: int, request_id: str) -> None:
+        body: dict[str, Any] = {"prompt": [1, 2, 3], "max_tokens": 2, "request_id": request_id,
+                                "stop": (["x" * longest] + ["s"] * (stops - 1)) if stops else [],
+                                "stop_token_ids": [1] * ids}
+        bad_id = len(request_id) > MAX_REQUEST_ID_CHARS or any(c not in "aZr9._:-" for c in request_id)
+        over = ["request_id"] if bad_id else []
+        if stops > MAX_STOP_STRINGS or (stops and longest > MAX_STOP_STRING_CHARS):
+            over.append("stop")
+        if ids > MAX_STOP_TOKEN_IDS:
+            over.append("stop_token_ids")
+
+        async def post() -> httpx.Response:
+            async with gateway(tiny_target) as gw:
+                return await gw.rest.post("/v1/completions", json=body)
+
+        r = asyncio.run(post())
+        if over:
+            assert r.status_code == 400 and r.json()["error"]["param"] == over[0], (over, r.text)
+        else:
+            assert r.status_code == 503, r.text  # every check passed; no verifier serves
+
+    check()
+
+
+# ---------------------------------------------------------------------------- no verifier
+
+
+def test_no_verifier_is_unavailable_within_verifier_retry_s_naming_no_address(tiny_target: Path) -> None:
+    async def run() -> tuple[grpc.aio.AioRpcError, float, str]:
+        async with gateway(tiny_target) as gw:
+            t0 = time.monotonic()
+            err = await grpc_error(gw.address, generation_spec([1, 2, 3], max_tokens=4))
+            return err, time.monotonic() - t0, gw.servicer.cfg.verifier_address
+
+    err, took, address = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
+    assert "verifier_retry_s" in err.details()
+    assert address not in err.details() and address.rsplit(":", 1)[1] not in err.details()
+    assert took < 10 * max(RETRY_S, 1.0)  # within verifier_retry_s (the bound: 10x, for a loaded host)
+
+
+# ---------------------------------------------------------------------------- exposure warnings
+
+
+def test_an_exposed_gateway_is_warned_about(tiny_target: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Off loopback without API keys; plaintext to a verifier and drafters on other hosts."""
+    async def run(**overrides: Any) -> None:
+        cfg = GatewayConfig(tokenizer=str(tiny_target), rest_port=0, metrics_port=0, **overrides)
+        await GatewayServicer(cfg, CollectorRegistry()).close()
+
+    with caplog.at_level("WARNING", logger="specdec.gateway"):
+        asyncio.run(run(host="0.0.0.0", verifier_address="10.9.8.7:50053",
+                        drafter_address="dns:///drafter.specdec:50052"))
+    text = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "NO API KEYS" in text
+    assert "PLAINTEXT gRPC to the verifiers on 10.9.8.7" in text
+    assert "PLAINTEXT gRPC to the drafters on drafter.specdec" in text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specdec.gateway"):
+        asyncio.run(run())  # loopback everywhere: nothing to warn about
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and r.name == "specdec.gateway"]
+
+
+# ---------------------------------------------------------------------------- REST: key, then body
+
+
+async def asgi_call(app: Any, path: str, headers: dict[str, str], chunks: list[bytes],
+                    ) -> tuple[int, dict[str, str], bytes, int]:
+    """One raw ASGI request: (status, headers, body, how many times the app read the request)."""
+    reads = 0
+    pending = list(chunks)
+
+    async def receive() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        chunk = pending.pop(0) if pending else b""
+        return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+             "client": ("127.0.0.1", 1), "server": ("rest", 80)}
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, body, reads
+
+
+def test_rest_answers_401_before_reading_the_body_and_never_tokenises(tiny_target: Path) -> None:
+    big = b'{"prompt": "' + b"word " * 100_000 + b'", "max_tokens": 4}'
+
+    async def run() -> CountingTokenizer:
+        async with gateway(tiny_target, keys=KEY) as gw:
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                for auth in ({}, {"authorization": "Bearer sk-wrong"}):
+                    headers = {"content-type": "application/json", "content-length": str(len(big)), **auth}
+                    status, response_headers, _, reads = await asgi_call(gw.app, path, headers, [big])
+                    assert (status, reads) == (401, 0), (path, auth, status, reads)
+                    assert response_headers["www-authenticate"] == "Bearer"
+            r = await gw.rest.get("/v1/models")
+            assert r.status_code == 401
+            refused = gw.servicer.metrics.registry.get_sample_value("specdec:gateway_refused_total",
+                                                                     {"reason": "unauthenticated"})
+            assert refused == 5  # counted where the gateway counts its own refusals
+            return gw.tokenizer
+
+    tokenizer = asyncio.run(run())
+    assert tokenizer.calls == []  # no tokenizer call for an unauthenticated request
+
+
+def test_rest_bodies_over_max_request_mb_are_413(tiny_target: Path) -> None:
+    cap_mb = 0.01  # 10 KiB
+    body = b'{"prompt": "' + b"w" * 20_000 + b'", "max_tokens": 4}'
+    auth = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+
+    async def run() -> None:
+        async with gateway(tiny_target, keys=KEY, max_request_mb=cap_mb) as gw:
+            # a Content-Length over the cap: refused from the headers
+            status, _, text, reads = await asgi_call(gw.app, "/v1/completions",
+                                                     {**auth, "content-length": str(len(body))}, [body])
+            assert (status, reads) == (413, 0) and b"max_request_mb" in text
+            # no Content-Length (chunked): refused once what was read passes the cap, the rest unread
+            chunks = [body[i:i + 4096] for i in range(0, len(body), 4096)]
+            status, _, text, reads = await asgi_call(gw.app, "/v1/completions", auth, chunks)
+            assert status == 413 and b"max_request_mb" in text and reads < len(chunks), (status, reads)
+            assert gw.tokenizer.calls == []
+
+    asyncio.run(run())
+
+
+def test_rest_tokenises_off_the_event_loop(tiny_target: Path) -> None:
+    async def run() -> tuple[list[tuple[str, int]], int, httpx.Response]:
+        async with gateway(tiny_target, keys=KEY) as gw:
+            r = await gw.rest.post("/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                                   json={"prompt": "hello there", "max_tokens": 4})
+            return gw.tokenizer.calls, threading.get_ident(), r
+
+    calls, loop_thread, r = asyncio.run(run())
+    assert r.status_code == 503  # authenticated, tokenised, then no verifier
+    assert calls and all(thread != loop_thread for _, thread in calls), calls
+
+
+def test_a_non_streaming_rest_request_is_cancelled_when_its_client_disconnects(tiny_target: Path) -> None:
+    """As vLLM's with_cancellation: the client goes away while its request waits (here for a
+    verifier, verifier_retry_s 60 s): the gateway call is cancelled and its slot freed at once."""
+    from specdec.serving import SessionSlots
+
+    class WatchedSlots(SessionSlots):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.entered, self.left = asyncio.Event(), asyncio.Event()
+
+        @contextlib.asynccontextmanager
+        async def hold(self, context: Any) -> AsyncIterator[None]:
+            async with super().hold(context):
+                self.entered.set()
+                try:
+                    yield
+                finally:
+                    self.left.set()
+
+    async def run() -> tuple[int, int]:
+        async with gateway(tiny_target, verifier_retry_s=60.0) as gw:
+            slots = gw.servicer.slots = WatchedSlots("gateway", 256, "max_inflight")
+            body = b'{"prompt": [1, 2, 3], "max_tokens": 4}'
+            sent = False
+
+            async def receive() -> dict[str, Any]:
+                nonlocal sent
+                if not sent:
+                    sent = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                await slots.entered.wait()  # the generation holds its gateway slot: now the client goes
+                return {"type": "http.disconnect"}
+
+            statuses: list[int] = []
+
+            async def send(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                     "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("rest", 80),
+                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+            await asyncio.wait_for(gw.app(scope, receive, send), 20)
+            await asyncio.wait_for(slots.left.wait(), 20)  # freed long before verifier_retry_s
+            return statuses[0], slots.active
+
+    status, active = asyncio.run(run())
+    assert status == 499 and active == 0

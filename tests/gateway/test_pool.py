@@ -1,0 +1,104 @@
+"""gateway.pool: replicas resolved and health-checked, in-process, against real gRPC health servers.
+
+No timers are raced: each test waits for the pool's own first pass (`checked()`), or runs one
+health check (`_check`) at a time against a server whose answer it controls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gateway.pool import SLOW_CHECKS, Pool
+from specdec.launch import free_port
+
+
+def _pool(spec: str) -> Pool:
+    return Pool(spec, lambda address, name: grpc.aio.insecure_channel(address), lambda channel: channel,
+                health_every_s=0.5)
+
+
+async def _health_server(
+    port: int = 0, status: int = health_pb2.HealthCheckResponse.SERVING
+) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    h = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(h, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await h.set("", status)
+    return server, port
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())
+
+
+def test_a_dns_pool_resolves_and_checks_without_being_picked() -> None:
+    """The bug the shipped manifests hit: a dns:/// drafter pool was never started, so it never
+    had a replica. Started (as the gateway now does at start-up), it resolves and checks."""
+    async def test() -> None:
+        server, port = await _health_server()
+        pool = _pool(f"dns:///localhost:{port}")
+        try:
+            assert pool.replicas == {}  # nothing before the first pass
+            assert await pool.checked(30)
+            assert list(pool.replicas) == [f"127.0.0.1:{port}"] and pool.serving() == 1
+            assert pool.choose() is not None
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    run(test)
+
+
+def test_a_static_list_skips_a_dead_replica() -> None:
+    async def test() -> None:
+        server, port = await _health_server()
+        dead = free_port()  # nothing listens there
+        pool = _pool(f"127.0.0.1:{dead},127.0.0.1:{port}")
+        try:
+            assert await pool.checked(30)
+            assert pool.serving() == 1
+            assert {pool.choose().address for _ in range(50)} == {f"127.0.0.1:{port}"}  # type: ignore[union-attr]  # one replica serves: never None
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    run(test)
+
+
+def test_not_serving_is_skipped_at_once_a_slow_answer_only_when_it_repeats() -> None:
+    async def test() -> None:
+        draining, port_a = await _health_server(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        # a server that accepts the call and never answers it: each check times out
+        silent = grpc.aio.server()
+        never = asyncio.Event()
+
+        async def hang(request: object, context: grpc.aio.ServicerContext) -> object:
+            await never.wait()
+            return health_pb2.HealthCheckResponse()
+
+        silent.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
+            "Check": grpc.unary_unary_rpc_method_handler(
+                hang, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                response_serializer=health_pb2.HealthCheckResponse.SerializeToString)})])
+        port_b = silent.add_insecure_port("127.0.0.1:0")
+        await silent.start()
+        pool = _pool(f"127.0.0.1:{port_a},127.0.0.1:{port_b}")
+        a, b = pool.replicas[f"127.0.0.1:{port_a}"], pool.replicas[f"127.0.0.1:{port_b}"]
+        try:
+            await pool._check(a)
+            assert not a.serving  # NOT_SERVING (a draining replica): skipped at once
+            for i in range(1, SLOW_CHECKS + 1):
+                await pool._check(b)
+                assert b.serving == (i < SLOW_CHECKS), i  # busy, not gone, until it keeps timing out
+        finally:
+            never.set()
+            await pool.close()
+            await asyncio.gather(draining.stop(None), silent.stop(None))
+
+    run(test)
