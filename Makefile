@@ -7,7 +7,7 @@ BUF := .tools/node_modules/.bin/buf
 # vLLM build: the CPU wheel here, the CUDA wheel of the same version where a GPU exists.
 ACCEL := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup sysdeps protos lint-protos lint-imports docs test test-slow demo bench clean
+.PHONY: setup sysdeps protos lint-protos lint-imports lint typecheck docs test test-unit test-e2e test-slow demo bench clean
 
 setup: $(STAMP) protos sysdeps
 
@@ -51,18 +51,38 @@ lint-protos: $(BUF)
 lint-imports: setup
 	$(VENV)/bin/lint-imports
 
+# Static checks (docs/contributing.md): ruff's lint rules ([tool.ruff] in pyproject.toml) over
+# the tree, and mypy ([tool.mypy]) over the four packages.
+lint: setup
+	$(VENV)/bin/ruff check .
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+# The fast tier: no model, no vLLM import, no service (tests/conftest.py applies the markers by
+# folder). Seconds; the first step of `make test`, so a broken unit fails the run at once.
+test-unit: setup
+	$(PY) -m pytest -m unit
+
+# The end-to-end tier: the real services and vLLM on the tiny pair.
+test-e2e: setup
+	$(PY) -m pytest -m 'e2e and not slow'
+
+# The default suite, fastest checks first: unit tests, static checks, then end to end.
+# pytest-randomly orders each run at random and prints its seed (docs/contributing.md).
+test: setup
+	$(MAKE) test-unit
+	$(MAKE) lint typecheck lint-protos lint-imports docs
+	$(MAKE) test-e2e
+
 # The docs site (mkdocs.yml) into site/: --strict fails on a broken link or anchor and on a page
 # left out of the nav; the configuration and gRPC reference pages are generated while it builds.
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# The default suite: unit tests and end-to-end tests of the real services on the tiny pair.
-test: setup lint-protos lint-imports docs
-	$(PY) -m pytest
-
 # Real-model checks (minutes): pulls the qwen-coder pair on first use.
 test-slow: setup
-	$(PY) -m pytest -m slow -o addopts="-p no:cacheprovider" -v
+	$(PY) -m pytest -m slow -o addopts="" -v
 
 # The main job: the three services on the real Qwen2.5-Coder pair, one generation with its stats.
 demo: setup

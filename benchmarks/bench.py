@@ -627,7 +627,7 @@ def main(args: argparse.Namespace) -> int:
             "workloads": {w: {"prompts": texts[w][0], "prompt_tokens": [len(p) for p in prompts[w]]} for w in workloads},
             "max_tokens": args.max_tokens, "gammas": gammas, "concurrency": concurrency,
             "cores": {"target": cpus[0], "drafter": cpus[-1], "all": cpus}, "cpu": _cpu_model(),
-            "versions": _versions(), "started": dt.datetime.fromtimestamp(t_start, dt.timezone.utc).isoformat(),
+            "versions": _versions(), "started": dt.datetime.fromtimestamp(t_start, dt.UTC).isoformat(),
             "duration_s": round(time.time() - t_start, 1),
         },
         "rows": rows,

@@ -446,7 +446,15 @@ def _run(args: argparse.Namespace, fractions: list[float], variants: dict[str, l
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from benchmarks.bench import QUICK_VERIFIER_ARGS, _cpu_model, _run_child, _versions, relate, summarise, workload_prompts
+    from benchmarks.bench import (
+        QUICK_VERIFIER_ARGS,
+        _cpu_model,
+        _run_child,
+        _versions,
+        relate,
+        summarise,
+        workload_prompts,
+    )
     from specdec.models import resolve
 
     t_start = time.time()
@@ -525,7 +533,7 @@ def _run(args: argparse.Namespace, fractions: list[float], variants: dict[str, l
             "topology": {"hosts": list(HOSTS), "proxies": "on the gateway's host, one per link (gateway-drafter, "
                          "gateway-verifier), one-way delay d each direction: RTT 2d"},
             "cores": {"engine": cpus[0], "other": cpus[-1], "all": cpus}, "cpu": _cpu_model(), "versions": _versions(),
-            "started": dt.datetime.fromtimestamp(t_start, dt.timezone.utc).isoformat(),
+            "started": dt.datetime.fromtimestamp(t_start, dt.UTC).isoformat(),
             "duration_s": round(time.time() - t_start, 1),
         },
         "rows": rows,

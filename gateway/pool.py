@@ -166,7 +166,7 @@ class Pool:
         """How many replicas answered SERVING to their last health check (and did not fail since)."""
         return sum(r.serving for r in self.replicas.values())
 
-    def choose(self, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]
+    def choose(self, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]  # immutable default, only read
         """The power of two choices among healthy replicas (not in `exclude`); None when none."""
         healthy = [r for r in self.replicas.values() if r.address not in exclude and r.serving]
         if not healthy:
@@ -176,7 +176,7 @@ class Pool:
         a, b = self.rng.sample(healthy, 2)
         return a if a.in_flight <= b.in_flight else b
 
-    async def pick(self, timeout_s: float, exclude: set[str] = frozenset()) -> Replica:  # type: ignore[assignment]
+    async def pick(self, timeout_s: float, exclude: set[str] = frozenset()) -> Replica:  # type: ignore[assignment]  # (as choose)
         """A replica for one request, waiting up to `timeout_s` for one to be healthy."""
         self.start()
         deadline = time.monotonic() + timeout_s
@@ -192,7 +192,7 @@ class Pool:
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(left, self.health_every_s))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def failed(self, r: Replica) -> None:

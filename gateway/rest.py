@@ -36,20 +36,20 @@ import json
 import re
 import time
 import uuid
-from concurrent.futures import Executor, ThreadPoolExecutor
-from http import HTTPStatus
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from gateway.client import AsyncGatewayClient, generation_spec, stats_dict, vllm_spec_metrics
 from specdec.config import MAX_LOGPROBS
@@ -163,7 +163,7 @@ class _GenerationRequest(BaseModel):
     add_special_tokens: bool | None = None
     response_format: dict[str, Any] | None = None
     gamma: UInt32 | None = Field(None, description="draft tokens per target step (extension)")
-    drafter: Literal[DRAFT_METHOD_NAMES] | None = Field(None, description="drafter method (extension)")  # type: ignore[valid-type]
+    drafter: Literal[DRAFT_METHOD_NAMES] | None = Field(None, description="drafter method (extension)")  # type: ignore[valid-type]  # Literal built from the wire's names at import
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -353,9 +353,9 @@ def completion_prompt(tokenizer: Any, req: CompletionRequest) -> tuple[list[int]
         ids = list(tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens is not False))
         return ids, prompt
     for i, t in enumerate(prompt):  # the gateway checks the vocabulary; these cannot even be decoded
-        if not 0 <= t <= 2**31 - 1:  # type: ignore[operator]
+        if not 0 <= t <= 2**31 - 1:  # type: ignore[operator]  # token ids here: the text forms returned above
             raise APIError(400, f"prompt: token id {t} at index {i} is outside the vocabulary", "prompt")
-    return list(prompt), tokenizer.decode(prompt)  # type: ignore[arg-type]
+    return list(prompt), tokenizer.decode(prompt)  # type: ignore[arg-type]  # (token ids, as above)
 
 
 def chat_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:
@@ -663,7 +663,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        if self._needs_key(scope["path"]) and self.keys.identify(headers.get("authorization")) is None:  # type: ignore[union-attr]
+        if self._needs_key(scope["path"]) and self.keys.identify(headers.get("authorization")) is None:  # type: ignore[union-attr]  # keys is set when _needs_key is true
             err = APIError(401, "missing or unknown API key: send `Authorization: Bearer <key>`", None,
                            "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
             self._count("unauthenticated")

@@ -258,7 +258,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                        self.spikes, self.metrics, model=self.cfg.tokenizer, parent=parent, vocab_size=vocab,
                        stats=stats, verdict_timeout_s=self.cfg.verdict_timeout_s,
                        on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None)
-        round_.replicas = (verifier, drafter)  # type: ignore[attr-defined]
+        round_.replicas = (verifier, drafter)  # type: ignore[attr-defined]  # the servicer's tag on its Round
         return round_
 
     async def _fitting_drafter(self) -> Replica | None:
@@ -330,7 +330,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         try:
             while True:
                 sent = len(round_.plan.prompt_token_ids)  # position up to which tokens reached the client
-                verifier, drafter = round_.replicas  # type: ignore[attr-defined]
+                verifier, drafter = round_.replicas  # type: ignore[attr-defined]  # (set in _round)
                 verifier.in_flight += 1
                 if drafter is not None:
                     drafter.in_flight += 1
@@ -475,7 +475,7 @@ async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: async
                     refused=servicer.metrics.refused)
 
     class Server(uvicorn.Server):
-        def capture_signals(self):  # type: ignore[override]
+        def capture_signals(self):  # type: ignore[override]  # a no-op context in place of uvicorn's
             return contextlib.nullcontext()  # serving.serve owns SIGINT/SIGTERM
 
     context = ReloadingSSLContext(cfg) if security.tls_enabled(cfg) else None

@@ -89,7 +89,7 @@ def write_certs(out: Path, hosts: Sequence[str], days: int = 365, overwrite: boo
     existing = [p for p in paths if p.exists()]
     if existing and not overwrite:
         raise FileExistsError(f"{existing[0]} exists; pass --force to replace the certificates in {out}")
-    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)  # tolerate small clock skew
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)  # tolerate small clock skew
     until = now + dt.timedelta(days=days)
 
     def key() -> ec.EllipticCurvePrivateKey:

@@ -91,7 +91,7 @@ def descriptor_set(root: Path = PROTO_ROOT) -> descriptor_pb2.FileDescriptorSet:
     """The protos under `root`, compiled by protoc with their comments (source info)."""
     import importlib
 
-    from grpc_tools import protoc  # type: ignore[import-untyped]
+    from grpc_tools import protoc  # type: ignore[import-untyped]  # grpcio-tools ships no type information
 
     include = Path(importlib.import_module("grpc_tools").__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,7 +143,7 @@ def grpc_markdown(root: Path = PROTO_ROOT) -> str:
     documented = {}  # full name without the leading dot -> anchor
     maps: dict[str, descriptor_pb2.DescriptorProto] = {}
     for file in fds.file:
-        for name, m, _ in _messages(file):
+        for name, _m, _ in _messages(file):
             documented[f"{file.package}.{name}"] = f"{file.package}.{name}"
         for name, _, _ in _enums(file):
             documented[f"{file.package}.{name}"] = f"{file.package}.{name}"

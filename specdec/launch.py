@@ -21,7 +21,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.models import choose
 
 
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -96,8 +96,8 @@ class SessionSlots:
             raise
         finally:
             self.active -= 1
-            self._calls.pop(task, None)  # type: ignore[arg-type]
-            self._expired.discard(task)  # type: ignore[arg-type]
+            self._calls.pop(task, None)  # type: ignore[arg-type]  # current_task() is Task | None; in a call it is set
+            self._expired.discard(task)  # type: ignore[arg-type]  # (as above)
 
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """Refuse new calls, wait up to `timeout_s` for those in flight, end the rest; returns

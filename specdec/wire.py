@@ -34,7 +34,7 @@ def _stale() -> bool:
 
 def compile_protos() -> None:
     """Compile protos/specdec/v1/*.proto into specdec/v1/ (messages, stubs, .pyi)."""
-    from grpc_tools import protoc  # type: ignore[import-untyped]
+    from grpc_tools import protoc  # type: ignore[import-untyped]  # grpcio-tools ships no type information
 
     include = Path(importlib.import_module("grpc_tools").__file__).parent / "_proto"
     files = [str(PROTO_ROOT / "specdec" / "v1" / f"{n}.proto") for n in PROTO_FILES]

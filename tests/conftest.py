@@ -5,6 +5,16 @@ on the tiny pair. One verifier serves all gateways; each drafter serves one draf
 model and has its own gateway:
     "mid"   draft-mid (agrees often, not always)   "same" draft-same (agrees always)
     "far"   draft-far (agrees rarely)
+
+Test tiers (docs/contributing.md): every test gets exactly one of the markers `unit` or
+`e2e`, applied here by folder (pytest_collection_modifyitems), and real-model tests also
+carry `slow`:
+    unit  no model, no vLLM import, no service: runs in seconds (`make test-unit`)
+    e2e   real services, vLLM, or the tiny models: everything under tests/e2e, the modules in
+          E2E_MODULES, any test using a fixture in E2E_FIXTURES, and tests marked `e2e` by hand
+    slow  the real (qwen) pair, kept out of the default suite (`make test-slow`)
+A unit-only run fails if vLLM got imported or a service was started (the guards below), so
+a test that needs either cannot hide in the fast tier.
 """
 
 from __future__ import annotations
@@ -24,8 +34,64 @@ from specdec.launch import Service, free_port, start_service
 from specdec.models import resolve
 
 TESTS = Path(__file__).resolve().parent
+# Folders (under tests/) whose tests all start services or vLLM.
+E2E_FOLDERS = ("e2e",)
+# Modules outside those folders that start services, import vLLM, or load a model throughout.
+E2E_MODULES = (
+    "benchmarks/test_bench.py",  # `specdec bench`: the three services and a vLLM baseline
+    "benchmarks/test_link.py",  # `specdec bench-link`: the services across network namespaces
+    "deploy/test_cluster.py",  # deploy/k8s run by a small kubelet: the services in pods
+    "drafter/test_half_open.py",  # the real DrafterServicer on the tiny draft model
+    "drafter/test_sessions.py",  # the tiny draft model, loaded with transformers
+    "test_packaging.py",  # a fresh venv serving the drafter and the gateway
+    "test_readme_commands.py",  # the README's commands, services included
+    "verifier/test_engine_failure.py",  # a verifier servicer on the tiny target: vLLM in-process
+)
+# Fixtures that bring up services, build the tiny models, or run vLLM.
+E2E_FIXTURES = frozenset({"services", "default_services", "stack", "gateway_address", "tiny_target", "tiny_cache"})
 DRAFTS = {"mid": "tiny/draft-mid", "same": "tiny/draft-same", "far": "tiny/draft-far"}
 MAX_GAMMA = 8
+# The fixed-gamma verifier's draft-wait margin: a step that waits for a drafter that never
+# answers waits this long (tests/e2e/test_hostile_drafter.py bounds waits by it).
+DRAFT_WAIT_MARGIN_MS = 2000
+
+
+def _tier(item: pytest.Item) -> str:
+    """'e2e' or 'unit' for one collected test (module docstring)."""
+    rel = Path(str(item.path)).resolve().relative_to(TESTS).as_posix()
+    if (rel.split("/")[0] in E2E_FOLDERS or rel in E2E_MODULES or E2E_FIXTURES & set(item.fixturenames)
+            or item.get_closest_marker("e2e") or item.get_closest_marker("slow")):
+        return "e2e"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(_tier(item))
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_starts_no_service(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `unit` test that starts a service is misfiled: fail it, naming the fix."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(kind: str, *args: object, **kwargs: object) -> Service:
+        raise AssertionError(
+            f"a unit test started a {kind} service: add its module to E2E_MODULES in tests/conftest.py "
+            "or mark the test `e2e`"
+        )
+
+    monkeypatch.setattr("specdec.launch.start_service", refuse)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run of only `unit` tests must not have imported vLLM (module docstring)."""
+    items = getattr(session, "items", [])
+    if items and all(item.get_closest_marker("e2e") is None for item in items) and "vllm" in sys.modules:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print("\nunit tier: vLLM was imported; move the test that imports it to the e2e tier "
+              "(tests/conftest.py E2E_MODULES, or @pytest.mark.e2e)", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +114,7 @@ class Services:
         self.verifier: Service | None = None
         self.gateways: dict[str, Service] = {}
         self.drafters: dict[str, Service] = {}
+        self.defaults = False  # True: every service runs with its default settings (default_services)
 
     def _start(self, kind: str, args: list[str]) -> Service:
         svc = start_service(kind, free_port(), args, self.log_dir, env=self.env, metrics_port=free_port())
@@ -65,7 +132,7 @@ class Services:
             # cap would rightly skip most of them (the cap: tests/verifier/test_proposer.py,
             # tests/e2e/test_slow_prefill.py).
             ["--model", "tiny/target", "--max-gamma", str(MAX_GAMMA), "--threads", "1", "--max-num-seqs", "64",
-             "--no-adaptive-gamma", "--draft-wait-margin-ms", "2000"],
+             "--no-adaptive-gamma", "--draft-wait-margin-ms", str(DRAFT_WAIT_MARGIN_MS)],
         )
 
     def start_pair(self, draft: str, verifier: Service) -> tuple[Service, Service]:
@@ -101,6 +168,33 @@ def services(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
         yield s
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def default_services(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
+    """The configuration a user gets: every service with its default settings (adaptive gamma,
+    the drafters' pace cap, branches and hold all on); only the model and one thread each are
+    set. The greedy and sampling exactness suites run on this stack as well as on `services`,
+    whose verifier fixes gamma to isolate the acceptance rule at every requested gamma."""
+    s = Services(log_dir)
+    s.defaults = True
+    try:
+        s.verifier = s._start("verifier", ["--model", "tiny/target", "--threads", "1"])
+        for name, draft in DRAFTS.items():
+            s.drafters[name] = s._start("drafter", ["--model", draft, "--threads", "1"])
+            s.gateways[name] = s.start_gateway(s.drafters[name].address, s.verifier.address)
+        for svc in s.started:
+            svc.wait_ready(300)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(params=["fixed-gamma", "defaults"])
+def stack(request: pytest.FixtureRequest) -> Services:
+    """Each exactness test once per stack: `services` (fixed gamma: the mechanism at every
+    gamma) and `default_services` (what a user runs)."""
+    return request.getfixturevalue("services" if request.param == "fixed-gamma" else "default_services")
 
 
 @pytest.fixture(scope="session")

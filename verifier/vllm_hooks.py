@@ -228,7 +228,7 @@ def apply_cpu_sampler_fix() -> bool:
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
     if not getattr(rejection_sampler.apply_top_k_top_p, "__wrapped_empty__", False):
         guarded = top_k_top_p_rows(rejection_sampler.apply_top_k_top_p)
-        guarded.__wrapped_empty__ = True  # type: ignore[attr-defined]
+        guarded.__wrapped_empty__ = True  # type: ignore[attr-defined]  # a marker attribute on a function
         rejection_sampler.apply_top_k_top_p = guarded
     return True
 

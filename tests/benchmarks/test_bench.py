@@ -15,7 +15,7 @@ from specdec.errors import UserError
 
 def _record(ttft: float, step: float, sizes: list[int], tokens: list[int] | None = None) -> dict:
     chunks, t = [], ttft
-    for i, n in enumerate(sizes):
+    for n in sizes:
         chunks.append([t, n])
         t += step
     n_tokens = sum(sizes)
@@ -48,7 +48,9 @@ def test_speedup_bound_and_exactness_against_target_only() -> None:
     base_run = {"system": "target-only", "kind": "vllm", "gamma": 0, "cores": [0]}
     spec_run = {"system": "specdec", "kind": "specdec", "gamma": 4, "cores": [0]}
     tokens = list(range(17))
-    base = bench.summarise(base_run, {"concurrency": 1, "wall_s": 9.0, "requests": [_record(1.0, 0.5, [1] * 17, tokens)]})
+    base = bench.summarise(
+        base_run, {"concurrency": 1, "wall_s": 9.0, "requests": [_record(1.0, 0.5, [1] * 17, tokens)]}
+    )
     spec = bench.summarise(spec_run, {
         "concurrency": 1, "wall_s": 3.0, "requests": [_record(1.0, 0.5, [1, 4, 4, 4, 4], tokens)],
         "spec": {"drafts": 4, "draft_tokens": 16, "accepted": 12, "steps": 4, "verify_ms": 2000.0, "draft_wait_ms": 0.0,
@@ -70,10 +72,24 @@ def test_speedup_bound_and_exactness_against_target_only() -> None:
 
 def test_fallback_rows_are_flagged_and_report_the_longest_wait() -> None:
     run = {"system": "specdec", "kind": "specdec", "gamma": 4, "cores": [0], "workload": "c8"}
-    result = {"concurrency": 8, "wall_s": 3.0, "requests": [_record(1.0, 0.5, [1, 4])],
-              "spec": {"drafts": 1, "draft_tokens": 4, "accepted": 3, "steps": 1, "verify_ms": 400.0, "draft_wait_ms": 90.0,
-                       "draft_ms": 100.0, "draft_tokens_sent": 4, "rejections": 1, "fallbacks": 2,
-                       "max_draft_wait_ms": 90.0}}
+    result = {
+        "concurrency": 8,
+        "wall_s": 3.0,
+        "requests": [_record(1.0, 0.5, [1, 4])],
+        "spec": {
+            "drafts": 1,
+            "draft_tokens": 4,
+            "accepted": 3,
+            "steps": 1,
+            "verify_ms": 400.0,
+            "draft_wait_ms": 90.0,
+            "draft_ms": 100.0,
+            "draft_tokens_sent": 4,
+            "rejections": 1,
+            "fallbacks": 2,
+            "max_draft_wait_ms": 90.0,
+        },
+    }
     row = bench.summarise(run, result)
     assert (row["workload"], row["fallbacks"], row["max_draft_wait_ms"]) == ("c8", 2, 90.0)
     text = bench.table([row])
@@ -102,13 +118,18 @@ def test_a_childs_events_are_read_and_its_other_output_skipped() -> None:
     seen = []
     lines = ['INFO a library printing\n', '{"event": "request"}\n', '[1, 2]\n', '{"event": "result", "n": 1}\n',
              '{"event": "request"}\n', '{"event": "result", "n": 2}\n']
-    assert bench.read_events(lines, lambda: seen.append(1)) == [{"event": "result", "n": 1}, {"event": "result", "n": 2}]
+    assert bench.read_events(lines, lambda: seen.append(1)) == [
+        {"event": "result", "n": 1},
+        {"event": "result", "n": 2},
+    ]
     assert len(seen) == 2
 
 
 def test_prompts_file_is_vllm_custom_jsonl(tmp_path: Path) -> None:
     f = tmp_path / "mine.jsonl"
-    f.write_text(json.dumps({"prompt": "def f(x):\n"}) + "\n\n" + json.dumps({"prompt": "SELECT", "output_tokens": 9}) + "\n")
+    f.write_text(
+        json.dumps({"prompt": "def f(x):\n"}) + "\n\n" + json.dumps({"prompt": "SELECT", "output_tokens": 9}) + "\n"
+    )
     assert bench.file_prompts(f) == (["mine.jsonl:1", "mine.jsonl:3"], ["def f(x):\n", "SELECT"])
     for bad, what in (('{"text": "x"}', "line 1: no `prompt` string"), ("not json", "line 1: not JSON"),
                       ('{"prompt": ""}', "line 1: no `prompt` string"), ("", "no prompts")):
@@ -167,7 +188,11 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
                                                          "verify_step_ms", "draft_token_ms"))
     assert set(report["goals"]) == set(bench.GOALS) | {"branch_hit_rate"}
     # the realistic workloads: a long prompt (specdec against its own gamma 0) and 8 requests at once
-    assert {w: len(v["prompt_tokens"]) for w, v in report["meta"]["workloads"].items()} == {"code": 2, "long": 1, "c8": 8}
+    assert {w: len(v["prompt_tokens"]) for w, v in report["meta"]["workloads"].items()} == {
+        "code": 2,
+        "long": 1,
+        "c8": 8,
+    }
     realistic = {(r["workload"], r["system"], r["gamma"], r["concurrency"]) for r in rows if r["workload"] != "code"}
     assert realistic == {("long", "target-only", 0, 1), ("long", "vllm-draft", 4, 1), ("long", "specdec", 0, 1),
                          ("long", "specdec", 4, 1), ("c8", "target-only", 0, 8), ("c8", "vllm-draft", 4, 8),

@@ -225,9 +225,13 @@ def test_grpc_health_check_through_the_proxy_process() -> None:
         assert proc.stdout.readline().strip() == "ready"
         with grpc.insecure_channel(f"{LOOP}:{port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            assert stub.Check(health_pb2.HealthCheckRequest(), timeout=60).status == health_pb2.HealthCheckResponse.SERVING
+            assert (
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=60).status == health_pb2.HealthCheckResponse.SERVING
+            )
             t0 = time.monotonic()  # connected: one call is one round trip through the proxy
-            assert stub.Check(health_pb2.HealthCheckRequest(), timeout=60).status == health_pb2.HealthCheckResponse.SERVING
+            assert (
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=60).status == health_pb2.HealthCheckResponse.SERVING
+            )
             assert time.monotonic() - t0 >= 2 * delay_ms / 1e3
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0

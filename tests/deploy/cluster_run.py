@@ -164,7 +164,7 @@ async def main(cfg: dict[str, Any]) -> None:
 
         firsts = [asyncio.Event() for _ in cfg["prompts"][:8]]
         streams = [asyncio.create_task(client.stream(p, cfg["stream_tokens"], e))
-                   for p, e in zip(cfg["prompts"][:8], firsts)]
+                   for p, e in zip(cfg["prompts"][:8], firsts, strict=True)]
         await asyncio.gather(*(e.wait() for e in firsts))
         victims = [min((p for p in cluster.pods.values() if p.deployment == d), key=lambda p: p.name)
                    for d in ("drafter", "verifier", "gateway")]

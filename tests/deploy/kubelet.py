@@ -227,9 +227,20 @@ class Cluster:
                         lambda r, w, s=svc, p=port: self._forward(r, w, s, p), vip, port["port"]))
         self._write_dns()
         self._dns = subprocess.Popen(
-            ["dnsmasq", "--keep-in-foreground", "--no-resolv", "--no-hosts", "--no-negcache", "--local-ttl=0",
-             f"--addn-hosts={self.work / 'dns-hosts'}", f"--listen-address={self.node_ip}", "--bind-interfaces",
-             "--user=root", f"--pid-file={self.work / 'dnsmasq.pid'}", f"--log-facility={self.log_dir / 'dnsmasq.log'}"],
+            [
+                "dnsmasq",
+                "--keep-in-foreground",
+                "--no-resolv",
+                "--no-hosts",
+                "--no-negcache",
+                "--local-ttl=0",
+                f"--addn-hosts={self.work / 'dns-hosts'}",
+                f"--listen-address={self.node_ip}",
+                "--bind-interfaces",
+                "--user=root",
+                f"--pid-file={self.work / 'dnsmasq.pid'}",
+                f"--log-facility={self.log_dir / 'dnsmasq.log'}",
+            ],
         )
         hpa_min = {o["spec"]["scaleTargetRef"]["name"]: o["spec"].get("minReplicas", 1)
                    for o in self.objects if o["kind"] == "HorizontalPodAutoscaler"}
@@ -394,7 +405,10 @@ class Cluster:
         for m in c.get("volumeMounts", []):
             host, readonly = pod.volumes[m["name"]]
             target = f"{r}{m['mountPath']}"
-            script += [f"mkdir -p {shlex.quote(target)}", f"mount --bind {shlex.quote(str(host))} {shlex.quote(target)}"]
+            script += [
+                f"mkdir -p {shlex.quote(target)}",
+                f"mount --bind {shlex.quote(str(host))} {shlex.quote(target)}",
+            ]
             if readonly or m.get("readOnly"):
                 script.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
         if sc.get("readOnlyRootFilesystem"):
@@ -437,14 +451,29 @@ class Cluster:
         if target is None:
             return -1
         sc = {**pod.spec.get("securityContext", {}), **c.spec.get("securityContext", {})}
-        ids = ["-S", str(sc["runAsUser"]), "-G", str(sc.get("runAsGroup", sc["runAsUser"]))] if "runAsUser" in sc else []
+        ids = (
+            ["-S", str(sc["runAsUser"]), "-G", str(sc.get("runAsGroup", sc["runAsUser"]))] if "runAsUser" in sc else []
+        )
         env = [f"{k}={v}" for k, v in c.env.items()]
-        proc = await asyncio.create_subprocess_exec("nsenter", "-t", str(target), "-n", "-m", "-r", "-w", *ids,
-                                                    "/usr/bin/env", "-i", *env, *command, stdout=asyncio.subprocess.DEVNULL,
-                                                    stderr=asyncio.subprocess.DEVNULL)
+        proc = await asyncio.create_subprocess_exec(
+            "nsenter",
+            "-t",
+            str(target),
+            "-n",
+            "-m",
+            "-r",
+            "-w",
+            *ids,
+            "/usr/bin/env",
+            "-i",
+            *env,
+            *command,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
         try:
             return await asyncio.wait_for(proc.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             return -1
 
@@ -454,8 +483,11 @@ class Cluster:
         killed and started again (restartPolicy Always), as is one whose process exits."""
         spec = c.spec
         t0 = time.monotonic()
-        due = {k: t0 + spec[k].get("initialDelaySeconds", 0) for k in ("startupProbe", "readinessProbe", "livenessProbe")
-               if k in spec}
+        due = {
+            k: t0 + spec[k].get("initialDelaySeconds", 0)
+            for k in ("startupProbe", "readinessProbe", "livenessProbe")
+            if k in spec
+        }
         c.started = "startupProbe" not in spec
         while not pod.terminating:
             if c.proc is not None and c.proc.poll() is not None:
@@ -537,7 +569,7 @@ class Cluster:
                 os.kill(c.proc.pid, signal.SIGTERM)
             try:
                 await asyncio.wait_for(asyncio.to_thread(c.proc.wait), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.events.append(f"{time.monotonic():.1f} {name}/{c.name} SIGKILL (grace period over)")
                 with _suppress_gone():
                     os.killpg(c.proc.pid, signal.SIGKILL)

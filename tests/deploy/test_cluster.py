@@ -35,13 +35,13 @@ from pathlib import Path
 
 import pytest
 from conftest import vllm_reference
-from transformers import AutoTokenizer
-
 from kubelet import unavailable_reason
+from transformers import AutoTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 from gen import prompts  # noqa: E402 (tests/e2e's prompts)
+
 MAX_TOKENS = 32
 STREAM_TOKENS = 160
 API_KEY = "sk-cluster-test"

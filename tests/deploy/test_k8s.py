@@ -122,7 +122,9 @@ def test_core_kinds_validate_strictly_against_kubernetes_schemas(objs) -> None:
                 kv.validate(obj, version, strict=True)
             except kv.ValidationError as err:
                 where = "/".join(str(p) for p in err.absolute_path)
-                pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} against Kubernetes {version}: {where}: {err.message}")
+                pytest.fail(
+                    f"{obj['kind']}/{obj['metadata']['name']} against Kubernetes {version}: {where}: {err.message}"
+                )
         checked += 1
     assert checked >= 19
 
@@ -139,7 +141,9 @@ def test_every_container_is_probed_sized_and_locked_down(objs) -> None:
         pod = dep["spec"]["template"]["spec"]
         assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False, name
         psc = pod["securityContext"]
-        assert psc["runAsNonRoot"] is True and psc["runAsUser"] != 0 and psc["seccompProfile"]["type"] == "RuntimeDefault"
+        assert (
+            psc["runAsNonRoot"] is True and psc["runAsUser"] != 0 and psc["seccompProfile"]["type"] == "RuntimeDefault"
+        )
         for c in pod.get("initContainers", []) + pod["containers"]:
             where = f"{name}/{c['name']}"
             for part in ("requests", "limits"):
@@ -220,7 +224,10 @@ def test_ports_match_the_config_defaults(objs) -> None:
             want["health"] = int(_env(main)["SPECDEC_HEALTH_PORT"]["value"])
         assert ports == want, kind
         env = _env(main)
-        assert int(env["SPECDEC_PORT"]["value"]) == cfg.port and int(env["SPECDEC_METRICS_PORT"]["value"]) == cfg.metrics_port
+        assert (
+            int(env["SPECDEC_PORT"]["value"]) == cfg.port
+            and int(env["SPECDEC_METRICS_PORT"]["value"]) == cfg.metrics_port
+        )
         if kind == "gateway":
             assert int(env["SPECDEC_REST_PORT"]["value"]) == cfg.rest_port
         assert env["SPECDEC_HOST"]["value"] == "0.0.0.0"
@@ -232,7 +239,9 @@ def test_env_names_are_specdec_settings(objs) -> None:
         fields = {config.env_name(f) for f in config.SERVICE_CONFIGS[kind].__dataclass_fields__}
         for c in dep["spec"]["template"]["spec"]["containers"]:
             unknown = {n for n in _env(c) if n.startswith("SPECDEC_")} - fields - OTHER_ENV
-            assert not unknown, f"{kind}: {unknown} are not settings of specdec.config.{config.SERVICE_CONFIGS[kind].__name__}"
+            assert not unknown, (
+                f"{kind}: {unknown} are not settings of specdec.config.{config.SERVICE_CONFIGS[kind].__name__}"
+            )
 
 
 def test_services_and_headless_services_reach_the_right_pods(objs) -> None:
@@ -248,7 +257,9 @@ def test_services_and_headless_services_reach_the_right_pods(objs) -> None:
     for kind in ("verifier", "drafter"):
         headless = services[f"{kind}-headless"]
         assert headless["spec"]["clusterIP"] == "None"
-        assert [k for k, labels in pods.items() if _matches({"matchLabels": headless["spec"]["selector"]}, labels)] == [kind]
+        assert [k for k, labels in pods.items() if _matches({"matchLabels": headless["spec"]["selector"]}, labels)] == [
+            kind
+        ]
         assert [p["port"] for p in headless["spec"]["ports"]] == [config.SERVICE_CONFIGS[kind]().port]
 
 
@@ -277,10 +288,14 @@ def test_api_keys_come_from_a_secret_mounted_as_a_file(objs) -> None:
     volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
     secret = volume["secret"]
     assert secret["secretName"] == "specdec-api-keys" and not secret.get("optional")
-    assert [(i["key"], i["path"]) for i in secret["items"]] == [("api-keys", path[len(mount["mountPath"]):].lstrip("/"))]
+    assert [(i["key"], i["path"]) for i in secret["items"]] == [
+        ("api-keys", path[len(mount["mountPath"]) :].lstrip("/"))
+    ]
     assert secret["defaultMode"] & 0o007 == 0, "not readable by others"
     for obj in _of(objs, "ConfigMap"):
-        assert not any(re.search(r"(^|_)(API_?KEYS?|KEY|TOKEN|PASSWORD|SECRET)(_|$)", k, re.I) for k in obj.get("data", {})), obj
+        assert not any(
+            re.search(r"(^|_)(API_?KEYS?|KEY|TOKEN|PASSWORD|SECRET)(_|$)", k, re.I) for k in obj.get("data", {})
+        ), obj
 
 
 def test_network_policy_lets_only_gateways_reach_verifiers_and_drafters(objs) -> None:
@@ -390,7 +405,11 @@ def test_mtls_mounts_the_certificates_cert_manager_issues(rendered) -> None:
         assert secret == f"specdec-{kind}-tls" and secret in certs
         mount = next(m for m in _main(dep)["volumeMounts"] if m["name"] == "tls")
         assert mount["readOnly"] is True and "subPath" not in mount, "subPath mounts never see a rotation"
-        for var, file in (("SPECDEC_TLS_CERT", "tls.crt"), ("SPECDEC_TLS_KEY", "tls.key"), ("SPECDEC_TLS_CA", "ca.crt")):
+        for var, file in (
+            ("SPECDEC_TLS_CERT", "tls.crt"),
+            ("SPECDEC_TLS_KEY", "tls.key"),
+            ("SPECDEC_TLS_CA", "ca.crt"),
+        ):
             assert env[var]["value"] == f"{mount['mountPath']}/{file}"
         spec = certs[secret]["spec"]
         assert spec["uris"] == [f"spiffe://specdec/{kind}"], "each role its own identity"
@@ -420,7 +439,9 @@ def test_keda_scales_verifiers_on_an_exported_queue_metric(rendered) -> None:
     gauges = {m.name for cls in (telemetry.VerifierMetrics, telemetry.GatewayMetrics)
               for m in cls(CollectorRegistry()).registry.collect() if m.type == "gauge"}
     assert names and names <= gauges, f"{names}: queue depth is a gauge the services export"
-    assert scaled["spec"]["minReplicaCount"] >= 1 and scaled["spec"]["maxReplicaCount"] > scaled["spec"]["minReplicaCount"]
+    assert (
+        scaled["spec"]["minReplicaCount"] >= 1 and scaled["spec"]["maxReplicaCount"] > scaled["spec"]["minReplicaCount"]
+    )
 
 
 def test_service_monitor_scrapes_every_metrics_port(rendered) -> None:

@@ -41,7 +41,12 @@ REQUIRED_PANELS = {
     "Acceptance rate over time", "Mean accepted length over time", "Acceptance by position", "Round stage p99",
     "Latency spikes by stage", "Drafter fallbacks", "Queue depth", "Tokens per second",
 }
-REQUIRED_ALERTS = {"SpecdecAcceptanceCollapse", "SpecdecLatencySpikes", "SpecdecDrafterFallbacks", "SpecdecQueueGrowing"}
+REQUIRED_ALERTS = {
+    "SpecdecAcceptanceCollapse",
+    "SpecdecLatencySpikes",
+    "SpecdecDrafterFallbacks",
+    "SpecdecQueueGrowing",
+}
 
 
 def _dashboard() -> dict[str, Any]:

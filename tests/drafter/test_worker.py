@@ -27,7 +27,7 @@ def _run(sessions: list[DraftSession]) -> telemetry.DrafterMetrics:
 
     worker.start()
     try:
-        for session, event in zip(sessions, done):
+        for session, event in zip(sessions, done, strict=True):
             worker.add(session, emit_to(event))
         assert all(event.wait(10) for event in done)
     finally:

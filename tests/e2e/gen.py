@@ -39,12 +39,21 @@ def prompts(tokenizer: Any, n: int = 20, seed: int = 0) -> list[list[int]]:
 
 
 def spec(
-    prompt: list[int], max_tokens: int, gamma: int | None = None, drafter: str = "", request_id: str = "", **sampling: Any
+    prompt: list[int],
+    max_tokens: int,
+    gamma: int | None = None,
+    drafter: str = "",
+    request_id: str = "",
+    **sampling: Any,
 ) -> "pb.GenerationSpec":
-    return generation_spec(prompt, max_tokens=max_tokens, gamma=gamma, drafter=drafter, request_id=request_id, **sampling)
+    return generation_spec(
+        prompt, max_tokens=max_tokens, gamma=gamma, drafter=drafter, request_id=request_id, **sampling
+    )
 
 
-async def _generate_all(address: str, specs: list["pb.GenerationSpec"], concurrency: int) -> list["pb.GenerateResponse"]:
+async def _generate_all(
+    address: str, specs: list["pb.GenerationSpec"], concurrency: int
+) -> list["pb.GenerateResponse"]:
     sem = asyncio.Semaphore(concurrency)
     async with AsyncGatewayClient(address, timeout_s=600) as client:
 

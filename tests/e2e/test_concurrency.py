@@ -12,8 +12,13 @@ from specdec.wire import pb
 def test_sixteen_concurrent_requests_exact(services, tiny_target) -> None:
     ps = prompts(AutoTokenizer.from_pretrained(tiny_target), 16, seed=7)
     max_tokens = [32 + 8 * (i % 5) for i in range(16)]
-    reference = vllm_reference(tiny_target, [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(ps, max_tokens)])
-    specs = [spec(p, m, gamma=1 + i % 8, drafter=("model", "ngram")[i % 2]) for i, (p, m) in enumerate(zip(ps, max_tokens))]
+    reference = vllm_reference(
+        tiny_target, [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(ps, max_tokens, strict=True)]
+    )
+    specs = [
+        spec(p, m, gamma=1 + i % 8, drafter=("model", "ngram")[i % 2])
+        for i, (p, m) in enumerate(zip(ps, max_tokens, strict=True))
+    ]
     port = services.verifier.metrics_port
     before = scrape(port)
     responses = generate_all(services.gateways["mid"].address, specs, concurrency=16)

@@ -124,12 +124,12 @@ def test_drafter_replicas_behind_a_list_and_a_name(stack, cases) -> None:
     for kind, gateway in gateways.items():  # both pools resolved and checked: both drafters serve
         wait_for(lambda g=gateway: serving_drafters(g) == 2, 60, f"the {kind} gateway sees 2 drafters")
     before = [sessions(d) for d in drafters]
-    for kind, gateway in gateways.items():
+    for gateway in gateways.values():
         outs = []
         for _ in range(2):  # 16 requests: each drafter is picked with overwhelming probability
             outs += run(gateway, ps)
         check(outs, ref + ref)
-    got = [sessions(d) - b for d, b in zip(drafters, before)]
+    got = [sessions(d) - b for d, b in zip(drafters, before, strict=True)]
     print(f"generations per drafter over both gateways: {got}")
     assert sum(got) == 2 * 2 * N and min(got) > 0, got
 
@@ -139,6 +139,6 @@ def test_drafter_replicas_behind_a_list_and_a_name(stack, cases) -> None:
     for kind, gateway in gateways.items():  # the next health check marks it
         wait_for(lambda g=gateway: serving_drafters(g) == 1, 60, f"the {kind} gateway sees the dead drafter")
     before_live = sessions(live)
-    for kind, gateway in gateways.items():
+    for gateway in gateways.values():
         check(run(gateway, ps), ref)
     assert sessions(live) - before_live == 2 * N  # every new generation went to the live drafter

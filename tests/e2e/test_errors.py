@@ -31,9 +31,14 @@ BAD_REQUESTS = {
     "negative temperature": (spec(GOOD, 4, temperature=-0.5), "spec.sampling.temperature"),
     "top_p zero": (spec(GOOD, 4, top_p=0.0), "spec.sampling.top_p"),
     "top_p above one": (spec(GOOD, 4, top_p=1.5), "spec.sampling.top_p"),
-    "unknown drafter": (pb.GenerationSpec(prompt_token_ids=GOOD, sampling=pb.SamplingParams(max_tokens=4), drafter=99),
-                        "spec.drafter"),
-    "both prompts": (pb.GenerationSpec(prompt_text="x", prompt_token_ids=GOOD, sampling=pb.SamplingParams(max_tokens=4)), "spec.prompt_token_ids"),
+    "unknown drafter": (
+        pb.GenerationSpec(prompt_token_ids=GOOD, sampling=pb.SamplingParams(max_tokens=4), drafter=99),
+        "spec.drafter",
+    ),
+    "both prompts": (
+        pb.GenerationSpec(prompt_text="x", prompt_token_ids=GOOD, sampling=pb.SamplingParams(max_tokens=4)),
+        "spec.prompt_token_ids",
+    ),
 }
 
 
@@ -103,7 +108,10 @@ def test_verifier_drops_a_bad_block_and_the_session_goes_on(services) -> None:
 
 def test_verifier_still_serves_after_bad_input(services) -> None:
     code, _, n = asyncio.run(
-        _verify_session(services.verifier.address, [_open(request_id="ok-after-bad", sampling=pb.SamplingParams(max_tokens=5), gamma=0)])
+        _verify_session(
+            services.verifier.address,
+            [_open(request_id="ok-after-bad", sampling=pb.SamplingParams(max_tokens=5), gamma=0)],
+        )
     )
     assert code == grpc.StatusCode.OK and n == 5
 
@@ -112,7 +120,13 @@ def test_drafter_rejects_unknown_method(services) -> None:
     async def run() -> grpc.aio.AioRpcError:
         async with grpc.aio.insecure_channel(services.drafters["mid"].address) as channel:
             call = rpc.DrafterServiceStub(channel).Draft()
-            await call.write(pb.DraftRequest(open=pb.DraftOpen(prompt_token_ids=GOOD, gamma=2, method=99, sampling=pb.SamplingParams(max_tokens=4))))
+            await call.write(
+                pb.DraftRequest(
+                    open=pb.DraftOpen(
+                        prompt_token_ids=GOOD, gamma=2, method=99, sampling=pb.SamplingParams(max_tokens=4)
+                    )
+                )
+            )
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call.read()
             return info.value
@@ -126,7 +140,9 @@ def test_verifier_errors_keep_their_status(services, gateway_address: str) -> No
     async def run() -> tuple[object, object]:
         async with grpc.aio.insecure_channel(gateway_address) as channel:
             stub = rpc.GatewayServiceStub(channel)
-            long = stub.GenerateStream(pb.GenerateStreamRequest(spec=spec(GOOD, 600, gamma=2, ignore_eos=True, request_id="dup")))
+            long = stub.GenerateStream(
+                pb.GenerateStreamRequest(spec=spec(GOOD, 600, gamma=2, ignore_eos=True, request_id="dup"))
+            )
             first_chunk = await long.read()  # the first request is in the verifier now (no timer involved)
             second = stub.Generate(pb.GenerateRequest(spec=spec(GOOD, 4, request_id="dup")), timeout=60)
             second = (await asyncio.gather(second, return_exceptions=True))[0]

@@ -17,7 +17,9 @@ def test_killing_the_drafter_mid_generation(services, tiny_target) -> None:
     drafter, gateway = services.start_pair("tiny/draft-mid", services.verifier)
     drafter.wait_ready(120)
     gateway.wait_ready(120)
-    reference = vllm_reference(tiny_target, [{"prompt_token_ids": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True}])[0]
+    reference = vllm_reference(
+        tiny_target, [{"prompt_token_ids": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True}]
+    )[0]
     tokens, last, killed_at = [], None, None
     with grpc.insecure_channel(gateway.address) as channel:
         stream = rpc.GatewayServiceStub(channel).GenerateStream(

@@ -377,7 +377,9 @@ def verify_streams(draw: Any, t: Target) -> tuple[Drawn, list[Any], str]:
             lambda ms: pb.VerifyRequest(ready=pb.DraftReady(prefilled_tokens=n, draft_ms_per_token=ms))),
     )
     rest = draw(st.lists(follow, max_size=6))
-    order = draw(st.sampled_from(["open first"] * 6 + ["no open", "something before open", "two opens", "empty message"]))
+    order = draw(
+        st.sampled_from(["open first"] * 6 + ["no open", "something before open", "two opens", "empty message"])
+    )
     if order == "open first":
         return d, [pb.VerifyRequest(open=d.message), *rest], "ok"
     if order == "no open":
@@ -398,7 +400,9 @@ def test_verifier_verify_stream_fuzz(services, target: Target) -> None:
         @given(example=verify_streams(target))
         def run(example: tuple[Drawn, list[Any], str]) -> None:
             d, messages, expect = example
-            where = f"Verify({[m.WhichOneof('kind') for m in messages]}, open={d.message}) corrupted {sorted(d.invalid)}"
+            where = (
+                f"Verify({[m.WhichOneof('kind') for m in messages]}, open={d.message}) corrupted {sorted(d.invalid)}"
+            )
             ids, logprobs, finish = [], [], pb.FINISH_REASON_UNSPECIFIED
             try:
                 for v in stub.Verify(iter(messages), timeout=TIMEOUT_S):
@@ -412,7 +416,9 @@ def test_verifier_verify_stream_fuzz(services, target: Target) -> None:
                 seen[err.code().name] += 1
                 stop_if_wedged(services, err, where)
                 details = err.details() or ""
-                assert not (expect == "ok" and not d.invalid), f"{where}: a valid session failed: {err.code()} {details}"
+                assert not (expect == "ok" and not d.invalid), (
+                    f"{where}: a valid session failed: {err.code()} {details}"
+                )
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {err.code()} {details}"
                 if expect == "ok" or (expect == "block" and d.invalid):
                     check_refusal(err, d, where)
@@ -473,7 +479,11 @@ def draft_streams(draw: Any, t: Target) -> tuple[Drawn, list[Any], str]:
     if order == "no open":
         return d, rest, "open"
     if order == "commit before open":
-        return d, [pb.DraftRequest(commit=pb.DraftCommit(start_position=d.prompt_len, token_ids=[1])), opened, *rest], "open"
+        return (
+            d,
+            [pb.DraftRequest(commit=pb.DraftCommit(start_position=d.prompt_len, token_ids=[1])), opened, *rest],
+            "open",
+        )
     bad = {"two opens": st.just(opened), "empty message": st.just(pb.DraftRequest()), "bad commit": bad_commit}[order]
     cut = draw(st.integers(0, len(rest)))
     return d, [opened, *rest[:cut], draw(bad), *rest[cut:]], "commit"
@@ -523,7 +533,9 @@ def test_drafter_draft_stream_fuzz(services, target: Target) -> None:
                 seen[err.code().name] += 1
                 stop_if_wedged(services, err, where)
                 details = err.details() or ""
-                assert not (expect == "ok" and not d.invalid), f"{where}: a valid session failed: {err.code()} {details}"
+                assert not (expect == "ok" and not d.invalid), (
+                    f"{where}: a valid session failed: {err.code()} {details}"
+                )
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {err.code()} {details}"
                 if d.invalid and expect != "open":
                     check_refusal(err, d, where)
@@ -536,6 +548,8 @@ def test_drafter_draft_stream_fuzz(services, target: Target) -> None:
             seen["OK"] += 1
             # half-closing ends the session: a bad message behind the last commit may never be read
             assert expect in ("ok", "ok or commit", "commit") and not d.invalid, f"{where}: accepted"
+            # a session it accepted was answered: its `ready` at least (a drafter that sends nothing fails)
+            assert readies == 1, f"{where}: the session ended OK without a `ready`"
 
         run()
     print(f"drafter Draft: {dict(seen)}")
@@ -580,7 +594,9 @@ def test_gateway_refuses_each_invalid_value(services, target: Target) -> None:
         s.ClearField("prompt_token_ids")
         s.prompt_token_ids.extend(ids)
         cases.append(("spec.prompt_text" if not ids else "spec.prompt_token_ids", s))
-    cases.sort(key=lambda case: case[0] == "spec.sampling.temperature")  # those last (reported: they can stop the verifier)
+    cases.sort(
+        key=lambda case: case[0] == "spec.sampling.temperature"
+    )  # those last (reported: they can stop the verifier)
     wrong = []
     with grpc.insecure_channel(services.gateways["mid"].address) as channel:
         stub = rpc.GatewayServiceStub(channel)
@@ -610,10 +626,13 @@ def test_every_service_still_serves_after_fuzzing(services, target: Target) -> N
     with grpc.insecure_channel(services.verifier.address) as channel:
         open_ = pb.VerifyOpen(request_id=f"after-fuzz-{next(_ids)}", prompt_token_ids=[5, 6, 7],
                               sampling=pb.SamplingParams(max_tokens=3), gamma=0)
-        verdicts = list(rpc.VerifierServiceStub(channel).Verify(iter([pb.VerifyRequest(open=open_)]), timeout=TIMEOUT_S))
+        verdicts = list(
+            rpc.VerifierServiceStub(channel).Verify(iter([pb.VerifyRequest(open=open_)]), timeout=TIMEOUT_S)
+        )
     assert sum(len(v.token_ids) for v in verdicts if not v.preview) == 3
     with grpc.insecure_channel(services.drafters["mid"].address) as channel:
         open_d = pb.DraftOpen(prompt_token_ids=[5, 6, 7], gamma=2, sampling=pb.SamplingParams(max_tokens=4))
-        first = next(iter(rpc.DrafterServiceStub(channel).Draft(iter([pb.DraftRequest(open=open_d)]), timeout=TIMEOUT_S)),
-                     None)
+        first = next(
+            iter(rpc.DrafterServiceStub(channel).Draft(iter([pb.DraftRequest(open=open_d)]), timeout=TIMEOUT_S)), None
+        )
     assert first is None or first.HasField("ready")

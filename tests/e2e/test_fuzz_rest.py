@@ -218,7 +218,9 @@ def _events(text: str) -> list[Any]:
     return out
 
 
-def check_answer(method: str, path: str, status: int, content_type: str, text: str, where: str) -> dict[str, Any] | None:
+def check_answer(
+    method: str, path: str, status: int, content_type: str, text: str, where: str
+) -> dict[str, Any] | None:
     """The properties every answer of the bridge has (module docstring); returns the error
     object of a 4xx."""
     assert status < 500, f"{where}: {status} {text[:2000]}"
@@ -405,7 +407,9 @@ def raw_requests(draw: Any) -> tuple[str, str]:
     for name in draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
         value = draw(MESSAGES if name == "messages" else HOSTILE)
         if name in ("max_tokens", "max_completion_tokens") and (value is None or isinstance(value, int)):
-            value = value if value is not None and (value <= MAX_RUN_TOKENS or value > MAX_MODEL_LEN) else MAX_RUN_TOKENS
+            value = (
+                value if value is not None and (value <= MAX_RUN_TOKENS or value > MAX_MODEL_LEN) else MAX_RUN_TOKENS
+            )
         body[name] = value
     # ensure_ascii: a lone surrogate goes out as a \\ud800 escape (valid JSON text, not Unicode)
     return path, json.dumps(body, allow_nan=True, ensure_ascii=True)

@@ -1,9 +1,15 @@
-"""Greedy decoupled decoding is token-for-token vLLM target-only greedy: 100 %, not "most"."""
+"""Greedy decoupled decoding is token-for-token vLLM target-only greedy: 100 %, not "most".
+
+Each case runs on two stacks (tests/conftest.py `stack`): `fixed-gamma`, whose verifier
+verifies every requested gamma (the acceptance rule itself, at gamma 1, 2, 4 and 8), and
+`defaults`, the settings a user gets (adaptive gamma, the pace cap, branches and hold on).
+The reference is a plain vLLM engine's output (tests/conftest.py `vllm_reference`).
+"""
 
 from __future__ import annotations
 
 import pytest
-from conftest import vllm_reference
+from conftest import Services, vllm_reference
 from gen import generate_all, prompts, spec
 from transformers import AutoTokenizer
 
@@ -11,6 +17,9 @@ from specdec.wire import pb
 
 GAMMAS = (1, 2, 4, 8)
 MAX_TOKENS = 40
+DEFAULTS_CONCURRENCY = 2  # requests at once on the default stack (test_greedy_outputs_equal_target_only)
+# (drafter method, draft model): the n-gram drafter uses no draft model, so it runs once
+CASES = [("model", "mid"), ("model", "far"), ("ngram", "mid")]
 
 
 @pytest.fixture(scope="module")
@@ -21,33 +30,62 @@ def greedy_case(tiny_target):
     return ps, reference
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
-@pytest.mark.parametrize("draft", ["mid", "far"])
-def test_greedy_outputs_equal_target_only(services, greedy_case, drafter: str, draft: str) -> None:
-    if drafter == "ngram" and draft == "far":
-        pytest.skip("the n-gram drafter does not use the draft model")
-    ps, reference = greedy_case
-    specs = [spec(p, MAX_TOKENS, gamma=g, drafter=drafter) for g in GAMMAS for p in ps]
-    responses = generate_all(services.gateways[draft].address, specs, concurrency=16)
-    mismatches = []
+def _mismatches(responses, ps, reference) -> list:
+    out = []
     for i, r in enumerate(responses):
         g, p = GAMMAS[i // len(ps)], i % len(ps)
         if list(r.token_ids) != reference[p]:
-            mismatches.append((g, p, list(r.token_ids), reference[p]))
+            out.append((g, p, list(r.token_ids), reference[p]))
+    return out
+
+
+@pytest.mark.parametrize(("drafter", "draft"), CASES)
+def test_greedy_outputs_equal_target_only(stack: Services, greedy_case, drafter: str, draft: str) -> None:
+    ps, reference = greedy_case
+    specs = [spec(p, MAX_TOKENS, gamma=g, drafter=drafter) for g in GAMMAS for p in ps]
+    # the default stack at 16 at once can verify no drafts at all on the tiny pair (the pace cap
+    # skips drafts that arrive after the step, adaptive gamma backs off; measured: 0 drafted,
+    # 0 held): at DEFAULTS_CONCURRENCY it still speculates, which is what this test is for
+    concurrency = DEFAULTS_CONCURRENCY if stack.defaults else 16
+    responses = generate_all(stack.gateways[draft].address, specs, concurrency=concurrency)
+    mismatches = _mismatches(responses, ps, reference)
     assert not mismatches, f"{len(mismatches)}/{len(specs)} outputs differ; first: {mismatches[0]}"
     drafted = sum(r.stats.drafted_tokens for r in responses)
     accepted = sum(r.stats.accepted_tokens for r in responses)
     # the test is only meaningful when drafts were verified: accepted (mid) and rejected (both).
     # With draft-far (alpha ~ 0) adaptive gamma verifies few drafts, but still some: it re-tries.
-    assert drafted > 0, drafted
+    held = sum(r.stats.held_steps for r in responses)
+    reasons = {r.stats.fallback_reason for r in responses if r.stats.drafter_fallback}
+    # with the defaults, adaptive gamma may rightly verify none of draft-far's drafts at this
+    # load; then it holds the drafter instead: either way speculation was decided, not skipped
+    assert drafted > 0 or (stack.defaults and held > 0), (drafted, held, reasons)
     if draft == "mid":
         assert accepted > 0, (drafted, accepted)
     if drafter == "model":
         assert accepted < drafted
-        assert not any(r.stats.drafter_fallback for r in responses)
+        # the fixed-gamma stack's drafters have a long margin; with the defaults a drafter that
+        # misses its deadline on a loaded host rightly falls back (the output stays exact)
+        assert stack.defaults or not reasons, reasons
     for g in GAMMAS:
         per_gamma = [r for i, r in enumerate(responses) if GAMMAS[i // len(ps)] == g]
         assert all(len(r.stats.accepted_per_position) <= g for r in per_gamma)
+
+
+def test_under_load_adaptive_gamma_holds_and_stays_exact(default_services: Services, greedy_case) -> None:
+    """The default stack under a load that makes adaptive gamma back off: the unrelated draft
+    (alpha ~ 0) at gamma 8 and 64 requests at once. The verifier then verifies few of the drafts
+    and holds the drafter (the hold path verifier -> gateway -> drafter); the output stays exact.
+    (Measured: held on an idle 2-core host and under the suite's own load; not held with the
+    host at a load average of ~20, where the measured step cost made drafts look cheap.)"""
+    ps, reference = greedy_case
+    specs = [spec(p, MAX_TOKENS, gamma=8, drafter="model") for _ in range(4) for p in ps]
+    responses = generate_all(default_services.gateways["far"].address, specs, concurrency=64)
+    wrong = [i for i, r in enumerate(responses) if list(r.token_ids) != reference[i % len(ps)]]
+    assert not wrong, f"{len(wrong)}/{len(specs)} outputs differ; first: request {wrong[0]}"
+    held = sum(r.stats.held_steps for r in responses)
+    drafted = sum(r.stats.drafted_tokens for r in responses)
+    reasons = {r.stats.fallback_reason for r in responses if r.stats.drafter_fallback}
+    assert held > 0, f"adaptive gamma never held the drafter (drafted {drafted}; fallbacks {reasons})"
 
 
 def test_gamma_zero_is_plain_decoding(services, greedy_case) -> None:

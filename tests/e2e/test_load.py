@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 
 import httpx
+from conftest import vllm_reference
 from gen import prompts, spec
 from transformers import AutoTokenizer
 
-from gateway.client import AsyncGatewayClient, GatewayClient
+from gateway.client import AsyncGatewayClient
 
 CLIENTS = 64
 DURATION_S = float(os.environ.get("SPECDEC_LOAD_S", "60"))
@@ -32,8 +33,7 @@ def pct(values: list[float], q: float) -> float:
 def test_64_streaming_clients_for_a_minute(services, tiny_target: Path) -> None:
     gw = services.gateways["mid"]
     ps = prompts(AutoTokenizer.from_pretrained(tiny_target), 12, seed=21)
-    with GatewayClient(gw.address, timeout_s=120) as client:  # gamma 0: plain target decoding
-        ref = [list(client.generate(spec(p, MAX_TOKENS, gamma=0)).token_ids) for p in ps]
+    ref = vllm_reference(tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS} for p in ps])  # plain vLLM
     url = f"http://127.0.0.1:{gw.rest_port}/v1/completions"
 
     async def run() -> tuple[list[tuple[str, float, float, bool]], list[str]]:
@@ -94,7 +94,10 @@ def test_64_streaming_clients_for_a_minute(services, tiny_target: Path) -> None:
     for kind in ("grpc", "rest"):
         rows = [r for r in results if r[0] == kind]
         ttft, total = [r[1] * 1e3 for r in rows], [r[2] * 1e3 for r in rows]
-        print(f"load {kind}: {len(rows)} requests in {wall:.0f} s ({len(rows) / wall:.1f} req/s, "
-              f"{len(rows) * MAX_TOKENS / wall:.0f} tok/s); TTFT p50 {pct(ttft, .5):.0f} ms p99 {pct(ttft, .99):.0f} ms; "
-              f"latency p50 {pct(total, .5):.0f} ms p99 {pct(total, .99):.0f} ms; errors 0")
+        print(
+            f"load {kind}: {len(rows)} requests in {wall:.0f} s ({len(rows) / wall:.1f} req/s, "
+            f"{len(rows) * MAX_TOKENS / wall:.0f} tok/s); "
+            f"TTFT p50 {pct(ttft, 0.5):.0f} ms p99 {pct(ttft, 0.99):.0f} ms; "
+            f"latency p50 {pct(total, 0.5):.0f} ms p99 {pct(total, 0.99):.0f} ms; errors 0"
+        )
     assert {r[0] for r in results} == {"grpc", "rest"}

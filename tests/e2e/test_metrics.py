@@ -8,7 +8,11 @@ from prometheus_client import CollectorRegistry
 
 from specdec import __version__, telemetry
 
-METRICS = {"gateway": telemetry.GatewayMetrics, "drafter": telemetry.DrafterMetrics, "verifier": telemetry.VerifierMetrics}
+METRICS = {
+    "gateway": telemetry.GatewayMetrics,
+    "drafter": telemetry.DrafterMetrics,
+    "verifier": telemetry.VerifierMetrics,
+}
 
 
 def _own_families(service: str) -> set[str]:
@@ -31,7 +35,9 @@ def test_metrics_move(services) -> None:
     assert moved("gw", "specdec:spec_decode_num_accepted_tokens_total") == accepted
     assert moved("gw", "specdec:generation_tokens_total") == 160
     assert moved("gw", "specdec:requests_total{finish_reason=length}") == 4
-    assert moved("gw", "specdec:round_stage_seconds_count{stage=verify}") == sum(r.stats.target_steps + 1 for r in responses)
+    assert moved("gw", "specdec:round_stage_seconds_count{stage=verify}") == sum(
+        r.stats.target_steps + 1 for r in responses
+    )
     assert moved("gw", "specdec:spec_decode_num_accepted_tokens_per_pos_total{position=0}") > 0
     assert after["gw"]["specdec:requests_running"] == 0
     assert moved("dr", "specdec:drafter_blocks_total") > 0

@@ -36,7 +36,9 @@ PORTS = {"verifier": 50053, "drafter": 50052, "gateway": 50051}
 REST_PORT = 8443
 PROMPTS = [[31, 7, 99, 12, 5], [200, 201, 202, 203], [17, 17, 17, 3, 150, 9]]
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"no network namespaces: {unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    unavailable_reason() is not None, reason=f"no network namespaces: {unavailable_reason()}"
+)
 
 
 class Stack:

@@ -280,10 +280,10 @@ def test_completion_logprobs_match_vllm(servers: Servers, k: int) -> None:
     for key in ("token_logprobs", "tokens", "top_logprobs", "text_offset"):
         if len(sl[key]) != n:
             problems.append(f"{key}: {len(sl[key])} entries, vLLM {n}")
-    for i, (a, b) in enumerate(zip(sl["token_logprobs"], vl["token_logprobs"])):
+    for i, (a, b) in enumerate(zip(sl["token_logprobs"], vl["token_logprobs"], strict=False)):  # lengths compared above
         if not _close(a, b):
             problems.append(f"token_logprobs[{i}]: specdec {a} vLLM {b}")
-    for i, (a, b) in enumerate(zip(sl["top_logprobs"], vl["top_logprobs"])):
+    for i, (a, b) in enumerate(zip(sl["top_logprobs"], vl["top_logprobs"], strict=False)):  # lengths compared above
         # keyed by token text, as in vLLM (tokens decoding alike share one key)
         if sorted(a) != sorted(b) or not all(_close(a[t], b[t]) for t in b):
             problems.append(f"top_logprobs[{i}]: specdec {a} vLLM {b}")
@@ -304,7 +304,7 @@ def test_chat_logprobs_match_vllm(servers: Servers, k: int) -> None:
     vc, sc = v["choices"][0]["logprobs"]["content"], s["choices"][0]["logprobs"]["content"]
     assert len(vc) == v["usage"]["completion_tokens"], "the premise: one entry per generated token"
     problems = [] if len(sc) == len(vc) else [f"content: {len(sc)} entries, vLLM {len(vc)}"]
-    for i, (a, b) in enumerate(zip(sc, vc)):
+    for i, (a, b) in enumerate(zip(sc, vc, strict=False)):  # lengths compared above
         if not _close(a["logprob"], b["logprob"]):
             problems.append(f"content[{i}].logprob: specdec {a['logprob']} vLLM {b['logprob']}")
         av, bv = [t["logprob"] for t in a["top_logprobs"]], [t["logprob"] for t in b["top_logprobs"]]

@@ -95,10 +95,13 @@ def test_completion_token_id_prompt_and_stop(api: openai.OpenAI) -> None:
     r = api.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
     first = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
-    stop = first.strip()[:1]
-    if stop:  # the output ends before the stop string
-        r = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
-        assert r.choices[0].finish_reason == "stop" and r.choices[0].text == first[: first.index(stop)]
+    # the stop string: the printable character of the output whose first occurrence is latest,
+    # so the stopped text is a non-empty, strict prefix (the premise is asserted, never skipped)
+    firsts = {c: first.index(c) for c in set(first) if c.isprintable() and not c.isspace() and c != "\ufffd"}
+    assert firsts, f"the premise: the greedy output has a printable character: {first!r}"
+    stop = max(firsts, key=firsts.__getitem__)
+    r = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == first[: first.index(stop)]
 
 
 def test_chat_and_stream_agree(api: openai.OpenAI) -> None:

@@ -37,7 +37,7 @@ def slow_prefill(tmp_path_factory, tiny_target):
 
 
 def _check(responses, reference) -> None:
-    for r, ref in zip(responses, reference):
+    for r, ref in zip(responses, reference, strict=True):
         assert list(r.token_ids) == ref
         assert not r.stats.drafter_fallback, r.stats.fallback_reason
         assert r.stats.drafted_tokens > 0 and r.stats.speculative_steps > 0
@@ -50,7 +50,9 @@ def test_a_prefill_longer_than_the_drafter_deadline_still_speculates(slow_prefil
     t0 = time.monotonic()
     (r,) = generate_all(slow_prefill.address, [spec(prompt, MAX_TOKENS, gamma=4, ignore_eos=True)], 1)
     assert time.monotonic() - t0 > DRAFTER_TIMEOUT_S  # the injected prefill alone outlasts the deadline
-    reference = vllm_reference(tiny_target, [{"prompt_token_ids": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}])
+    reference = vllm_reference(
+        tiny_target, [{"prompt_token_ids": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}]
+    )
     _check([r], reference)
 
 

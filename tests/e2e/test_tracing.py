@@ -52,7 +52,9 @@ def traced(tmp_path_factory, tiny_target):
             svc.wait_ready(300)
         tok = AutoTokenizer.from_pretrained(tiny_target)
         phases = []
-        for gateway, batch in zip(gateways, (prompts(tok, 2 * PER_PHASE)[:PER_PHASE], prompts(tok, 2 * PER_PHASE)[PER_PHASE:])):
+        for gateway, batch in zip(
+            gateways, (prompts(tok, 2 * PER_PHASE)[:PER_PHASE], prompts(tok, 2 * PER_PHASE)[PER_PHASE:]), strict=True
+        ):
             phases.append(generate_all(gateway.address, [spec(p, 120, gamma=4, ignore_eos=True) for p in batch], 1))
         # spans of a session are exported when it ends (each service in its own process): wait,
         # bounded, until every request's rounds and the three services' session spans are in
@@ -85,7 +87,9 @@ def _complete(spans: list, responses: list) -> bool:
 def test_one_trace_links_the_three_services(traced) -> None:
     spans, phases = traced
     responses = [r for phase in phases for r in phase]
-    by_request = {s["attributes"]["specdec.request_id"]: s["trace_id"] for s in spans if s["name"] == "specdec.generate"}
+    by_request = {
+        s["attributes"]["specdec.request_id"]: s["trace_id"] for s in spans if s["name"] == "specdec.generate"
+    }
     assert set(by_request) == {r.request_id for r in responses}
     for trace_id in by_request.values():
         names = {(s["service"], s["name"]) for s in spans if s["trace_id"] == trace_id}

@@ -54,7 +54,9 @@ async def _session(address: str, prompt: list[int], reference: list[int]) -> lis
 
 def test_work_per_round_is_one_plus_drafts(services, tiny_target) -> None:
     prompt = [(7 * i) % 500 + 1 for i in range(PROMPT_LEN)]
-    reference = vllm_reference(tiny_target, [{"prompt_token_ids": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}])[0]
+    reference = vllm_reference(
+        tiny_target, [{"prompt_token_ids": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}]
+    )[0]
     verdicts = asyncio.run(_session(services.verifier.address, prompt, reference))
     tokens = [t for v in verdicts for t in v.token_ids]
     assert tokens == reference

@@ -141,10 +141,13 @@ def test_bounds_driven_by_hypothesis_over_rest(tiny_target: Path) -> None:
     chars = st.sampled_from("aZ9._:-") | st.sampled_from(" \n\t/\u00e9\x00")
 
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(stops=st.integers(0, MAX_STOP_STRINGS + 3), longest=st.integers(1, MAX_STOP_STRING_CHARS + 3),
-           ids=st.integers(0, MAX_STOP_TOKEN_IDS + 3),
-           request_id=st.text(chars, min_size=1, max_size=8) | st.integers(MAX_REQUEST_ID_CHARS - 2,
-                                                                          MAX_REQUEST_ID_CHARS + 2).map(lambda n: "r" * n))
+    @given(
+        stops=st.integers(0, MAX_STOP_STRINGS + 3),
+        longest=st.integers(1, MAX_STOP_STRING_CHARS + 3),
+        ids=st.integers(0, MAX_STOP_TOKEN_IDS + 3),
+        request_id=st.text(chars, min_size=1, max_size=8)
+        | st.integers(MAX_REQUEST_ID_CHARS - 2, MAX_REQUEST_ID_CHARS + 2).map(lambda n: "r" * n),
+    )
     def check(stops: int, longest: int, ids: int, request_id: str) -> None:
         body: dict[str, Any] = {"prompt": [1, 2, 3], "max_tokens": 2, "request_id": request_id,
                                 "stop": (["x" * longest] + ["s"] * (stops - 1)) if stops else [],

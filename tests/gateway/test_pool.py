@@ -21,7 +21,9 @@ def _pool(spec: str) -> Pool:
                 health_every_s=0.5)
 
 
-async def _health_server(port: int = 0, status: int = health_pb2.HealthCheckResponse.SERVING) -> tuple[grpc.aio.Server, int]:
+async def _health_server(
+    port: int = 0, status: int = health_pb2.HealthCheckResponse.SERVING
+) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server()
     h = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(h, server)
@@ -61,7 +63,7 @@ def test_a_static_list_skips_a_dead_replica() -> None:
         try:
             assert await pool.checked(30)
             assert pool.serving() == 1
-            assert {pool.choose().address for _ in range(50)} == {f"127.0.0.1:{port}"}  # type: ignore[union-attr]
+            assert {pool.choose().address for _ in range(50)} == {f"127.0.0.1:{port}"}  # type: ignore[union-attr]  # one replica serves: never None
         finally:
             await pool.close()
             await server.stop(None)

@@ -34,8 +34,13 @@ def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache holding the tiny pair, built by `specdec models pull tiny` (seconds)."""
     root = tmp_path_factory.mktemp("tiny-cache")
-    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "models", "pull", "tiny"],
-                          env={**os.environ, "SPECDEC_CACHE_DIR": str(root)}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "models", "pull", "tiny"],
+        env={**os.environ, "SPECDEC_CACHE_DIR": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "tiny: ready", proc.stderr
     return root
 
@@ -85,16 +90,24 @@ def test_user_error_exits_2_without_traceback_and_debug_adds_it(cache: Path) -> 
         assert proc.stderr.strip().splitlines()[-1] == NOT_PULLED  # the one line still ends it
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    (["models", "pull", "nope"], "specdec: error: unknown model pair 'nope'; known pairs: qwen-coder, smollm2-135m, tiny"),
-    (["models", "path", "nope"], "specdec: error: unknown model pair 'nope'"),
-    (["models", "path", "qwen-coder/nope"],
-     "specdec: error: model 'qwen-coder/nope': pair 'qwen-coder' has no role 'nope'; use one of: qwen-coder/target, "
-     "qwen-coder/draft"),
-    (["models", "path", "qwen-coder/draft"], NOT_PULLED),
-    (["generate", "a,b", "--token-ids"], "specdec: error: --token-ids: 'a,b' is not a comma-separated list"),
-    (["traces", "missing.jsonl"], "specdec: error: No such file or directory: missing.jsonl; check the path"),
-])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["models", "pull", "nope"],
+            "specdec: error: unknown model pair 'nope'; known pairs: qwen-coder, smollm2-135m, tiny",
+        ),
+        (["models", "path", "nope"], "specdec: error: unknown model pair 'nope'"),
+        (
+            ["models", "path", "qwen-coder/nope"],
+            "specdec: error: model 'qwen-coder/nope': pair 'qwen-coder' has no role 'nope'; "
+            "use one of: qwen-coder/target, qwen-coder/draft",
+        ),
+        (["models", "path", "qwen-coder/draft"], NOT_PULLED),
+        (["generate", "a,b", "--token-ids"], "specdec: error: --token-ids: 'a,b' is not a comma-separated list"),
+        (["traces", "missing.jsonl"], "specdec: error: No such file or directory: missing.jsonl; check the path"),
+    ],
+)
 def test_user_errors(argv: list[str], expected: str, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(argv) == 2
     assert one_line(capsys.readouterr().err).startswith(expected)

@@ -90,11 +90,13 @@ def test_grpc_page_follows_a_new_proto_and_its_comments(tmp_path: Path) -> None:
     shutil.copytree(PROTO_ROOT, root)
     extra = root / "specdec" / "v2" / "extra.proto"
     extra.parent.mkdir(parents=True)
-    extra.write_text('// A file added later.\nsyntax = "proto3";\n\npackage specdec.v2;\n\n'
-                     'import "specdec/v1/common.proto";\n\n'
-                     "// Says hello.\nservice HelloService {\n  // Once.\n  rpc Hello(Ping) returns (stream Ping);\n}\n\n"
-                     "// A ping.\nmessage Ping {\n  // Who.\n  string name = 1;\n  specdec.v1.DraftMethod method = 2;\n"
-                     "  message Inner { int32 x = 1; }\n  Inner inner = 3;\n}\n")
+    extra.write_text(
+        '// A file added later.\nsyntax = "proto3";\n\npackage specdec.v2;\n\n'
+        'import "specdec/v1/common.proto";\n\n'
+        "// Says hello.\nservice HelloService {\n  // Once.\n  rpc Hello(Ping) returns (stream Ping);\n}\n\n"
+        "// A ping.\nmessage Ping {\n  // Who.\n  string name = 1;\n  specdec.v1.DraftMethod method = 2;\n"
+        "  message Inner { int32 x = 1; }\n  Inner inner = 3;\n}\n"
+    )
     page = docgen.grpc_markdown(root)
     assert "## specdec/v2/extra.proto" in page and "A file added later." in page
     assert "| `Hello` | [`Ping`](#specdec.v2.Ping) | stream [`Ping`](#specdec.v2.Ping) | Once. |" in page

@@ -237,6 +237,8 @@ def test_with_keys_no_one_key_takes_every_slot_by_default() -> None:
     refused = limiter.acquire("key-a")
     assert not refused.ok and "max_inflight_share_per_key (0.5 of max_inflight) (128)" in refused.reason
     assert limiter.acquire("key-b").ok
-    assert security.RateLimiter.from_config(GatewayConfig(max_inflight=256, max_streams_per_key=8), True).max_streams == 8
+    assert (
+        security.RateLimiter.from_config(GatewayConfig(max_inflight=256, max_streams_per_key=8), True).max_streams == 8
+    )
     assert security.RateLimiter.from_config(GatewayConfig(max_inflight=256), keys_enabled=False).max_streams == 0
     assert security.RateLimiter.from_config(GatewayConfig(max_inflight_share_per_key=1.0), True).max_streams == 0

@@ -60,28 +60,52 @@ def test_exported_spans_and_trace_inspection(tmp_path) -> None:
     assert "SPIKE: verify" in line and line.count("\n") >= 5
 
 
-METRICS = {"gateway": telemetry.GatewayMetrics, "drafter": telemetry.DrafterMetrics, "verifier": telemetry.VerifierMetrics}
+METRICS = {
+    "gateway": telemetry.GatewayMetrics,
+    "drafter": telemetry.DrafterMetrics,
+    "verifier": telemetry.VerifierMetrics,
+}
 # each service's families as exposed (counters with _total), the contract with dashboards and tests
 FAMILIES = {
     "gateway": {
-        "specdec:spec_decode_num_drafts_total", "specdec:spec_decode_num_draft_tokens_total",
-        "specdec:spec_decode_num_accepted_tokens_total", "specdec:spec_decode_num_accepted_tokens_per_pos_total",
-        "specdec:accepted_length", "specdec:rounds_total", "specdec:round_stage_seconds",
-        "specdec:generation_tokens_total", "specdec:prompt_tokens_total", "specdec:requests_total",
-        "specdec:requests_running", "specdec:latency_spikes_total", "specdec:drafter_fallbacks_total",
-        "specdec:gateway_refused_total", "specdec:gateway_migrations_total", "specdec:gateway_replicas",
+        "specdec:spec_decode_num_drafts_total",
+        "specdec:spec_decode_num_draft_tokens_total",
+        "specdec:spec_decode_num_accepted_tokens_total",
+        "specdec:spec_decode_num_accepted_tokens_per_pos_total",
+        "specdec:accepted_length",
+        "specdec:rounds_total",
+        "specdec:round_stage_seconds",
+        "specdec:generation_tokens_total",
+        "specdec:prompt_tokens_total",
+        "specdec:requests_total",
+        "specdec:requests_running",
+        "specdec:latency_spikes_total",
+        "specdec:drafter_fallbacks_total",
+        "specdec:gateway_refused_total",
+        "specdec:gateway_migrations_total",
+        "specdec:gateway_replicas",
     },
     "drafter": {
-        "specdec:drafter_sessions", "specdec:drafter_requests_total", "specdec:drafter_blocks_total", "specdec:drafter_tokens_total",
-        "specdec:drafter_step_seconds", "specdec:drafter_branches_total",
+        "specdec:drafter_sessions",
+        "specdec:drafter_requests_total",
+        "specdec:drafter_blocks_total",
+        "specdec:drafter_tokens_total",
+        "specdec:drafter_step_seconds",
+        "specdec:drafter_branches_total",
     },
     "verifier": {
-        "specdec:verifier_sessions", "specdec:verifier_requests_total", "specdec:verifier_engine_steps_total",
+        "specdec:verifier_sessions",
+        "specdec:verifier_requests_total",
+        "specdec:verifier_engine_steps_total",
         "specdec:verifier_step_seconds",
-        "specdec:verifier_batch_size", "specdec:verifier_computed_tokens_total",
-        "specdec:verifier_withheld_draft_tokens_total", "specdec:verifier_step_cost_ms",
-        "specdec:verifier_draft_wait_seconds_total", "specdec:verifier_branches_total",
-        "specdec:verifier_branch_hits_total", "specdec:verifier_branch_misses_total",
+        "specdec:verifier_batch_size",
+        "specdec:verifier_computed_tokens_total",
+        "specdec:verifier_withheld_draft_tokens_total",
+        "specdec:verifier_step_cost_ms",
+        "specdec:verifier_draft_wait_seconds_total",
+        "specdec:verifier_branches_total",
+        "specdec:verifier_branch_hits_total",
+        "specdec:verifier_branch_misses_total",
     },
 }
 

@@ -25,7 +25,7 @@ def during_wait(board: DraftBoard, *events: Callable[[], object]) -> list[float]
             return True
         return real(timeout)
 
-    board._cond.wait = wait  # type: ignore[method-assign]
+    board._cond.wait = wait  # type: ignore[method-assign]  # the test's instrumented wait
     return timeouts
 
 
@@ -33,4 +33,4 @@ def never_waits(board: DraftBoard) -> None:
     def wait(timeout: float | None = None) -> bool:
         raise AssertionError(f"the step waited (timeout {timeout} s)")
 
-    board._cond.wait = wait  # type: ignore[method-assign]
+    board._cond.wait = wait  # type: ignore[method-assign]  # the test's instrumented wait

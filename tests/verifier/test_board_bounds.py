@@ -78,7 +78,7 @@ def test_a_flood_between_two_previews_is_cut_at_the_cap_without_waking_a_step() 
         b.offer("r", 3, [7, 8, 9], committed=3)
     wakes = []
     real = b._cond.notify_all
-    b._cond.notify_all = lambda: (wakes.append(1), real())  # type: ignore[method-assign]
+    b._cond.notify_all = lambda: (wakes.append(1), real())  # type: ignore[method-assign]  # counts the wake-ups
     for _ in range(10_000):
         b.offer("r", 3, [1, 1, 1], committed=3)  # dropped: no chain change, no wake-up
     assert wakes == [] and b._entries["r"].chain == [7, 8, 9]

@@ -69,7 +69,9 @@ def test_allocation_raises_expected_tokens_per_ms() -> None:
     k = allocate(alphas, caps, c)
 
     def rate(ks: list[int]) -> float:
-        return sum(expected_tokens(a, x) for a, x in zip(alphas, ks)) / c.predict_ms(sum(1 + x for x in ks))
+        return sum(expected_tokens(a, x) for a, x in zip(alphas, ks, strict=True)) / c.predict_ms(
+            sum(1 + x for x in ks)
+        )
 
     assert rate(k) >= max(rate([0] * 4), rate(caps))
     for i in range(4):  # no single draft more or less does better

@@ -119,6 +119,7 @@ def test_fix_expands_and_replaces() -> None:
     assert ints.tolist() == [5, 5, 0, 0, 0, 7]
 
 
+@pytest.mark.e2e  # imports vLLM
 def test_upstream_cpu_version_is_wrong() -> None:
     """Documents the bug the fix works around; when this fails, upstream is fixed."""
     from vllm.platforms import current_platform
@@ -134,15 +135,25 @@ def test_upstream_cpu_version_is_wrong() -> None:
     assert not torch.equal(got, WANT)
 
 
+@pytest.mark.e2e  # imports vLLM
 def test_apply_installs_it() -> None:
+    from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
 
-    if vllm_hooks.apply_cpu_sampler_fix():
+    installed = vllm_hooks.apply_cpu_sampler_fix()
+    assert installed == current_platform.is_cpu()  # installed exactly where the bug is
+    if installed:
         assert rejection_sampler.expand_batch_to_tokens is vllm_hooks.expand_batch_to_tokens
+        guarded = rejection_sampler.apply_top_k_top_p
+        assert guarded.__wrapped_empty__
         assert vllm_hooks.apply_cpu_sampler_fix()  # idempotent: the guard is not stacked
-        assert rejection_sampler.apply_top_k_top_p.__wrapped_empty__
+        assert rejection_sampler.apply_top_k_top_p is guarded
+    else:  # a GPU build: vLLM's own functions stay
+        assert rejection_sampler.expand_batch_to_tokens is not vllm_hooks.expand_batch_to_tokens
+        assert not getattr(rejection_sampler.apply_top_k_top_p, "__wrapped_empty__", False)
 
 
+@pytest.mark.e2e  # imports vLLM
 def test_top_k_on_a_step_without_draft_rows() -> None:
     """A sampled top_k request with no drafts this step: the rejection sampler truncates a
     [0, vocab] batch. vLLM's CPU top-k path fails on it; the guard returns it as is."""
@@ -170,7 +181,9 @@ def test_schedule_hook_reports_each_step() -> None:
     calls: list[object] = []
     scheduler = types.SimpleNamespace(waiting=[object(), object()])
     scheduler.schedule = lambda *args, **kwargs: calls.append(("schedule", args, kwargs)) or output
-    engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=scheduler)))
+    engine = types.SimpleNamespace(
+        engine_core=types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=scheduler))
+    )
     vllm_hooks.install_schedule_hook(engine, calls.append, lambda: calls.append("before"))
     assert scheduler.schedule(True, x=1) is output  # arguments and result pass through
     assert calls[:2] == ["before", ("schedule", (True,), {"x": 1})]
@@ -189,7 +202,9 @@ def test_model_facts_collect_every_stop_id() -> None:
         try_get_generation_config=lambda: {"eos_token_id": [2, 7]},
         get_vocab_size=lambda: 2048,
     )
-    engine = types.SimpleNamespace(model_config=model_config, get_tokenizer=lambda: types.SimpleNamespace(eos_token_id=9))
+    engine = types.SimpleNamespace(
+        model_config=model_config, get_tokenizer=lambda: types.SimpleNamespace(eos_token_id=9)
+    )
     assert vllm_hooks.model_facts(engine) == vllm_hooks.ModelFacts(2048, [2], {2, 7, 9})
 
 
