@@ -66,14 +66,14 @@ class GatewayServicer(rpc.GatewayServiceServicer):
     def __init__(self, cfg: GatewayConfig, registry: CollectorRegistry) -> None:
         from transformers import AutoTokenizer
 
-        from specdec.models import resolve
+        from specdec.models import resolve_tokenizer
 
         self.cfg = cfg
         self.default_drafter = draft_method(cfg.default_drafter)  # a bad name stops the start-up, naming the known
         telemetry.setup_tracing("gateway")  # Round takes its tracer from the provider
         self.metrics = telemetry.GatewayMetrics(registry)
         self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer))
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer(cfg.tokenizer))
         self.keys = security.KeyStore.from_config(cfg)
         self.limits = security.RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst, cfg.max_streams_per_key)
         self.slots = serving.SessionSlots("gateway", cfg.max_inflight, "max_inflight")

@@ -4,7 +4,7 @@
     specdec serve drafter|verifier|gateway ...    start one service (multi-host deployments)
     specdec generate "text" [--json] ...          a completion and its speculation stats
     specdec demo [--models qwen-coder|tiny]       up + one generation with stats + down
-    specdec models list [--json] | pull PAIR | path PAIR[/ROLE]   the model registry
+    specdec models list [--json] | pull PAIR [--role R] [--tokenizer] | path PAIR[/ROLE]   the model registry
     specdec eval-draft [--target T --draft D]     draft agreement, step costs, predicted speedups
     specdec traces FILE... [--request ID]         slowest rounds, spikes by stage, one request's timeline
     specdec bench [--quick]                       specdec vs vLLM and transformers, side by side
@@ -317,9 +317,12 @@ def _models(args: argparse.Namespace) -> int:
     if args.action == "list":
         entries = models.list_pairs()
         print(json.dumps(entries, indent=2, default=str) if args.json else format_models(entries))
+    elif args.action == "pull" and args.tokenizer:
+        ref = models.PAIRS[args.name].tokenizer if args.name in models.PAIRS else f"{args.name}/target"
+        print(models.resolve_tokenizer(f"{args.name}/{args.role}" if args.role else ref))
     elif args.action == "pull":
-        models.prepare(args.name)
-        print(f"{args.name}: ready")
+        folders = models.prepare(args.name, [args.role] if args.role else None)
+        print(f"{args.name}: ready" if not args.role else folders[args.role])
     elif "/" in args.name or Path(args.name).expanduser().is_dir():
         print(models.resolve(args.name, pull=False))  # one model: its folder
     else:  # a pair: every role's folder
@@ -339,6 +342,11 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--json", action="store_true", help="one JSON array (the folders as strings)")
     pull = actions.add_parser("pull", help="download, verify and convert a pair once (tiny: build it)")
     pull.add_argument("name", nargs="?", default="qwen-coder", metavar="PAIR", help="default: qwen-coder")
+    pull.add_argument("--role", metavar="ROLE",
+                      help="only this role's model (e.g. target for a verifier, draft for a drafter); prints its folder")
+    pull.add_argument("--tokenizer", action="store_true",
+                      help="only the tokenizer (of the pair's target, or of --role), not the weights: what a gateway "
+                           "needs; prints its folder")
     path = actions.add_parser("path", help="the folder of each role of PAIR, or of one PAIR/ROLE")
     path.add_argument("name", nargs="?", default="qwen-coder", metavar="PAIR[/ROLE]",
                       help="a pair (every role's folder) or PAIR/ROLE (that folder); default: qwen-coder")

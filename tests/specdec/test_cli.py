@@ -91,7 +91,7 @@ def test_user_error_exits_2_without_traceback_and_debug_adds_it(cache: Path) -> 
     (["models", "path", "qwen-coder/nope"],
      "specdec: error: model 'qwen-coder/nope': pair 'qwen-coder' has no role 'nope'; use one of: qwen-coder/target, "
      "qwen-coder/draft"),
-    (["models", "path", "qwen-coder/draft"], NOT_PULLED),
+    (["models", "path", "qwen-coder/draft"], NOT_PULLED.replace("target, draft", "draft")),  # that role only
     (["generate", "a,b", "--token-ids"], "specdec: error: --token-ids: 'a,b' is not a comma-separated list"),
     (["traces", "missing.jsonl"], "specdec: error: No such file or directory: missing.jsonl; check the path"),
 ])

@@ -26,8 +26,10 @@ from specdec.models.pull import (
     RoleSpec,
     build_role,
     installed,
+    installed_tokenizer,
     list_models,
     pull,
+    pull_tokenizer,
 )
 
 # requirement -> (file inside the pip dir, its bytes)
@@ -172,6 +174,61 @@ def test_second_pull_is_instant(cache: Path, capsys: pytest.CaptureFixture[str])
     assert installed("fake") == folders
     entry = next(m for m in list_models() if m["name"] == "fake")
     assert entry["installed"] and [r["path"] for r in entry["roles"]] == list(folders.values())
+
+
+def test_one_role_pulls_only_that_role(cache: Path) -> None:
+    """`specdec models pull PAIR --role R`: a drafter's volume needs only the draft."""
+    fetch = FakeFetch()
+    folders = pull("fake", progress=False, roles=["draft"], fetch=fetch, convert=fake_convert)
+    assert folders == {"draft": cache / "models" / "fake" / "draft"} and fetch.calls == 1
+    assert not (cache / "models" / "fake" / "target").exists()
+    assert installed("fake", ["draft"]) == folders
+    with pytest.raises(FileNotFoundError, match="missing roles: target"):
+        installed("fake", ["target"])
+    with pytest.raises(FileNotFoundError, match="missing roles: target"):
+        installed("fake")
+    with pytest.raises(FileNotFoundError, match="has no role 'drafter'.*use one of: target, draft"):
+        pull("fake", progress=False, roles=["drafter"], fetch=fetch, convert=must_not_convert)
+    assert set(pull("fake", progress=False, fetch=fetch, convert=fake_convert)) == {"target", "draft"}
+    assert fetch.calls == 2  # the draft was not pulled again
+
+
+def fake_tokenizer(gguf: Path, dest: Path) -> None:
+    assert gguf.read_bytes() == JOINED  # only a verified file is read
+    (dest / "tokenizer.json").write_text("{}")
+
+
+def test_tokenizer_only_pull_gets_no_weights(cache: Path) -> None:
+    """A gateway's pull: the tokenizer folder, never counted as the role's model."""
+    fetch = FakeFetch()
+    assert installed_tokenizer("fake", "target") is None
+    folder = pull_tokenizer("fake", "target", progress=False, fetch=fetch, save=fake_tokenizer)
+    assert folder == cache / "tokenizers" / "fake" / "target"
+    assert sorted(p.name for p in folder.iterdir()) == [MARKER, "tokenizer.json"]
+    assert installed_tokenizer("fake", "target") == folder
+    with pytest.raises(FileNotFoundError):
+        installed("fake", ["target"])  # a tokenizer is not the model
+    assert pull_tokenizer("fake", "target", fetch=fetch, save=must_not_convert) == folder and fetch.calls == 1
+    with pytest.raises(ChecksumError):  # the tokenizer comes from a verified file only
+        pull_tokenizer("fake", "draft", progress=False, fetch=FakeFetch(tamper=True), save=must_not_convert)
+    assert installed_tokenizer("fake", "draft") is None
+    # once the model is there, its folder (which holds the tokenizer) is the answer
+    model = pull("fake", progress=False, roles=["target"], fetch=fetch, convert=fake_convert)["target"]
+    assert pull_tokenizer("fake", "target", fetch=fetch, save=must_not_convert) == model
+    assert installed_tokenizer("fake", "target") == model
+
+
+def test_resolve_needs_only_the_role_it_names(cache: Path) -> None:
+    """A verifier resolving PAIR/target on a volume that holds only the target (no draft)."""
+    from specdec import models
+
+    pulled = pull("fake", progress=False, roles=["target"], fetch=FakeFetch(), convert=fake_convert)
+    assert models.resolve("fake/target", pull=False) == pulled["target"]
+    with pytest.raises(FileNotFoundError, match="missing roles: draft"):
+        models.resolve("fake/draft", pull=False)
+    assert models.resolve_tokenizer("fake/target", pull=False) == pulled["target"]
+    with pytest.raises(FileNotFoundError, match="--tokenizer"):
+        models.resolve_tokenizer("fake/draft", pull=False)
 
 
 if __name__ == "__main__":  # the child of test_sigkilled_pull_...: hangs in the converter
