@@ -317,12 +317,17 @@ def _models(args: argparse.Namespace) -> int:
     if args.action == "list":
         entries = models.list_pairs()
         print(json.dumps(entries, indent=2, default=str) if args.json else format_models(entries))
-    elif args.action == "pull" and args.tokenizer:
-        ref = models.PAIRS[args.name].tokenizer if args.name in models.PAIRS else f"{args.name}/target"
-        print(models.resolve_tokenizer(f"{args.name}/{args.role}" if args.role else ref))
     elif args.action == "pull":
-        folders = models.prepare(args.name, [args.role] if args.role else None)
-        print(f"{args.name}: ready" if not args.role else folders[args.role])
+        pair, _, role = args.name.partition("/")  # PAIR/ROLE is PAIR --role ROLE
+        role = args.role or role
+        if args.tokenizer:
+            ref = f"{pair}/{role}" if role else models.PAIRS[pair].tokenizer if pair in models.PAIRS else f"{pair}/target"
+            print(models.resolve_tokenizer(ref))
+        elif role:
+            print(models.prepare(pair, [role])[role])
+        else:
+            models.prepare(pair)
+            print(f"{pair}: ready")
     elif "/" in args.name or Path(args.name).expanduser().is_dir():
         print(models.resolve(args.name, pull=False))  # one model: its folder
     else:  # a pair: every role's folder
@@ -341,7 +346,8 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     ls = actions.add_parser("list", help="every pair and role: pulled or not, size, folder")
     ls.add_argument("--json", action="store_true", help="one JSON array (the folders as strings)")
     pull = actions.add_parser("pull", help="download, verify and convert a pair once (tiny: build it)")
-    pull.add_argument("name", nargs="?", default="qwen-coder", metavar="PAIR", help="default: qwen-coder")
+    pull.add_argument("name", nargs="?", default="qwen-coder", metavar="PAIR[/ROLE]",
+                      help="a pair, or one model of it (PAIR/ROLE: as --role); default: qwen-coder")
     pull.add_argument("--role", metavar="ROLE",
                       help="only this role's model (e.g. target for a verifier, draft for a drafter); prints its folder")
     pull.add_argument("--tokenizer", action="store_true",

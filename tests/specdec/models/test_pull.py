@@ -231,6 +231,23 @@ def test_resolve_needs_only_the_role_it_names(cache: Path) -> None:
         models.resolve_tokenizer("fake/draft", pull=False)
 
 
+def test_pip_stages_on_the_cache_volume_not_in_tmp(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pip's temporary folder is next to the pip dir (the model volume), then removed."""
+    from specdec.models import pull as pull_mod
+
+    seen: dict[str, object] = {}
+
+    def run(cmd: list[str], check: bool, env: dict[str, str]) -> None:
+        seen["tmp"], seen["cmd"] = Path(env["TMPDIR"]), cmd
+        assert Path(env["TMPDIR"]).is_dir()
+
+    monkeypatch.setattr(pull_mod.subprocess, "run", run)
+    target = cache / "pip" / "fake-target"
+    pull_mod.pip_install(["fake-part1==1.0"], target, progress=False)
+    assert seen["tmp"] == cache / "pip" / "fake-target.tmp" and not Path(str(seen["tmp"])).exists()
+    assert "--target" in seen["cmd"] and str(target) in seen["cmd"]  # type: ignore[operator]
+
+
 if __name__ == "__main__":  # the child of test_sigkilled_pull_...: hangs in the converter
     os.environ["SPECDEC_CACHE_DIR"] = sys.argv[1]
     PAIRS["fake"] = fake_pair()
