@@ -318,6 +318,11 @@ def _models(args: argparse.Namespace) -> int:
         entries = models.list_pairs()
         print(json.dumps(entries, indent=2, default=str) if args.json else format_models(entries))
     elif args.action == "pull":
+        if os.environ.get("TMPDIR"):  # it may be on the volume pulled into (deploy/k8s/components/pull-models)
+            import tempfile
+
+            Path(os.environ["TMPDIR"]).mkdir(parents=True, exist_ok=True)
+            tempfile.tempdir = None  # not a fallback chosen while it did not exist
         pair, _, role = args.name.partition("/")  # PAIR/ROLE is PAIR --role ROLE
         role = args.role or role
         if args.tokenizer:
