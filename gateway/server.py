@@ -293,13 +293,21 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             raise
 
     async def Generate(self, request, context) -> "pb.GenerateResponse":  # noqa: N802
+        started = time.perf_counter()
         async with self.admitted(context), self.slots.hold(context):
-            return await self._generate(request, context)
+            response = await self._generate(request, context)
+        self.metrics.e2e_latency.observe(time.perf_counter() - started)
+        return response
 
     async def GenerateStream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:  # noqa: N802
+        started, first = time.perf_counter(), True
         async with self.admitted(context), self.slots.hold(context):
             async for chunk in self._generate_stream(request, context):
+                if first and chunk.token_ids:
+                    self.metrics.time_to_first_token.observe(time.perf_counter() - started)
+                    first = False
                 yield chunk
+        self.metrics.e2e_latency.observe(time.perf_counter() - started)
 
     async def _generate(self, request, context) -> "pb.GenerateResponse":
         plan = await self._checked_plan(request.spec, context)
