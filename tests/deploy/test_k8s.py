@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installe
                                  "rendered with `kubectl kustomize` (kustomize built in)")
 
 OVERLAYS = ("cpu", "gpu", "production")
-COMPONENTS = ("mtls", "cert-manager", "keda", "servicemonitor", "tracing", "pull-models")
+COMPONENTS = ("mtls", "cert-manager", "keda", "servicemonitor", "tracing", "pull-models", "ingress")
 KINDS = ("verifier", "drafter", "gateway")
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "Certificate", "Issuer"}
 # oldest Kubernetes these manifests are for, and the newest schemas kubernetes-validate has
@@ -47,14 +47,15 @@ def _kustomize(path: Path) -> list[dict[str, Any]]:
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     """Every overlay, and the cpu overlay with every component (kustomize wants relative paths)."""
     out = {name: _kustomize(K8S / "overlays" / name) for name in OVERLAYS}
-    root = tmp_path_factory.mktemp("kustomize-all")
-    rel = lambda p: os.path.relpath(p, root)  # noqa: E731
-    (root / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "specdec",
-        "resources": [rel(K8S / "overlays" / "cpu")],
-        "components": [rel(K8S / "components" / c) for c in COMPONENTS],
-    }))
-    out["cpu+all-components"] = _kustomize(root)
+    for name, components in (("cpu+all-components", COMPONENTS), ("cpu+ingress", ("ingress",))):
+        root = tmp_path_factory.mktemp("kustomize-all")
+        rel = lambda p, root=root: os.path.relpath(p, root)  # noqa: E731
+        (root / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "specdec",
+            "resources": [rel(K8S / "overlays" / "cpu")],
+            "components": [rel(K8S / "components" / c) for c in components],
+        }))
+        out[name] = _kustomize(root)
     return out
 
 
@@ -130,7 +131,7 @@ def test_core_kinds_validate_strictly_against_kubernetes_schemas(objs) -> None:
 
 def test_only_known_kinds(objs) -> None:
     core = {"Namespace", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-            "NetworkPolicy", "PersistentVolumeClaim"}
+            "NetworkPolicy", "PersistentVolumeClaim", "Ingress"}
     assert {o["kind"] for o in objs} <= core | CRD_KINDS
 
 
@@ -494,3 +495,28 @@ def test_tracing_component(rendered) -> None:
     for kind in KINDS:
         env = _env(_main(_deployment(objs, kind)))
         assert env["OTEL_TRACES_EXPORTER"]["value"] == "otlp" and env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"]
+
+
+def test_ingress_component_exposes_only_the_gateways_client_ports_under_tls(rendered) -> None:
+    """REST under /v1 to the gateway's `http` port, gRPC (the GatewayService only) to its `grpc`
+    port, TLS on every host; never /metrics, the health service or the peers. (Without
+    components/mtls: the gateway serves plaintext behind the ingress, so GRPC, not GRPCS.)"""
+    objs = rendered["cpu+ingress"]
+    assert "SPECDEC_TLS_CERT" not in _env(_main(_deployment(objs, "gateway")))
+    gateway = _named(objs, "Service", "gateway")
+    ports = {p["name"] for p in gateway["spec"]["ports"]}
+    seen = {}
+    for ingress in _of(objs, "Ingress"):
+        spec = ingress["spec"]
+        tls_hosts = {h for t in spec["tls"] for h in t["hosts"]}
+        for rule in spec["rules"]:
+            assert rule["host"] in tls_hosts, f"{ingress['metadata']['name']}: {rule['host']} without TLS"
+            for path in rule["http"]["paths"]:
+                backend = path["backend"]["service"]
+                assert backend["name"] == "gateway" and backend["port"]["name"] in ports - {"metrics"}
+                seen[backend["port"]["name"]] = (path["path"], ingress["metadata"]["annotations"])
+    assert set(seen) == {"http", "grpc"}
+    assert seen["http"][0] == "/v1"
+    assert seen["grpc"][0] == "/specdec.v1.GatewayService"
+    assert seen["grpc"][1]["nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"
+    assert seen["http"][1]["nginx.ingress.kubernetes.io/proxy-buffering"] == "off", "streams token by token"
