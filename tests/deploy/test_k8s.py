@@ -110,6 +110,7 @@ def test_overlays_render_every_role(objs) -> None:
     for dep in _of(objs, "Deployment"):
         rolling = dep["spec"]["strategy"]["rollingUpdate"]
         assert rolling["maxSurge"] or rolling["maxUnavailable"], f"{dep['metadata']['name']}: the roll-out cannot move"
+        assert dep["spec"]["revisionHistoryLimit"] >= 2, "`kubectl rollout undo` needs the previous ReplicaSets"
 
 
 def test_core_kinds_validate_strictly_against_kubernetes_schemas(objs) -> None:
