@@ -11,7 +11,10 @@
 # the container engine (ENGINE: podman or docker, whichever is installed). The root filesystem
 # keeps its apt sources, so `apt-get install` in the Dockerfile (verifier-cpu) works as on the
 # official image. MIRROR (default http://deb.debian.org/debian) and SUITE (bookworm) choose where
-# from; with a snapshot.debian.org URL as MIRROR the base is reproducible.
+# from; with a snapshot.debian.org URL as MIRROR the base is reproducible. EXTRA_CA_CERTS (PEM files,
+# space-separated) are added to the image's CA store, for a build machine whose egress goes through
+# a TLS-inspecting proxy; pip, requests and Python's ssl read that store (PIP_CERT, SSL_CERT_FILE,
+# REQUESTS_CA_BUNDLE), where pip's own certifi bundle would not know the proxy's CA.
 set -euo pipefail
 
 image=${1:-localhost/specdec-python:3.11-bookworm}
@@ -23,13 +26,21 @@ command -v mmdebstrap > /dev/null || { echo "build-base.sh: needs mmdebstrap (ap
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+hooks=()
+for cert in ${EXTRA_CA_CERTS:-}; do
+  hooks+=(--customize-hook="copy-in $cert /usr/local/share/ca-certificates/")
+done
+[ ${#hooks[@]} -eq 0 ] || hooks+=(--customize-hook='chroot "$1" update-ca-certificates')
 start=$(date +%s)
 mmdebstrap --variant=minbase \
   --include=python3,python3-venv,python3-pip,python-is-python3,ca-certificates,passwd \
   --aptopt='APT::Install-Recommends "false"' \
   --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
   --dpkgopt='path-exclude=/usr/share/locale/*' \
+  "${hooks[@]}" \
   --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin' \
   "$suite" "$work/rootfs.tar" "$mirror"
-"$engine" import --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' "$work/rootfs.tar" "$image" > /dev/null
+bundle=/etc/ssl/certs/ca-certificates.crt
+"$engine" import --change 'ENV LANG=C.UTF-8' --change "ENV PIP_CERT=$bundle" --change "ENV SSL_CERT_FILE=$bundle" \
+  --change "ENV REQUESTS_CA_BUNDLE=$bundle" --change 'CMD ["python3"]' "$work/rootfs.tar" "$image" > /dev/null
 echo "$image: $(du -h "$work/rootfs.tar" | cut -f1) root filesystem, built in $(( $(date +%s) - start )) s"

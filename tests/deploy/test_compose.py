@@ -45,6 +45,12 @@ def test_the_stack_has_every_part(compose) -> None:
     assert set(compose["services"]) == {"models", *ROLES, "otel-collector", "jaeger", "prometheus", "grafana"}
 
 
+def test_observability_services_are_a_profile(compose) -> None:
+    """`up` alone runs what the Dockerfile builds; the images from a registry need --profile observability."""
+    for name, service in compose["services"].items():
+        assert (service.get("profiles") == ["observability"]) == ("build" not in service), name
+
+
 def test_images_are_pinned_and_roles_build_their_dockerfile_target(compose) -> None:
     targets = set(re.findall(r"^FROM \S+ AS ([\w-]+)", (DEPLOY / "docker" / "Dockerfile").read_text(), re.M))
     for name, svc in compose["services"].items():
@@ -114,7 +120,8 @@ def test_mounted_files_exist_and_wire_up(compose) -> None:
     assert targets == {f"{kind}:{config.SERVICE_CONFIGS[kind]().metrics_port}" for kind in ROLES}
     # traces: services -> collector (OTLP/gRPC) -> jaeger (OTLP)
     env = compose["services"]["verifier"]["environment"]
-    assert env["OTEL_TRACES_EXPORTER"] == "otlp" and env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+    assert env["OTEL_TRACES_EXPORTER"] == "${OTEL_TRACES_EXPORTER:-otlp}"  # otlp unless `none` is asked for
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
     collector = yaml.safe_load((DEPLOY / "observability" / "otel-collector.yaml").read_text())
     assert collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(":4317")
     exporter = collector["service"]["pipelines"]["traces"]["exporters"][0]
