@@ -23,7 +23,8 @@ if [ "$ENGINE" = podman ]; then
   export CONTAINERS_CONF=${CONTAINERS_CONF:-$PWD/deploy/docker/containers-sandbox.conf}
   COMPOSE=${COMPOSE:-podman-compose}
   sep=_
-  ignore=(--ignorefile deploy/docker/Dockerfile.dockerignore)  # BuildKit finds it by the Dockerfile's name
+  # BuildKit finds the ignore file by the Dockerfile's name; OCI images drop HEALTHCHECK: docker format
+  ignore=(--ignorefile deploy/docker/Dockerfile.dockerignore --format docker)
 else
   ignore=()
   COMPOSE=${COMPOSE:-docker compose}
