@@ -73,7 +73,8 @@ for target in gateway drafter verifier-cpu; do
 done
 
 # the three roles (and the one-shot `models`, which builds the tiny pair into the volume)
-export MODEL_PAIR=tiny OTEL_TRACES_EXPORTER=none SPECDEC_VERSION=$TAG VERIFIER_THREADS=${VERIFIER_THREADS:-1}
+export MODEL_PAIR=tiny VERIFIER_MODEL=tiny/target DRAFTER_MODEL=tiny/draft-mid TOKENIZER=tiny/target
+export OTEL_TRACES_EXPORTER=none SPECDEC_VERSION=$TAG VERIFIER_THREADS=${VERIFIER_THREADS:-1}
 $COMPOSE -f deploy/compose.yaml -p "$PROJECT" up -d --no-build models verifier drafter gateway > /tmp/images-test-compose.log 2>&1 \
   || { tail -30 /tmp/images-test-compose.log; exit 1; }
 

@@ -146,3 +146,18 @@ def test_deploy_readme_names_only_existing_paths() -> None:
     missing += sorted(p for p in local if not (DEPLOY / p).exists())
     missing += sorted(p for p in k8s if not (DEPLOY / "k8s" / p).exists())
     assert not missing, f"deploy/README.md names paths that do not exist: {missing}"
+
+
+def test_each_role_serves_the_model_named_as_in_the_kubernetes_configmap(compose) -> None:
+    """VERIFIER_MODEL, DRAFTER_MODEL, TOKENIZER (and MODEL_PAIR for `models`): the keys of the
+    base's specdec-models ConfigMap, with its values as defaults; a pair's roles by their names
+    (the tiny pair's draft is tiny/draft-mid, so no `${MODEL_PAIR}/draft`)."""
+    base = yaml.safe_load((DEPLOY / "k8s" / "base" / "kustomization.yaml").read_text())
+    (generator,) = [g for g in base["configMapGenerator"] if g["name"] == "specdec-models"]
+    keys = dict(literal.split("=", 1) for literal in generator["literals"])
+    wanted = {"verifier": ("SPECDEC_MODEL", "VERIFIER_MODEL"), "drafter": ("SPECDEC_MODEL", "DRAFTER_MODEL"),
+              "gateway": ("SPECDEC_TOKENIZER", "TOKENIZER")}
+    for role, (var, key) in wanted.items():
+        value = compose["services"][role]["environment"][var]
+        assert value == f"${{{key}:-{keys[key]}}}", f"{role}: {var}={value}"
+    assert compose["services"]["models"]["command"] == ["models", "pull", f"${{MODEL_PAIR:-{keys['MODEL_PAIR']}}}"]
