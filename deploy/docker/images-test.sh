@@ -75,11 +75,14 @@ done
 # the three roles (and the one-shot `models`, which builds the tiny pair into the volume)
 export MODEL_PAIR=tiny VERIFIER_MODEL=tiny/target DRAFTER_MODEL=tiny/draft-mid TOKENIZER=tiny/target
 export OTEL_TRACES_EXPORTER=none SPECDEC_VERSION=$TAG VERIFIER_THREADS=${VERIFIER_THREADS:-1}
+# an API key, as in production (and podman-compose 1.0.3 leaves `${SPECDEC_API_KEYS:-}` unexpanded)
+export SPECDEC_API_KEYS=sk-images-test
 $COMPOSE -f deploy/compose.yaml -p "$PROJECT" up -d --no-build models verifier drafter gateway > /tmp/images-test-compose.log 2>&1 \
   || { tail -30 /tmp/images-test-compose.log; exit 1; }
 
 client() {  # `specdec generate` in the gateway image, on the stack's network
-  "$ENGINE" run --rm --network "$NET" "specdec/gateway:$TAG" generate --address "gateway:50051" "$@"
+  "$ENGINE" run --rm --network "$NET" "specdec/gateway:$TAG" generate --address "gateway:50051" \
+    --api-key "$SPECDEC_API_KEYS" "$@" 2> /dev/null
 }
 deadline=$(( $(date +%s) + ${READY_TIMEOUT_S:-900} ))
 until client --token-ids 5,6,7,8 --max-tokens 1 --timeout 30 --json > /dev/null 2>&1; do
