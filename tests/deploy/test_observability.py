@@ -341,7 +341,7 @@ def test_readme_says_what_each_alert_means_and_what_to_do() -> None:
     """deploy/README.md has a section per alert: its meaning and what to do."""
     text = README.read_text()
     for rule in _alert_rules(ALERTS):
-        section = re.search(rf"^#+ [^\n]*`{rule['alert']}`[^\n]*$(.*?)(?=^#)", text + "\n#", re.M | re.S)
+        section = re.search(rf"^#+ [^\n]*`{rule['alert']}`[^\n]*$(.*?)(?=^#)", text + "\n#", re.MULTILINE | re.DOTALL)
         assert section, f"deploy/README.md: no heading for {rule['alert']}"
         body = section.group(1)
         assert "**Means**:" in body and "**Do**:" in body, f"deploy/README.md {rule['alert']}: what it means, what to do"
