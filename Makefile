@@ -7,7 +7,7 @@ BUF := .tools/node_modules/.bin/buf
 # vLLM build: the CPU wheel here, the CUDA wheel of the same version where a GPU exists.
 ACCEL := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup sysdeps protos lint-protos lint-imports lint typecheck docs test test-unit test-e2e test-slow demo bench clean
+.PHONY: setup sysdeps protos lint-protos lint-imports lint typecheck docs test test-unit test-e2e test-slow demo bench images-test clean
 
 setup: $(STAMP) protos sysdeps
 
@@ -91,6 +91,12 @@ demo: setup
 # The side-by-side benchmark on the real pair (about 30 minutes on 2 cores; docs/performance.md).
 bench: setup
 	$(VENV)/bin/specdec bench --models qwen-coder --out bench-results
+
+# Build the drafter, gateway and verifier-cpu images with a container engine (podman or docker), run
+# the three roles from them with compose on the tiny pair, generate exactly through the gateway.
+# Not part of `make test`: tens of minutes. Settings: deploy/docker/images-test.sh.
+images-test:
+	deploy/docker/images-test.sh
 
 clean:
 	rm -rf $(VENV) .tools specdec/v1 logs site

@@ -101,14 +101,15 @@ class GatewayServicer(rpc.GatewayServiceServicer):
     def __init__(self, cfg: GatewayConfig, registry: CollectorRegistry) -> None:
         from transformers import AutoTokenizer
 
-        from specdec.models import resolve
+        from specdec.models import resolve_tokenizer
 
         self.cfg = cfg
         self.default_drafter = draft_method(cfg.default_drafter)  # a bad name stops the start-up, naming the known
         telemetry.setup_tracing("gateway")  # Round takes its tracer from the provider
         self.metrics = telemetry.GatewayMetrics(registry)
         self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer, revision=cfg.tokenizer_revision or None))
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            resolve_tokenizer(cfg.tokenizer, revision=cfg.tokenizer_revision or None))
         self.vocabulary = compat.from_tokenizer(self.tokenizer, cfg.tokenizer)
         # drafter address -> its check: compat.mismatch's line, None when it fits (_fitting_drafter)
         self._drafter_checks: dict[str, asyncio.Future[str | None]] = {}
@@ -402,13 +403,21 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             raise
 
     async def Generate(self, request, context) -> "pb.GenerateResponse":  # noqa: N802
+        started = time.perf_counter()
         async with self.admitted(context) as key, self.slots.hold(context):
-            return await self._generate(request, context, key)
+            response = await self._generate(request, context, key)
+        self.metrics.e2e_latency.observe(time.perf_counter() - started)
+        return response
 
     async def GenerateStream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:  # noqa: N802
+        started, first = time.perf_counter(), True
         async with self.admitted(context) as key, self.slots.hold(context):
             async for chunk in self._generate_stream(request, context, key):
+                if first and chunk.token_ids:
+                    self.metrics.time_to_first_token.observe(time.perf_counter() - started)
+                    first = False
                 yield chunk
+        self.metrics.e2e_latency.observe(time.perf_counter() - started)
 
     async def _generate(self, request, context, key: str) -> "pb.GenerateResponse":
         plan = await self._checked_plan(request.spec, context, key)

@@ -4,7 +4,7 @@
     specdec serve drafter|verifier|gateway ...    start one service (multi-host deployments)
     specdec generate "text" [--json] ...          a completion and its speculation stats
     specdec demo [--models qwen-coder|tiny]       up + one generation with stats + down
-    specdec models list [--json] | pull PAIR | path PAIR[/ROLE]   the model registry
+    specdec models list [--json] | pull PAIR [--role R] [--tokenizer] | path PAIR[/ROLE]   the model registry
     specdec eval-draft [--target T --draft D]     draft agreement, step costs, predicted speedups
     specdec traces FILE... [--request ID]         slowest rounds, spikes by stage, one request's timeline
     specdec bench [--quick]                       specdec vs vLLM and transformers, side by side
@@ -338,8 +338,21 @@ def _models(args: argparse.Namespace) -> int:
         entries = models.list_pairs()
         print(json.dumps(entries, indent=2, default=str) if args.json else format_models(entries))
     elif args.action == "pull":
-        models.prepare(args.name)
-        print(f"{args.name}: ready")
+        if os.environ.get("TMPDIR"):  # it may be on the volume pulled into (deploy/k8s/components/pull-models)
+            import tempfile
+
+            Path(os.environ["TMPDIR"]).mkdir(parents=True, exist_ok=True)
+            tempfile.tempdir = None  # not a fallback chosen while it did not exist
+        pair, _, role = args.name.partition("/")  # PAIR/ROLE is PAIR --role ROLE
+        role = args.role or role
+        if args.tokenizer:
+            ref = f"{pair}/{role}" if role else models.PAIRS[pair].tokenizer if pair in models.PAIRS else f"{pair}/target"
+            print(models.resolve_tokenizer(ref))
+        elif role:
+            print(models.prepare(pair, [role])[role])
+        else:
+            models.prepare(pair)
+            print(f"{pair}: ready")
     elif "/" in args.name or Path(args.name).expanduser().is_dir():
         print(models.resolve(args.name, pull=False))  # one model: its folder
     else:  # a pair: every role's folder
@@ -358,7 +371,13 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     ls = actions.add_parser("list", help="every pair and role: pulled or not, size, folder")
     ls.add_argument("--json", action="store_true", help="one JSON array (the folders as strings)")
     pull = actions.add_parser("pull", help="download, verify and convert a pair once (tiny: build it)")
-    pull.add_argument("name", nargs="?", default="qwen-coder", metavar="PAIR", help="default: qwen-coder")
+    pull.add_argument("name", nargs="?", default="qwen-coder", metavar="PAIR[/ROLE]",
+                      help="a pair, or one model of it (PAIR/ROLE: as --role); default: qwen-coder")
+    pull.add_argument("--role", metavar="ROLE",
+                      help="only this role's model (e.g. target for a verifier, draft for a drafter); prints its folder")
+    pull.add_argument("--tokenizer", action="store_true",
+                      help="only the tokenizer (of the pair's target, or of --role), not the weights: what a gateway "
+                           "needs; prints its folder")
     path = actions.add_parser("path", help="the folder of each role of PAIR, or of one PAIR/ROLE")
     path.add_argument("name", nargs="?", default="qwen-coder", metavar="PAIR[/ROLE]",
                       help="a pair (every role's folder) or PAIR/ROLE (that folder); default: qwen-coder")

@@ -218,6 +218,8 @@ class GatewayMetrics:
         specdec:round_stage_seconds{stage}                histogram: verify, draft, draft_wait, network
         specdec:generation_tokens_total, specdec:prompt_tokens_total
         specdec:requests_total{finish_reason}, specdec:requests_running (queue depth)
+        specdec:time_to_first_token_seconds               histogram: a stream's arrival to its first token
+        specdec:e2e_request_latency_seconds               histogram: a call's arrival to its end (completed calls)
         specdec:latency_spikes_total{stage}, specdec:drafter_fallbacks_total
         specdec:gateway_refused_total{reason}             unauthenticated, rate_limited, request_too_large
         specdec:gateway_migrations_total                  generations resumed on another verifier
@@ -271,12 +273,25 @@ class GatewayMetrics:
         self.requests = Counter(
             "specdec:requests", "Finished requests by finish reason", ["finish_reason"], registry=registry
         )
+        for reason in ("length", "stop", "abort"):  # every finish reason has a series from the start
+            self.requests.labels(reason)
         self.requests_running = Gauge(
             "specdec:requests_running", "Requests in flight at the gateway (queue depth)", registry=registry
+        )
+        # what a client sees, from the call's arrival at the gateway (admission and queueing included)
+        self.time_to_first_token = Histogram(
+            "specdec:time_to_first_token_seconds", "GenerateStream calls: arrival to the first token",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,
+        )
+        self.e2e_latency = Histogram(
+            "specdec:e2e_request_latency_seconds", "Generate and GenerateStream calls that completed: arrival to the end",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600), registry=registry,
         )
         self.spikes = Counter(
             "specdec:latency_spikes", "Rounds with a latency spike, by stage", ["stage"], registry=registry
         )
+        for stage in STAGES:
+            self.spikes.labels(stage)
         self.migrations = Counter(
             "specdec:gateway_migrations", "Generations moved to another verifier mid-way (theirs went away)",
             registry=registry,
@@ -286,6 +301,8 @@ class GatewayMetrics:
             "specdec:gateway_refused", "Calls refused before any work, by reason (unauthenticated, rate_limited, request_too_large)",
             ["reason"], registry=registry,
         )
+        for reason in ("unauthenticated", "rate_limited"):
+            self.refused.labels(reason)
         self.fallbacks = Counter(
             "specdec:drafter_fallbacks", "Requests that went on without their drafter", registry=registry
         )

@@ -185,20 +185,26 @@ def roles(pair: str) -> tuple[str, ...]:
     return tuple(role.role for role in pull.PAIRS[pair].roles)
 
 
-def prepare(pair: str) -> dict[str, Path]:
-    """Make every role of a pair available locally (build the tiny pair, pull the others);
+def prepare(pair: str, only: list[str] | None = None) -> dict[str, Path]:
+    """Make the roles of a pair available locally (build the tiny pair, pull the others):
+    every role, or only those in `only` (a pulled pair; the tiny pair is built whole);
     returns role -> folder."""
     roles(pair)  # an unknown pair: ModelNotFoundError naming the known ones
     if pair == TINY:
         from specdec.models import tiny
 
-        return tiny.build(cache_dir() / TINY)
+        built = tiny.build(cache_dir() / TINY)
+        unknown = [r for r in only or () if r not in built]
+        if unknown:
+            raise ModelNotFoundError(f"model pair {pair!r} has no role {unknown[0]!r}", f"use one of: {', '.join(built)}")
+        return built if only is None else {r: built[r] for r in only}
     user = _user_pair(pair)
     if user:
-        return {"target": resolve(user.target), "draft": resolve(user.draft)}
+        refs = {"target": user.target, "draft": user.draft}
+        return {r: resolve(refs[r]) for r in (only or USER_ROLES)}
     from specdec.models import pull
 
-    return pull.pull(pair)
+    return pull.pull(pair, roles=only)
 
 
 def folders(pair: str, pull: bool = False) -> dict[str, Path]:
@@ -250,7 +256,12 @@ def resolve(ref: str, pull: bool = True, revision: str | None = None) -> Path:
         user = _user_pair(pair)
         if user:
             return resolve(user.target if role == "target" else user.draft, pull=pull)
-        return folders(pair, pull=pull)[role]
+        if pair == TINY:
+            return folders(pair)[role]
+        from specdec.models import pull as pull_mod
+
+        # one role: a volume holding only this role's model (a verifier's, a drafter's) is enough
+        return (pull_mod.pull(pair, roles=[role]) if pull else pull_mod.installed(pair, roles=[role]))[role]
     if hub.is_repo_id(ref):
         return hub.resolve(ref, revision)
     raise ModelNotFoundError(
@@ -258,6 +269,27 @@ def resolve(ref: str, pull: bool = True, revision: str | None = None) -> Path:
         f"pass a model folder, PAIR/ROLE such as {PAIRS['qwen-coder'].target} "
         "(`specdec models list` shows the pairs) or ORG/NAME[@REVISION]",
     )
+
+
+def resolve_tokenizer(ref: str, pull: bool = True, revision: str | None = None) -> Path:
+    """Return a local folder holding the tokenizer of a model reference: the model's folder,
+    or for a pulled PAIR/ROLE whose weights are not here, its tokenizer folder
+    (`specdec models pull PAIR --tokenizer`). Pulls the tokenizer only when `pull`.
+    `revision` as for `resolve`. Raises ModelNotFoundError as `resolve` does."""
+    load_pairs_file()
+    pair, _, role = ref.partition("/")
+    from specdec.models import pull as pull_mod
+
+    if (Path(ref).expanduser().is_dir() or pair not in pull_mod.PAIRS or not role or revision
+            or role not in roles(pair)):
+        return resolve(ref, pull=pull, revision=revision)  # a folder, tiny, a pairs-file pair or a repo id
+    found = pull_mod.installed_tokenizer(pair, role)
+    if found is not None:
+        return found
+    if pull:
+        return pull_mod.pull_tokenizer(pair, role)
+    raise ModelNotFoundError(f"the tokenizer of {ref!r} is not pulled",
+                             f"run `specdec models pull {pair} --tokenizer` (or pull the model: --role {role})")
 
 
 def list_pairs() -> list[dict[str, Any]]:

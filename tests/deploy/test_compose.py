@@ -45,6 +45,12 @@ def test_the_stack_has_every_part(compose) -> None:
     assert set(compose["services"]) == {"models", *ROLES, "otel-collector", "jaeger", "prometheus", "grafana"}
 
 
+def test_observability_services_are_a_profile(compose) -> None:
+    """`up` alone runs what the Dockerfile builds; the images from a registry need --profile observability."""
+    for name, service in compose["services"].items():
+        assert (service.get("profiles") == ["observability"]) == ("build" not in service), name
+
+
 def test_images_are_pinned_and_roles_build_their_dockerfile_target(compose) -> None:
     targets = set(re.findall(r"^FROM \S+ AS ([\w-]+)", (DEPLOY / "docker" / "Dockerfile").read_text(), re.M))
     for name, svc in compose["services"].items():
@@ -114,7 +120,8 @@ def test_mounted_files_exist_and_wire_up(compose) -> None:
     assert targets == {f"{kind}:{config.SERVICE_CONFIGS[kind]().metrics_port}" for kind in ROLES}
     # traces: services -> collector (OTLP/gRPC) -> jaeger (OTLP)
     env = compose["services"]["verifier"]["environment"]
-    assert env["OTEL_TRACES_EXPORTER"] == "otlp" and env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+    assert env["OTEL_TRACES_EXPORTER"] == "${OTEL_TRACES_EXPORTER:-otlp}"  # otlp unless `none` is asked for
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
     collector = yaml.safe_load((DEPLOY / "observability" / "otel-collector.yaml").read_text())
     assert collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(":4317")
     exporter = collector["service"]["pipelines"]["traces"]["exporters"][0]
@@ -139,3 +146,18 @@ def test_deploy_readme_names_only_existing_paths() -> None:
     missing += sorted(p for p in local if not (DEPLOY / p).exists())
     missing += sorted(p for p in k8s if not (DEPLOY / "k8s" / p).exists())
     assert not missing, f"deploy/README.md names paths that do not exist: {missing}"
+
+
+def test_each_role_serves_the_model_named_as_in_the_kubernetes_configmap(compose) -> None:
+    """VERIFIER_MODEL, DRAFTER_MODEL, TOKENIZER (and MODEL_PAIR for `models`): the keys of the
+    base's specdec-models ConfigMap, with its values as defaults; a pair's roles by their names
+    (the tiny pair's draft is tiny/draft-mid, so no `${MODEL_PAIR}/draft`)."""
+    base = yaml.safe_load((DEPLOY / "k8s" / "base" / "kustomization.yaml").read_text())
+    (generator,) = [g for g in base["configMapGenerator"] if g["name"] == "specdec-models"]
+    keys = dict(literal.split("=", 1) for literal in generator["literals"])
+    wanted = {"verifier": ("SPECDEC_MODEL", "VERIFIER_MODEL"), "drafter": ("SPECDEC_MODEL", "DRAFTER_MODEL"),
+              "gateway": ("SPECDEC_TOKENIZER", "TOKENIZER")}
+    for role, (var, key) in wanted.items():
+        value = compose["services"][role]["environment"][var]
+        assert value == f"${{{key}:-{keys[key]}}}", f"{role}: {var}={value}"
+    assert compose["services"]["models"]["command"] == ["models", "pull", f"${{MODEL_PAIR:-{keys['MODEL_PAIR']}}}"]

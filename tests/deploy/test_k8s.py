@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installe
                                  "rendered with `kubectl kustomize` (kustomize built in)")
 
 OVERLAYS = ("cpu", "gpu", "production")
-COMPONENTS = ("mtls", "cert-manager", "keda", "servicemonitor", "tracing", "shared-models")
+COMPONENTS = ("mtls", "cert-manager", "keda", "servicemonitor", "tracing", "pull-models", "ingress")
 KINDS = ("verifier", "drafter", "gateway")
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "Certificate", "Issuer"}
 # oldest Kubernetes these manifests are for, and the newest schemas kubernetes-validate has
@@ -46,14 +47,15 @@ def _kustomize(path: Path) -> list[dict[str, Any]]:
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     """Every overlay, and the cpu overlay with every component (kustomize wants relative paths)."""
     out = {name: _kustomize(K8S / "overlays" / name) for name in OVERLAYS}
-    root = tmp_path_factory.mktemp("kustomize-all")
-    rel = lambda p: os.path.relpath(p, root)  # noqa: E731
-    (root / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "specdec",
-        "resources": [rel(K8S / "overlays" / "cpu")],
-        "components": [rel(K8S / "components" / c) for c in COMPONENTS],
-    }))
-    out["cpu+all-components"] = _kustomize(root)
+    for name, components in (("cpu+all-components", COMPONENTS), ("cpu+ingress", ("ingress",))):
+        root = tmp_path_factory.mktemp("kustomize-all")
+        rel = lambda p, root=root: os.path.relpath(p, root)  # noqa: E731
+        (root / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "specdec",
+            "resources": [rel(K8S / "overlays" / "cpu")],
+            "components": [rel(K8S / "components" / c) for c in components],
+        }))
+        out[name] = _kustomize(root)
     return out
 
 
@@ -108,6 +110,7 @@ def test_overlays_render_every_role(objs) -> None:
     for dep in _of(objs, "Deployment"):
         rolling = dep["spec"]["strategy"]["rollingUpdate"]
         assert rolling["maxSurge"] or rolling["maxUnavailable"], f"{dep['metadata']['name']}: the roll-out cannot move"
+        assert dep["spec"]["revisionHistoryLimit"] >= 2, "`kubectl rollout undo` needs the previous ReplicaSets"
 
 
 def test_core_kinds_validate_strictly_against_kubernetes_schemas(objs) -> None:
@@ -131,7 +134,7 @@ def test_core_kinds_validate_strictly_against_kubernetes_schemas(objs) -> None:
 
 def test_only_known_kinds(objs) -> None:
     core = {"Namespace", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-            "NetworkPolicy", "PersistentVolumeClaim"}
+            "NetworkPolicy", "PersistentVolumeClaim", "Ingress"}
     assert {o["kind"] for o in objs} <= core | CRD_KINDS
 
 
@@ -156,9 +159,10 @@ def test_every_container_is_probed_sized_and_locked_down(objs) -> None:
             assert not sc.get("privileged"), where
             mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
             volumes = {v["name"]: v for v in pod["volumes"]}
-            assert "emptyDir" in volumes[mounts["/tmp"]], f"{where}: /tmp must be a writable emptyDir"
+            if c in pod["containers"]:  # (init containers write only to the model volume: test_pull_models_...)
+                assert "emptyDir" in volumes[mounts["/tmp"]], f"{where}: /tmp must be a writable emptyDir"
             cache = _env(c)["SPECDEC_CACHE_DIR"]["value"]
-            assert set(volumes[mounts[cache]]) & {"emptyDir", "persistentVolumeClaim"}, f"{where}: the model cache"
+            assert "persistentVolumeClaim" in volumes[mounts[cache]], f"{where}: the model volume"
         main = _main(dep)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert probe in main, f"{name}: no {probe}"
@@ -380,14 +384,77 @@ def test_gpu_overlay_requests_a_gpu_and_the_cuda_image(rendered) -> None:
     assert models["MODEL_PAIR"] == "qwen-coder" and models["VERIFIER_MODEL"] == "qwen-coder/target"
 
 
-def test_model_pull_runs_before_each_service(objs) -> None:
-    for dep in _of(objs, "Deployment"):
+def _models_volume(dep: dict[str, Any]) -> dict[str, Any]:
+    return next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "models")
+
+
+def test_every_role_reads_its_model_from_the_read_only_model_volume(rendered) -> None:
+    """The base: a PersistentVolumeClaim, ReadOnlyMany, mounted read-only at SPECDEC_CACHE_DIR
+    (/models) by the three services; no init container (pulling is components/pull-models)."""
+    for name in OVERLAYS:
+        objs = rendered[name]
+        claim = _named(objs, "PersistentVolumeClaim", "specdec-models")
+        assert claim["spec"]["accessModes"] == ["ReadOnlyMany"], name
+        for dep in _of(objs, "Deployment"):
+            where = f"{name}/{dep['metadata']['name']}"
+            pod = dep["spec"]["template"]["spec"]
+            assert not pod.get("initContainers"), f"{where}: pulling is opt-in (components/pull-models)"
+            assert _models_volume(dep) == {"name": "models", "persistentVolumeClaim": {
+                "claimName": "specdec-models", "readOnly": True}}, where
+            main = _main(dep)
+            (mount,) = [m for m in main["volumeMounts"] if m["name"] == "models"]
+            assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}, where
+            assert _env(main)["SPECDEC_CACHE_DIR"]["value"] == "/models", where
+    keys = _of(rendered["cpu"], "ConfigMap")[0]["data"]
+    assert set(keys) == {"MODEL_PAIR", "VERIFIER_MODEL", "DRAFTER_MODEL", "TOKENIZER"}
+
+
+# what each role's init container pulls (components/pull-models): its own model, the gateway only
+# the tokenizer; and the ConfigMap key its main container reads the same reference from
+PULLS = {"verifier": (["$(VERIFIER_MODEL)"], "VERIFIER_MODEL", "SPECDEC_MODEL"),
+         "drafter": (["$(DRAFTER_MODEL)"], "DRAFTER_MODEL", "SPECDEC_MODEL"),
+         "gateway": (["$(TOKENIZER)", "--tokenizer"], "TOKENIZER", "SPECDEC_TOKENIZER")}
+
+
+def test_pull_models_component_pulls_each_roles_own_model_onto_the_model_volume(rendered) -> None:
+    objs = rendered["cpu+all-components"]
+    claim = _named(objs, "PersistentVolumeClaim", "specdec-models")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "written by pods on every node"
+    images = {kind: _main(_deployment(objs, kind))["image"] for kind in KINDS}
+    for kind in KINDS:
+        dep = _deployment(objs, kind)
         pod = dep["spec"]["template"]["spec"]
         (init,) = pod["initContainers"]
-        assert init["command"] == ["specdec", "models", "pull", "$(MODEL_PAIR)"]
-        assert "MODEL_PAIR" in _env(init) and _env(init)["SPECDEC_CACHE_DIR"] == _env(_main(dep))["SPECDEC_CACHE_DIR"]
-        # the gateway image has no torch: its pull runs in the drafter image
-        assert "/drafter:" in init["image"] or init["image"] == _main(dep)["image"]
+        args, key, main_var = PULLS[kind]
+        assert init["command"] == ["specdec", "models", "pull", *args], kind
+        env = _env(init)
+        ref = env[key]["valueFrom"]["configMapKeyRef"]
+        assert ref["key"] == key and ref["name"] == _of(objs, "ConfigMap")[0]["metadata"]["name"], kind
+        main_env = _env(_main(dep))
+        assert main_env[main_var]["valueFrom"]["configMapKeyRef"] == env[key]["valueFrom"]["configMapKeyRef"], (
+            f"{kind}: pulls the model its service reads")
+        # the image the overlay set for the service (the gateway's has no GGUF reader: the drafter's)
+        assert init["image"] == images["drafter" if kind == "gateway" else kind], kind
+        # it writes only to the model volume: the one mount it has, read-write; a read-only root;
+        # every place pip, Python and Hugging Face write (TMPDIR, HOME, caches) on that volume
+        assert init["volumeMounts"] == [{"name": "models", "mountPath": "/models"}], kind
+        assert init["securityContext"]["readOnlyRootFilesystem"] is True
+        assert _models_volume(dep)["persistentVolumeClaim"] == {"claimName": "specdec-models", "readOnly": False}
+        paths = {name: e["value"] for name, e in env.items() if "value" in e}
+        assert paths["SPECDEC_CACHE_DIR"] == "/models"
+        for var in ("TMPDIR", "HOME", "HF_HOME", "XDG_CACHE_HOME"):
+            assert paths[var].startswith("/models/.staging/"), f"{kind}: {var}={paths[var]}"
+        # the service still mounts it read-only
+        (mount,) = [m for m in _main(dep)["volumeMounts"] if m["name"] == "models"]
+        assert mount["readOnly"] is True, kind
+
+
+def test_pull_cli_takes_what_the_init_containers_pass() -> None:
+    """`specdec models pull PAIR/ROLE` and `--tokenizer` exist as the component calls them."""
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "models", "pull", "--help"], capture_output=True, check=False,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert "--tokenizer" in done.stdout and "PAIR[/ROLE]" in done.stdout, done.stdout
 
 
 # ---- the optional components (CRDs: checked structurally) ---------------------------------------
@@ -456,13 +523,33 @@ def test_service_monitor_scrapes_every_metrics_port(rendered) -> None:
     assert rule["spec"]["groups"], "the alert rules ship with the ServiceMonitor"
 
 
-def test_tracing_and_shared_models_components(rendered) -> None:
+def test_tracing_component(rendered) -> None:
     objs = rendered["cpu+all-components"]
-    claim = _named(objs, "PersistentVolumeClaim", "specdec-models")
-    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     for kind in KINDS:
-        dep = _deployment(objs, kind)
-        env = _env(_main(dep))
+        env = _env(_main(_deployment(objs, kind)))
         assert env["OTEL_TRACES_EXPORTER"]["value"] == "otlp" and env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"]
-        volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
-        assert volumes["models"] == {"name": "models", "persistentVolumeClaim": {"claimName": "specdec-models"}}
+
+
+def test_ingress_component_exposes_only_the_gateways_client_ports_under_tls(rendered) -> None:
+    """REST under /v1 to the gateway's `http` port, gRPC (the GatewayService only) to its `grpc`
+    port, TLS on every host; never /metrics, the health service or the peers. (Without
+    components/mtls: the gateway serves plaintext behind the ingress, so GRPC, not GRPCS.)"""
+    objs = rendered["cpu+ingress"]
+    assert "SPECDEC_TLS_CERT" not in _env(_main(_deployment(objs, "gateway")))
+    gateway = _named(objs, "Service", "gateway")
+    ports = {p["name"] for p in gateway["spec"]["ports"]}
+    seen = {}
+    for ingress in _of(objs, "Ingress"):
+        spec = ingress["spec"]
+        tls_hosts = {h for t in spec["tls"] for h in t["hosts"]}
+        for rule in spec["rules"]:
+            assert rule["host"] in tls_hosts, f"{ingress['metadata']['name']}: {rule['host']} without TLS"
+            for path in rule["http"]["paths"]:
+                backend = path["backend"]["service"]
+                assert backend["name"] == "gateway" and backend["port"]["name"] in ports - {"metrics"}
+                seen[backend["port"]["name"]] = (path["path"], ingress["metadata"]["annotations"])
+    assert set(seen) == {"http", "grpc"}
+    assert seen["http"][0] == "/v1"
+    assert seen["grpc"][0] == "/specdec.v1.GatewayService"
+    assert seen["grpc"][1]["nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"
+    assert seen["http"][1]["nginx.ingress.kubernetes.io/proxy-buffering"] == "off", "streams token by token"

@@ -40,13 +40,30 @@ GRAFANA_VARS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
 REQUIRED_PANELS = {
     "Acceptance rate over time", "Mean accepted length over time", "Acceptance by position", "Round stage p99",
     "Latency spikes by stage", "Drafter fallbacks", "Queue depth", "Tokens per second",
+    "Replicas serving", "Error rate", "Latency: time to first token and end-to-end",
 }
 REQUIRED_ALERTS = {
     "SpecdecAcceptanceCollapse",
     "SpecdecLatencySpikes",
     "SpecdecDrafterFallbacks",
     "SpecdecQueueGrowing",
+    # availability, errors, latency (TTFT and end-to-end)
+    "SpecdecTargetDown",
+    "SpecdecNoGateway",
+    "SpecdecNoVerifierServing",
+    "SpecdecNoDrafterServing",
+    "SpecdecErrorRate",
+    "SpecdecTimeToFirstTokenHigh",
+    "SpecdecEndToEndLatencyHigh",
 }
+PROMETHEUS_YML = OBS / "prometheus.yml"
+SERVICE_MONITOR = REPO / "deploy" / "k8s" / "components" / "servicemonitor" / "servicemonitor.yaml"
+README = REPO / "deploy" / "README.md"
+ROLES = {"gateway", "drafter", "verifier"}
+# Labels Prometheus itself puts on every target; `service`, `job` and `exported_*` are left out on
+# purpose: the Prometheus Operator sets `service`/`job` from the Kubernetes Service (and compose from
+# the job name), and renames a scraped `service` label (specdec:build_info's) to `exported_service`.
+TARGET_LABELS = {"instance"}
 
 
 def _dashboard() -> dict[str, Any]:
@@ -133,7 +150,9 @@ def _selector_names(expr: str) -> set[str]:
 def test_the_regex_finds_every_metric_the_parser_finds() -> None:
     """So the name check below, done with the regex, misses no selector."""
     for where, expr in _all_exprs():
-        assert _selector_names(expr) == set(METRIC.findall(expr)), where
+        names = _selector_names(expr)
+        assert {n for n in names if n.startswith("specdec:")} == set(METRIC.findall(expr)), where
+        assert {n for n in names if not n.startswith("specdec:")} <= {"up"}, f"{where}: only Prometheus's own `up`"
 
 
 def test_dashboard_has_the_panels_operators_need() -> None:
@@ -223,7 +242,7 @@ def _label_names() -> set[str]:
 
     from specdec import telemetry
 
-    labels = {"le", "service", "version"}  # specdec:build_info{service, version}
+    labels = {"le", "version"}  # specdec:build_info{service, version}: its `service` is renamed by the Operator
     for cls in (telemetry.GatewayMetrics, telemetry.DrafterMetrics, telemetry.VerifierMetrics):
         for metric in vars(cls(CollectorRegistry())).values():
             if isinstance(metric, MetricWrapperBase):
@@ -233,7 +252,7 @@ def _label_names() -> set[str]:
 
 def test_label_names_used_exist_on_the_families() -> None:
     """`by (stage)`, `{{position}}`, `$labels.stage` ... name labels the families really have."""
-    known = _label_names()
+    known = _label_names() | TARGET_LABELS | {"component"}  # component: test_both_scrape_configs_set_component
     assert {"stage", "position", "finish_reason", "reason", "term"} <= known
     used: dict[str, set[str]] = {}
     for where, expr in _all_exprs():
@@ -247,3 +266,90 @@ def test_label_names_used_exist_on_the_families() -> None:
         used.setdefault(rule["alert"], set()).update(re.findall(r"\$labels\.([a-z_]+)", text))
     unknown = {where: names - known for where, names in used.items() if names - known}
     assert not unknown, f"labels no specdec family has: {unknown}"
+
+
+# ---- what survives a real Prometheus (Operator) --------------------------------------------------
+
+
+def _matchers(expr: str) -> list[tuple[str, str, str, str]]:
+    """(metric, label, operator, value) of every label matcher in an expression."""
+    parser = pytest.importorskip("promql_parser", reason="pip install promql-parser (the `test` extra)")
+    found: list[tuple[str, str, str, str]] = []
+
+    def visit(node: Any) -> None:
+        if type(node).__name__ == "VectorSelector":
+            found.extend((node.name or "", m.name, str(m.op).split(".")[-1], m.value) for m in node.matchers.matchers)
+
+    parser.walk(parser.parse(_promql(expr)), visit)
+    return found
+
+
+def test_no_expression_keys_on_labels_a_prometheus_renames() -> None:
+    """Neither `service`/`exported_service` nor `job`: their values differ between compose and the
+    Operator (which sets service and job from the Kubernetes Service and renames the scraped
+    `service` label); `component` (set by both scrape configurations) names a role instead."""
+    renamed = {"service", "exported_service", "job"}
+    for where, expr in _all_exprs():
+        assert not {label for _, label, _, _ in _matchers(expr)} & renamed, f"{where}: {expr}"
+        for group in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr):
+            assert not {g.strip() for g in group.split(",")} & renamed, f"{where}: {expr}"
+    for panel in _panels(_dashboard()):
+        for t in panel.get("targets", []):
+            assert not set(re.findall(r"\{\{\s*([a-z_]+)\s*\}\}", t["legendFormat"])) & renamed, panel["title"]
+
+
+def test_both_scrape_configs_set_component() -> None:
+    """`component` is gateway | drafter | verifier on every target: a static label per job in
+    prometheus.yml (compose), a relabelling of the pods' app.kubernetes.io/component label in the
+    ServiceMonitor (whose selector takes exactly those components)."""
+    jobs = yaml.safe_load(PROMETHEUS_YML.read_text())["scrape_configs"]
+    compose = {sc["labels"]["component"] for job in jobs for sc in job["static_configs"]}
+    assert compose == ROLES and all("component" in sc["labels"] for job in jobs for sc in job["static_configs"])
+    monitor = yaml.safe_load(SERVICE_MONITOR.read_text())["spec"]
+    for endpoint in monitor["endpoints"]:
+        assert {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
+                "targetLabel": "component"} in endpoint["relabelings"]
+    (components,) = [e["values"] for e in monitor["selector"]["matchExpressions"]
+                     if e["key"] == "app.kubernetes.io/component"]
+    assert set(components) == ROLES
+    for where, expr in _all_exprs():  # the values matched are those
+        for _, label, op, value in _matchers(expr):
+            if label == "component":
+                assert set(value.split("|") if op == "Re" else [value]) <= ROLES, where
+
+
+def test_every_label_value_matched_has_a_series_before_the_first_request() -> None:
+    """A panel or alert matching finish_reason="abort", state="serving"... on a specdec family
+    finds its series at 0 on a service that has served nothing yet (not "no data" until the first
+    such event): the services pre-initialise those label values."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families as parse
+
+    from specdec import telemetry
+
+    fresh: dict[str, list[dict[str, str]]] = {}
+    for cls in (telemetry.GatewayMetrics, telemetry.DrafterMetrics, telemetry.VerifierMetrics):
+        for family in parse(generate_latest(cls(CollectorRegistry()).registry).decode()):
+            for sample in family.samples:
+                fresh.setdefault(sample.name, []).append(sample.labels)
+    family_labels = _label_names() - {"le"}
+    checked = 0
+    for where, expr in _all_exprs():
+        for metric, label, op, value in _matchers(expr):
+            if not metric.startswith("specdec:") or label not in family_labels or metric == "specdec:build_info":
+                continue  # Prometheus's `up`, a target label (namespace, component)
+            assert op == "Equal", f"{where}: match specdec labels exactly ({label}{op}{value})"
+            assert any(labels.get(label) == value for labels in fresh.get(metric, [])), (
+                f"{where}: {metric}{{{label}={value!r}}} has no series until it first happens")
+            checked += 1
+    assert checked >= 4
+
+
+def test_readme_says_what_each_alert_means_and_what_to_do() -> None:
+    """deploy/README.md has a section per alert: its meaning and what to do."""
+    text = README.read_text()
+    for rule in _alert_rules(ALERTS):
+        section = re.search(rf"^#+ [^\n]*`{rule['alert']}`[^\n]*$(.*?)(?=^#)", text + "\n#", re.MULTILINE | re.DOTALL)
+        assert section, f"deploy/README.md: no heading for {rule['alert']}"
+        body = section.group(1)
+        assert "**Means**:" in body and "**Do**:" in body, f"deploy/README.md {rule['alert']}: what it means, what to do"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from gen import generate_all, scrape, scrape_families, spec
 from prometheus_client import CollectorRegistry
 
+from gateway.client import GatewayClient
 from specdec import __version__, telemetry
 
 METRICS = {
@@ -40,9 +41,29 @@ def test_metrics_move(services) -> None:
     )
     assert moved("gw", "specdec:spec_decode_num_accepted_tokens_per_pos_total{position=0}") > 0
     assert after["gw"]["specdec:requests_running"] == 0
+    assert moved("gw", "specdec:e2e_request_latency_seconds_count") == 4  # unary calls: no first-token time
+    assert moved("gw", "specdec:time_to_first_token_seconds_count") == 0
     assert moved("dr", "specdec:drafter_blocks_total") > 0
     assert moved("ve", "specdec:verifier_engine_steps_total") > 0
     assert moved("ve", "specdec:verifier_computed_tokens_total") >= 160
+
+
+def test_a_stream_records_its_time_to_first_token_and_its_end(services) -> None:
+    """GenerateStream: one first-token time (arrival to the first chunk with tokens) and one
+    end-to-end time, the first no later than the second."""
+    gw = services.gateways["mid"]
+    before = scrape(gw.metrics_port)
+    with GatewayClient(gw.address, timeout_s=300) as client:
+        chunks = list(client.stream(spec([5, 6, 7, 8], 12, gamma=4, ignore_eos=True)))
+    after = scrape(gw.metrics_port)
+    assert sum(len(c.token_ids) for c in chunks) == 12
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("specdec:time_to_first_token_seconds_count") == 1
+    assert moved("specdec:e2e_request_latency_seconds_count") == 1
+    assert 0 < moved("specdec:time_to_first_token_seconds_sum") <= moved("specdec:e2e_request_latency_seconds_sum")
 
 
 def test_each_service_exports_only_its_own_families(services) -> None:

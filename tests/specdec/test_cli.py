@@ -103,7 +103,7 @@ def test_user_error_exits_2_without_traceback_and_debug_adds_it(cache: Path) -> 
             "specdec: error: model 'qwen-coder/nope': pair 'qwen-coder' has no role 'nope'; "
             "use one of: qwen-coder/target, qwen-coder/draft",
         ),
-        (["models", "path", "qwen-coder/draft"], NOT_PULLED),
+        (["models", "path", "qwen-coder/draft"], NOT_PULLED.replace("target, draft", "draft")),  # that role only
         (["generate", "a,b", "--token-ids"], "specdec: error: --token-ids: 'a,b' is not a comma-separated list"),
         (["traces", "missing.jsonl"], "specdec: error: No such file or directory: missing.jsonl; check the path"),
     ],
@@ -273,3 +273,14 @@ def test_a_command_imports_no_tool_it_does_not_run(cache: Path) -> None:
 def test_debug_flag_is_not_a_service_setting() -> None:
     args = cli.build_parser(["--debug", "serve", "drafter"]).parse_args(["--debug", "serve", "drafter", "--port", "1"])
     assert args.debug and cli.serve_config(args).port == 1
+
+
+def test_models_pull_makes_its_tmpdir_and_pulls_one_role(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`specdec models pull tiny/target` with TMPDIR on the (empty) model volume, as the
+    pull-models init containers run it: the folder is made, the role's folder printed."""
+    staging = cache / ".staging" / "tmp"
+    monkeypatch.setenv("TMPDIR", str(staging))
+    assert cli.main(["models", "pull", "tiny/target"]) == 0
+    assert staging.is_dir()
+    assert Path(capsys.readouterr().out.strip()) == resolve("tiny/target")

@@ -84,6 +84,8 @@ FAMILIES = {
         "specdec:gateway_refused_total",
         "specdec:gateway_migrations_total",
         "specdec:gateway_replicas",
+        "specdec:time_to_first_token_seconds",
+        "specdec:e2e_request_latency_seconds",
     },
     "drafter": {
         "specdec:drafter_sessions",
@@ -165,3 +167,16 @@ def test_services_registries_are_independent_and_the_default_registry_holds_none
     assert again.registry.get_sample_value("specdec:rounds_total") == 0
     default = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
     assert "specdec:" not in default
+
+
+def test_labelled_counters_have_their_series_before_the_first_request() -> None:
+    """A ratio panel or alert (aborted / all requests, spikes by stage, refusals) has its series
+    at 0 from the start, not "no data" until each label value first happens."""
+    exposed = _exposed(telemetry.GatewayMetrics(prometheus_client.CollectorRegistry()).registry)
+    values = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value for samples in exposed.values()
+              for sample in samples}
+    for label, names, family in (("finish_reason", ("length", "stop", "abort"), "specdec:requests_total"),
+                                 ("reason", ("unauthenticated", "rate_limited"), "specdec:gateway_refused_total"),
+                                 ("stage", telemetry.STAGES, "specdec:latency_spikes_total")):
+        for name in names:
+            assert values[(family, ((label, name),))] == 0, (family, name)
