@@ -77,7 +77,7 @@ def drive(label: str, draft: Any, target: Any, prompts: list[list[int]], gamma: 
         s.flush_ms = float("inf")  # blocks at gamma drafts or when the window is full, never on a timer
     t0 = time.perf_counter()
     rounds = [0] * len(sessions)
-    for i, s in enumerate(sessions):  # prefill, then the target's first token
+    for s in sessions:  # prefill, then the target's first token
         while not isinstance(s.step(), Ready):
             pass
         s.commit(len(s.context), verdict(target, s.context, [])[-1:])

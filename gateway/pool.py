@@ -3,7 +3,8 @@
     --verifier-address 10.0.0.1:50053,10.0.0.2:50053      a list of replicas
     --verifier-address dns:///verifier-headless:50053     every address a name resolves to (a
                                                           Kubernetes headless Service: one per pod),
-                                                          resolved again every `resolve_every_s`
+                                                          resolved again every `resolve_every_s` (every
+                                                          `health_every_s` while none of them serves)
 
 Terms:
     in flight   requests this gateway has on a replica now (its own count: no extra RPC)
@@ -136,7 +137,8 @@ class Pool:
         assert self._changed is not None and self._checked is not None
         last_resolve = -1e9
         while True:
-            if self._names and time.monotonic() - last_resolve >= self.resolve_every_s:
+            # every resolve_every_s; while none serves (pods still starting), at every pass
+            if self._names and (time.monotonic() - last_resolve >= self.resolve_every_s or not self.serving()):
                 last_resolve = time.monotonic()
                 await self._resolve()
             await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))

@@ -78,7 +78,9 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         self.max_model_len = self.engine.board.max_model_len
         # what a gateway checks its tokenizer and drafters against (rows: the engine's)
         # (the tokenizer as transformers loads it, as the gateway and the drafter load theirs)
-        self.vocabulary = replace(compat.from_folder(path, cfg.model, with_rows=False), vocab_size=self.engine.vocab_size)
+        self.vocabulary = replace(
+            compat.from_folder(path, cfg.model, with_rows=False), vocab_size=self.engine.vocab_size
+        )
         self._ids: set[str] = set()
         self.slots = serving.SessionSlots("verifier", cfg.max_sessions)
 
@@ -121,8 +123,11 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         span = self.tracer.start_span(
             "specdec.verify_session",
             context=telemetry.extract_context(opened.trace_context or context.invocation_metadata()),
-            attributes={"specdec.request_id": req.request_id, "specdec.gamma": req.gamma,
-                        "gen_ai.usage.input_tokens": len(req.prompt_token_ids)},
+            attributes={
+                "specdec.request_id": req.request_id,
+                "specdec.gamma": req.gamma,
+                "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
+            },
         )
         self.metrics.sessions.inc()
         self.metrics.requests.inc()
@@ -158,13 +163,21 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                     bad = bad_token_id(tokens, vocab)
                     if bad:
                         spoiled = True
-                        log.warning("request %s: invalid block dropped, drafts ended: block.token_ids: %s",
-                                    req.request_id, bad)
+                        log.warning(
+                            "request %s: invalid block dropped, drafts ended: block.token_ids: %s", req.request_id, bad
+                        )
                         span.add_event("invalid_block", {"specdec.reason": f"block.token_ids: {bad}"})
                         self.engine.end_drafts(req.request_id)
                         continue
-                    self.engine.offer(req.request_id, b.start_position, tokens, b.final, b.committed_length,
-                                      reported_ms(b.draft_ms), b.branch)
+                    self.engine.offer(
+                        req.request_id,
+                        b.start_position,
+                        tokens,
+                        b.final,
+                        b.committed_length,
+                        reported_ms(b.draft_ms),
+                        b.branch,
+                    )
             except InvalidField as err:
                 verdicts.put_nowait(err)
             except grpc.aio.AioRpcError:
@@ -183,12 +196,18 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: {item}")
                 await context.write(verdict_pb(item))
                 if not item.preview:
-                    span.add_event("step", {
-                        "specdec.tokens": len(item.token_ids), "specdec.drafted": item.drafted,
-                        "specdec.accepted": item.accepted, "specdec.computed_tokens": item.computed_tokens,
-                        "specdec.batch_size": item.batch_size, "specdec.step_ms": item.step_ms,
-                        "specdec.draft_wait_ms": item.draft_wait_ms,
-                    })
+                    span.add_event(
+                        "step",
+                        {
+                            "specdec.tokens": len(item.token_ids),
+                            "specdec.drafted": item.drafted,
+                            "specdec.accepted": item.accepted,
+                            "specdec.computed_tokens": item.computed_tokens,
+                            "specdec.batch_size": item.batch_size,
+                            "specdec.step_ms": item.step_ms,
+                            "specdec.draft_wait_ms": item.draft_wait_ms,
+                        },
+                    )
                 if item.finish_reason is not None and not item.preview:
                     finished = True
                     span.set_attribute("specdec.finish_reason", item.finish_reason)

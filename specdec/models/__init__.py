@@ -76,7 +76,9 @@ def pairs_file() -> Path | None:
     if env:
         path = Path(env).expanduser()
         if not path.is_file():
-            raise UserError(f"SPECDEC_PAIRS names {path}, which is not a file", "point it at your pairs file or unset it")
+            raise UserError(
+                f"SPECDEC_PAIRS names {path}, which is not a file", "point it at your pairs file or unset it"
+            )
         return path
     local = Path(PAIRS_FILE)
     return local if local.is_file() else None
@@ -107,8 +109,10 @@ def load_pairs_file() -> dict[str, Pair]:
         if name in BUILT_IN:
             raise UserError(f"{where} shadows the built-in pair {name!r}", "choose another name")
         if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) and entry[k] for k in USER_ROLES):
-            raise UserError(f"{where} needs `target` and `draft` (model references as strings)",
-                            'e.g. target = "ORG/NAME", draft = "ORG/SMALL-NAME"')
+            raise UserError(
+                f"{where} needs `target` and `draft` (model references as strings)",
+                'e.g. target = "ORG/NAME", draft = "ORG/SMALL-NAME"',
+            )
         unknown = set(entry) - {"target", "draft", "tokenizer"}
         if unknown:
             raise UserError(f"{where} has unknown keys {sorted(unknown)}", "use target, draft and tokenizer")
@@ -122,9 +126,10 @@ def pair(name: str) -> Pair:
     """The pair called `name`: built in, or from the pairs file; ModelNotFoundError if neither."""
     load_pairs_file()
     if name not in PAIRS:
-        raise ModelNotFoundError(f"unknown model pair {name!r}",
-                                 f"known pairs: {', '.join(sorted(PAIRS))} (add your own in {PAIRS_FILE}, "
-                                 "or pass --target REF --draft REF)")
+        raise ModelNotFoundError(
+            f"unknown model pair {name!r}",
+            f"known pairs: {', '.join(sorted(PAIRS))} (add your own in {PAIRS_FILE}, or pass --target REF --draft REF)",
+        )
     return PAIRS[name]
 
 
@@ -150,8 +155,9 @@ def check_pair(chosen: Pair) -> dict[str, Path]:
     target = compat.from_folder(found["target"], chosen.target)
     compat.check(target, compat.from_folder(found["draft"], chosen.draft))
     if found["tokenizer"] != found["target"]:
-        compat.check(target, compat.from_folder(found["tokenizer"], chosen.tokenizer, with_rows=False),
-                     "gateway tokenizer")
+        compat.check(
+            target, compat.from_folder(found["tokenizer"], chosen.tokenizer, with_rows=False), "gateway tokenizer"
+        )
     return found
 
 
@@ -196,7 +202,9 @@ def prepare(pair: str, only: list[str] | None = None) -> dict[str, Path]:
         built = tiny.build(cache_dir() / TINY)
         unknown = [r for r in only or () if r not in built]
         if unknown:
-            raise ModelNotFoundError(f"model pair {pair!r} has no role {unknown[0]!r}", f"use one of: {', '.join(built)}")
+            raise ModelNotFoundError(
+                f"model pair {pair!r} has no role {unknown[0]!r}", f"use one of: {', '.join(built)}"
+            )
         return built if only is None else {r: built[r] for r in only}
     user = _user_pair(pair)
     if user:
@@ -236,8 +244,10 @@ def resolve(ref: str, pull: bool = True, revision: str | None = None) -> Path:
     path = Path(ref).expanduser()
     if path.is_dir():
         if revision:
-            raise ModelNotFoundError(f"model {ref!r} is a folder, so revision {revision!r} cannot apply",
-                                     "drop the revision, or pass a Hugging Face repo id")
+            raise ModelNotFoundError(
+                f"model {ref!r} is a folder, so revision {revision!r} cannot apply",
+                "drop the revision, or pass a Hugging Face repo id",
+            )
         return path
     load_pairs_file()
     pair, _, role = ref.partition("/")
@@ -280,16 +290,17 @@ def resolve_tokenizer(ref: str, pull: bool = True, revision: str | None = None) 
     pair, _, role = ref.partition("/")
     from specdec.models import pull as pull_mod
 
-    if (Path(ref).expanduser().is_dir() or pair not in pull_mod.PAIRS or not role or revision
-            or role not in roles(pair)):
+    if Path(ref).expanduser().is_dir() or pair not in pull_mod.PAIRS or not role or revision or role not in roles(pair):
         return resolve(ref, pull=pull, revision=revision)  # a folder, tiny, a pairs-file pair or a repo id
     found = pull_mod.installed_tokenizer(pair, role)
     if found is not None:
         return found
     if pull:
         return pull_mod.pull_tokenizer(pair, role)
-    raise ModelNotFoundError(f"the tokenizer of {ref!r} is not pulled",
-                             f"run `specdec models pull {pair} --tokenizer` (or pull the model: --role {role})")
+    raise ModelNotFoundError(
+        f"the tokenizer of {ref!r} is not pulled",
+        f"run `specdec models pull {pair} --tokenizer` (or pull the model: --role {role})",
+    )
 
 
 def list_pairs() -> list[dict[str, Any]]:
@@ -305,8 +316,13 @@ def list_pairs() -> list[dict[str, Any]]:
         "licence": None,
         "installed": ready,
         "roles": [
-            {"role": role, "upstream": "random init, built locally in seconds (specdec/models/tiny.py)",
-             "size": None, "installed": ready, "path": folder}
+            {
+                "role": role,
+                "upstream": "random init, built locally in seconds (specdec/models/tiny.py)",
+                "size": None,
+                "installed": ready,
+                "path": folder,
+            }
             for role, folder in built.items()
         ],
     }
@@ -316,8 +332,9 @@ def list_pairs() -> list[dict[str, Any]]:
 QUANTIZE = ("none", "int8")
 
 
-def load_causal_lm(ref: str, dtype: str = "float32", quantize: str = "none", revision: str | None = None,
-                   device: str = "cpu") -> object:
+def load_causal_lm(
+    ref: str, dtype: str = "float32", quantize: str = "none", revision: str | None = None, device: str = "cpu"
+) -> object:
     """A transformers causal LM for a model reference (`revision`: as for `resolve`), in eval
     mode, on `device` ("cpu" or "cuda": see specdec.models.device for choosing it).
 

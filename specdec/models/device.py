@@ -54,12 +54,16 @@ def draft_placement(device: str = "auto", dtype: str = "auto", quantize: str = "
         raise UserError(f"device {device!r} is not one of {', '.join(DEVICES)}", "pass --device auto, cpu or cuda")
     gpu = probe() if device in ("auto", "cuda") else GpuProbe(cuda=False)
     if device == "cuda" and not gpu.cuda:
-        raise UserError("device cuda: torch sees no CUDA GPU on this host",
-                        "check the driver and CUDA_VISIBLE_DEVICES, install a CUDA build of torch, or pass --device cpu")
+        raise UserError(
+            "device cuda: torch sees no CUDA GPU on this host",
+            "check the driver and CUDA_VISIBLE_DEVICES, install a CUDA build of torch, or pass --device cpu",
+        )
     where = "cuda" if gpu.cuda else "cpu"
     if where == "cuda":
         if quantize == "int8":
-            raise UserError("quantize int8 is CPU-only (torch's dynamic quantisation)",
-                            "pass --quantize none (or auto) with --device cuda")
+            raise UserError(
+                "quantize int8 is CPU-only (torch's dynamic quantisation)",
+                "pass --quantize none (or auto) with --device cuda",
+            )
         return Placement("cuda", dtype if dtype != "auto" else ("bfloat16" if gpu.bf16 else "float16"), "none")
     return Placement("cpu", dtype if dtype != "auto" else "float32", "int8" if quantize == "auto" else quantize)

@@ -226,6 +226,8 @@ class Cluster:
                     self._proxies.append(await asyncio.start_server(
                         lambda r, w, s=svc, p=port: self._forward(r, w, s, p), vip, port["port"]))
         self._write_dns()
+        # --local: the cluster domain is answered from the records alone, so a headless name with no
+        # Ready pod is NXDOMAIN at once (as the cluster DNS answers), never a timed-out SERVFAIL
         self._dns = subprocess.Popen(
             [
                 "dnsmasq",
@@ -234,6 +236,7 @@ class Cluster:
                 "--no-hosts",
                 "--no-negcache",
                 "--local-ttl=0",
+                "--local=/cluster.local/",
                 f"--addn-hosts={self.work / 'dns-hosts'}",
                 f"--listen-address={self.node_ip}",
                 "--bind-interfaces",

@@ -451,8 +451,14 @@ def test_pull_models_component_pulls_each_roles_own_model_onto_the_model_volume(
 
 def test_pull_cli_takes_what_the_init_containers_pass() -> None:
     """`specdec models pull PAIR/ROLE` and `--tokenizer` exist as the component calls them."""
-    done = subprocess.run([sys.executable, "-m", "specdec.cli", "models", "pull", "--help"], capture_output=True, check=False,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "models", "pull", "--help"],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, done.stderr
     assert "--tokenizer" in done.stdout and "PAIR[/ROLE]" in done.stdout, done.stdout
 
@@ -503,8 +509,12 @@ def test_keda_scales_verifiers_on_an_exported_queue_metric(rendered) -> None:
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
     names = set(re.findall(r"specdec:[A-Za-z0-9_:]+", trigger["metadata"]["query"]))
-    gauges = {m.name for cls in (telemetry.VerifierMetrics, telemetry.GatewayMetrics)
-              for m in cls(CollectorRegistry()).registry.collect() if m.type == "gauge"}
+    gauges = {
+        m.name
+        for cls in (telemetry.VerifierMetrics, telemetry.GatewayMetrics)
+        for m in cls(CollectorRegistry()).registry.collect()
+        if m.type == "gauge"
+    }
     assert names and names <= gauges, f"{names}: queue depth is a gauge the services export"
     assert (
         scaled["spec"]["minReplicaCount"] >= 1 and scaled["spec"]["maxReplicaCount"] > scaled["spec"]["minReplicaCount"]

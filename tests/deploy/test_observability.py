@@ -352,4 +352,5 @@ def test_readme_says_what_each_alert_means_and_what_to_do() -> None:
         section = re.search(rf"^#+ [^\n]*`{rule['alert']}`[^\n]*$(.*?)(?=^#)", text + "\n#", re.MULTILINE | re.DOTALL)
         assert section, f"deploy/README.md: no heading for {rule['alert']}"
         body = section.group(1)
-        assert "**Means**:" in body and "**Do**:" in body, f"deploy/README.md {rule['alert']}: what it means, what to do"
+        assert "**Means**:" in body and "**Do**:" in body, (
+            f"deploy/README.md {rule['alert']}: what it means, what to do")

@@ -48,13 +48,38 @@ def stack(tmp_path_factory: pytest.TempPathFactory, log_dir: Path) -> Iterator[d
         drafter = start("drafter", "--model", "acme/tiny-draft", "--quantize", "none", "--threads", "1")
         misfit = start("drafter", "--model", str(other), "--quantize", "none", "--threads", "1")
         services = {
-            "verifier": verifier, "drafter": drafter, "misfit": misfit,
-            "gateway": start("gateway", "--tokenizer", "acme/tiny-target@v1", "--drafter-address", drafter.address,
-                             "--verifier-address", verifier.address),
-            "gateway-misfit-drafter": start("gateway", "--tokenizer", "acme/tiny-target", "--tokenizer-revision", "v1",
-                                            "--drafter-address", misfit.address, "--verifier-address", verifier.address),
-            "gateway-misfit-tokenizer": start("gateway", "--tokenizer", str(other), "--drafter-address",
-                                              drafter.address, "--verifier-address", verifier.address),
+            "verifier": verifier,
+            "drafter": drafter,
+            "misfit": misfit,
+            "gateway": start(
+                "gateway",
+                "--tokenizer",
+                "acme/tiny-target@v1",
+                "--drafter-address",
+                drafter.address,
+                "--verifier-address",
+                verifier.address,
+            ),
+            "gateway-misfit-drafter": start(
+                "gateway",
+                "--tokenizer",
+                "acme/tiny-target",
+                "--tokenizer-revision",
+                "v1",
+                "--drafter-address",
+                misfit.address,
+                "--verifier-address",
+                verifier.address,
+            ),
+            "gateway-misfit-tokenizer": start(
+                "gateway",
+                "--tokenizer",
+                str(other),
+                "--drafter-address",
+                drafter.address,
+                "--verifier-address",
+                verifier.address,
+            ),
         }
         for svc in started:
             svc.wait_ready(300)
@@ -101,4 +126,6 @@ def test_a_gateway_whose_tokenizer_does_not_fit_refuses_requests(stack, case) ->
         with pytest.raises(grpc.RpcError) as err:
             client.generate(spec(ps[0], 4, gamma=4))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "gateway tokenizer" in err.value.details() and "does not fit target 'acme/tiny-target'" in err.value.details()
+    assert (
+        "gateway tokenizer" in err.value.details() and "does not fit target 'acme/tiny-target'" in err.value.details()
+    )

@@ -187,7 +187,8 @@ def test_model_errors_are_user_errors_and_file_not_found(cache: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="is a pair, not one model; name one of its roles: "
                                                  "qwen-coder/target, qwen-coder/draft"):
         resolve("qwen-coder")
-    with pytest.raises(FileNotFoundError, match="not a folder, a registry name PAIR/ROLE or a Hugging Face repo id ORG/NAME"):
+    with pytest.raises(FileNotFoundError,
+                       match="not a folder, a registry name PAIR/ROLE or a Hugging Face repo id ORG/NAME"):
         resolve("/no/such/model")
     with pytest.raises(UserError) as err:
         resolve("qwen-coder/target", pull=False)
@@ -216,8 +217,9 @@ def test_models_list_json_and_table(cache: Path, capsys: pytest.CaptureFixture[s
     assert rows[1][:5] == ["qwen-coder", "target", "pulled", "1.0", "GiB"] and rows[1][5] == str(folders["target"])
     assert rows[2][:5] == ["qwen-coder", "draft", "pulled", "469", "MiB"] and rows[2][5] == str(folders["draft"])
     assert rows[3][:4] == ["smollm2-135m", "target", "not", "pulled"]
-    assert [r[:3] for r in rows[4:]] == [["tiny", role, "not"] for role in ("target", "draft-same", "draft-mid",
-                                                                             "draft-far")]
+    assert [r[:3] for r in rows[4:]] == [
+        ["tiny", role, "not"] for role in ("target", "draft-same", "draft-mid", "draft-far")
+    ]
 
 
 def test_models_list_json_in_a_process(tiny_cache: Path) -> None:
@@ -259,13 +261,20 @@ def test_tool_placeholders_match_the_tools_help() -> None:
 
 
 def test_a_command_imports_no_tool_it_does_not_run(cache: Path) -> None:
-    code = ("import sys\n"
-            "from specdec import cli\n"
-            "assert cli.main(['models', 'list', '--json']) == 0\n"
-            "print('TOOLS', sorted(m for m in ('benchmarks.bench', 'specdec.evaldraft', 'specdec.traces', 'numpy',"
-            " 'torch') if m in sys.modules))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "SPECDEC_CACHE_DIR": str(cache)})
+    code = (
+        "import sys\n"
+        "from specdec import cli\n"
+        "assert cli.main(['models', 'list', '--json']) == 0\n"
+        "print('TOOLS', sorted(m for m in ('benchmarks.bench', 'specdec.evaldraft', 'specdec.traces', 'numpy',"
+        " 'torch') if m in sys.modules))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SPECDEC_CACHE_DIR": str(cache)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "TOOLS []" in proc.stdout
 
@@ -275,8 +284,9 @@ def test_debug_flag_is_not_a_service_setting() -> None:
     assert args.debug and cli.serve_config(args).port == 1
 
 
-def test_models_pull_makes_its_tmpdir_and_pulls_one_role(cache: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_models_pull_makes_its_tmpdir_and_pulls_one_role(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`specdec models pull tiny/target` with TMPDIR on the (empty) model volume, as the
     pull-models init containers run it: the folder is made, the role's folder printed."""
     staging = cache / ".staging" / "tmp"

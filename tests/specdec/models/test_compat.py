@@ -34,14 +34,18 @@ def facts(variants: dict[str, Path], name: str) -> compat.Vocabulary:
 def test_a_draft_with_another_vocabulary_is_refused_in_one_line_naming_both(variants) -> None:
     line = compat.mismatch(facts(variants, "target"), facts(variants, "other-vocab"))
     assert line is not None and "\n" not in line
-    assert line.startswith("draft 'other-vocab' does not fit target 'target': different vocabularies (512 vs 513 tokens")
+    assert line.startswith(
+        "draft 'other-vocab' does not fit target 'target': different vocabularies (512 vs 513 tokens"
+    )
     with pytest.raises(compat.IncompatibleModels, match="different vocabularies"):
         compat.check(facts(variants, "target"), facts(variants, "other-vocab"))
 
 
 def test_special_ids_must_match(variants) -> None:
-    assert compat.mismatch(facts(variants, "target"), facts(variants, "other-eos")) == \
-        "draft 'other-eos' does not fit target 'target': EOS token id 0 vs 1"
+    assert (
+        compat.mismatch(facts(variants, "target"), facts(variants, "other-eos"))
+        == "draft 'other-eos' does not fit target 'target': EOS token id 0 vs 1"
+    )
 
 
 def test_different_padding_of_the_same_vocabulary_is_accepted(variants) -> None:
@@ -54,8 +58,10 @@ def test_a_model_without_a_row_for_every_token_is_refused(variants) -> None:
     from dataclasses import replace
 
     short = replace(facts(variants, "target"), model="short", vocab_size=500)
-    assert compat.mismatch(facts(variants, "target"), short) == \
-        "draft 'short' does not fit target 'target': 'short' has 500 embedding rows for 512 tokens"
+    assert (
+        compat.mismatch(facts(variants, "target"), short)
+        == "draft 'short' does not fit target 'target': 'short' has 500 embedding rows for 512 tokens"
+    )
     gateway = replace(facts(variants, "target"), model="tok", vocab_size=0)  # a tokenizer only: no rows to check
     assert compat.mismatch(facts(variants, "target"), gateway, "gateway tokenizer") is None
 
@@ -78,15 +84,17 @@ def test_a_drafter_given_its_target_refuses_a_draft_that_does_not_fit(variants) 
         DrafterServicer(cfg, CollectorRegistry())
 
 
-def test_up_refuses_a_pair_that_does_not_fit_before_starting_anything(variants, capsys, monkeypatch,
-                                                                        tmp_path: Path) -> None:
+def test_up_refuses_a_pair_that_does_not_fit_before_starting_anything(
+    variants, capsys, monkeypatch, tmp_path: Path
+) -> None:
     monkeypatch.chdir(tmp_path)
     started = []
     monkeypatch.setattr("specdec.launch.Cluster.start", lambda self, *a: started.append(self))
-    for argv in (["up", "--models", "tiny", "--draft", str(variants["other-eos"])],
-                 ["demo", "--models", "tiny", "--draft", str(variants["other-vocab"])],
-                 ["up", "--target", "tiny/target", "--draft", "tiny/draft-mid", "--tokenizer",
-                  str(variants["other-vocab"])]):
+    for argv in (
+        ["up", "--models", "tiny", "--draft", str(variants["other-eos"])],
+        ["demo", "--models", "tiny", "--draft", str(variants["other-vocab"])],
+        ["up", "--target", "tiny/target", "--draft", "tiny/draft-mid", "--tokenizer", str(variants["other-vocab"])],
+    ):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("specdec: error: "), err
@@ -103,11 +111,22 @@ def test_drafts_are_chosen_among_the_tokenizers_ids_only() -> None:
     logits[600 - 64] = 100.0  # a padding row would win
     logits[7] = 5.0
     for temperature in (0.0, 1.0):
-        session = ModelDraftSession(model, [1, 2, 3], gamma=4, lookahead=0, temperature=temperature, top_k=0,
-                                    top_p=1.0, seed=0, q_top_k=4, vocab_limit=512)
+        session = ModelDraftSession(
+            model,
+            [1, 2, 3],
+            gamma=4,
+            lookahead=0,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            seed=0,
+            q_top_k=4,
+            vocab_limit=512,
+        )
         for with_alts in (False, True):
             d = session._pick(logits.clone(), with_alts)
             assert d.token_id < 512 and all(t < 512 for t, _ in d.alts or ())
-    unlimited = ModelDraftSession(model, [1, 2, 3], gamma=4, lookahead=0, temperature=0.0, top_k=0, top_p=1.0,
-                                  seed=0, q_top_k=4)
+    unlimited = ModelDraftSession(
+        model, [1, 2, 3], gamma=4, lookahead=0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=4
+    )
     assert unlimited._pick(logits.clone(), False).token_id == 536  # the limit is what keeps it out

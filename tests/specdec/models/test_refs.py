@@ -101,7 +101,11 @@ def test_a_pairs_file_names_a_teams_pairs_next_to_the_built_in_ones(hf_home: Pat
         assert models.resolve("acme/target").parent.name == "snapshots"
         assert models.folders("acme")["target"] == models.resolve("acme/tiny-target")
         chosen = models.choose("acme", draft="tiny/draft-far")
-        assert (chosen.target, chosen.draft, chosen.tokenizer) == ("acme/tiny-target", "tiny/draft-far", "acme/tiny-target")
+        assert (chosen.target, chosen.draft, chosen.tokenizer) == (
+            "acme/tiny-target",
+            "tiny/draft-far",
+            "acme/tiny-target",
+        )
         found = models.check_pair(chosen)  # same tokenizer: fits
         assert set(found) == {"target", "draft", "tokenizer"}
     finally:
@@ -110,8 +114,9 @@ def test_a_pairs_file_names_a_teams_pairs_next_to_the_built_in_ones(hf_home: Pat
     assert "acme" not in models.PAIRS
 
 
-def test_specdec_pairs_names_another_file_and_bad_files_are_one_error(hf_home: Path, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_specdec_pairs_names_another_file_and_bad_files_are_one_error(
+    hf_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "team-pairs.toml"
     monkeypatch.setenv("SPECDEC_PAIRS", str(path))
     try:
