@@ -169,9 +169,16 @@ async def main(cfg: dict[str, Any]) -> None:
         victims = [min((p for p in cluster.pods.values() if p.deployment == d), key=lambda p: p.name)
                    for d in ("drafter", "verifier", "gateway")]
         open_at_delete = sum(not t.done() for t in streams)
+
+        async def open_at_sigterm() -> int:  # streams still open when the first SIGTERM went out
+            while not cluster.sigterms and not all(t.done() for t in streams):
+                await asyncio.sleep(0.05)
+            return sum(not t.done() for t in streams)
+
+        watch = asyncio.create_task(open_at_sigterm())
         await asyncio.gather(*(cluster.delete_pod(v.name) for v in victims))
         results = await asyncio.gather(*streams)
-        emit("roll", deleted=[v.name for v in victims], open_at_delete=open_at_delete,
+        emit("roll", deleted=[v.name for v in victims], open_at_delete=open_at_delete, open_at_sigterm=await watch,
              ids=[r["ids"] for r in results], errors=[r["error"] for r in results],
              events=cluster.events[-40:])
         await client.http.aclose()

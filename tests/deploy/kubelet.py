@@ -181,6 +181,7 @@ class Cluster:
         self._proxies: list[asyncio.base_events.Server] = []
         self._etc: list[Path] = []
         self.events: list[str] = []
+        self.sigterms: list[str] = []  # pod/container, in the order SIGTERM reached them
 
     # ----- DNS and Services ------------------------------------------------------------
     def _fqdn(self, svc: dict[str, Any]) -> str:
@@ -568,6 +569,7 @@ class Cluster:
             if c.proc is None:
                 return
             self.events.append(f"{time.monotonic():.1f} {name}/{c.name} SIGTERM")
+            self.sigterms.append(f"{name}/{c.name}")
             with _suppress_gone():  # to the container's main process, as the runtime does
                 os.kill(c.proc.pid, signal.SIGTERM)
             try:
