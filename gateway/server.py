@@ -245,6 +245,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         round_ = Round(plan, verifier.stub, drafter.stub if drafter is not None else None, self.cfg.drafter_timeout_s,
                        self.spikes, self.metrics, model=self.cfg.tokenizer, parent=parent, vocab_size=vocab,
                        stats=stats, verdict_timeout_s=self.cfg.verdict_timeout_s,
+                       max_idle_commits=self.cfg.max_idle_commits,
                        on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None)
         round_.replicas = (verifier, drafter)  # type: ignore[attr-defined]
         return round_

@@ -321,6 +321,10 @@ class GatewayConfig(TransportConfig):
         0.5, "With API keys configured, the largest share of max_inflight one key may hold at once (0.5: half "
         "the slots, so no one key can take them all); max_streams_per_key, when set, caps it further. 1: no "
         "per-key share. Without keys every client is one key and this does not apply.")
+    max_idle_commits: int = setting(
+        8, "Commits in a row a drafter may answer with no usable draft (empty blocks, or only positions the "
+        "target has passed) while drafts were possible (not held by adaptive gamma); past it the request goes "
+        "on as plain target decoding (fallback). 0: never.")
     max_request_mb: float = setting(
         8.0, "Largest REST request body, MiB; over it: 413, without reading the rest. (The API key is checked "
         "before any of the body is read.)")
