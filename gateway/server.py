@@ -91,6 +91,10 @@ class Chunk:
     logprobs: list["pb.TokenLogprobs"] = field(default_factory=list)  # [len(token_ids)] when asked for
 
 
+class ClientStalled(Exception):
+    """A stream's client took no message for stream_write_timeout_s (see GenerateStream)."""
+
+
 class GatewayServicer(rpc.GatewayServiceServicer):
     """The gateway; its metrics (telemetry.GatewayMetrics) live on `registry`, which the
     REST bridge's /metrics serves too (`self.metrics.registry`)."""
@@ -359,10 +363,42 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         async with self.admitted(context) as key, self.slots.hold(context):
             return await self._generate(request, context, key)
 
-    async def GenerateStream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:  # noqa: N802
-        async with self.admitted(context) as key, self.slots.hold(context):
-            async for chunk in self._generate_stream(request, context, key):
-                yield chunk
+    async def GenerateStream(self, request, context) -> None:  # noqa: N802
+        """Stream the generation's chunks. Each chunk must be taken by the transport within
+        `stream_write_timeout_s`: a client that stops reading fills its flow-control window and
+        the next write waits; past the timeout the generation stops (the round ends: its verifier
+        and drafter calls are cancelled) and the max_inflight slot is freed at once. The stream's
+        status is then DEADLINE_EXCEEDED, which the client sees after what was sent, if it ever
+        reads again (the HTTP/2 stream itself lasts until then or until its connection closes)."""
+        try:
+            async with self.admitted(context) as key, self.slots.hold(context):
+                chunks = self._generate_stream(request, context, key)
+                async with contextlib.aclosing(chunks):  # leaving early ends the round now, not at GC
+                    async for chunk in chunks:
+                        await self._write(context, chunk)
+        except ClientStalled as stalled:
+            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+            context.set_details(str(stalled))
+
+    async def _write(self, context: grpc.aio.ServicerContext, msg: "pb.GenerateStreamResponse") -> None:
+        """One stream write within stream_write_timeout_s (0: no limit); past it, ClientStalled."""
+        timeout = self.cfg.stream_write_timeout_s
+        if timeout <= 0:
+            await context.write(msg)
+            return
+        # asyncio.wait, not wait_for: a write held by flow control does not end when cancelled
+        write = asyncio.ensure_future(context.write(msg))
+        done, _ = await asyncio.wait({write}, timeout=timeout)
+        if done:
+            write.result()
+            return
+        write.cancel()
+        write.add_done_callback(lambda task: task.cancelled() or task.exception())
+        self.metrics.stream_write_timeouts.inc()
+        log.warning("request %s: the client took no message for stream_write_timeout_s (%g s); stream ended",
+                    msg.request_id, timeout)
+        raise ClientStalled(f"gateway: the client read nothing for stream_write_timeout_s ({timeout:g} s); the "
+                            "stream was ended")
 
     async def _generate(self, request, context, key: str) -> "pb.GenerateResponse":
         plan = await self._checked_plan(request.spec, context, key)

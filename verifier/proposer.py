@@ -18,11 +18,11 @@ request's row to the board (`preview`, then `propose_batch`), which:
      waits at most `wait_s`, and with `adaptive` only while the missing drafts are worth
      the wait. One request never holds the others up: once any row of the batch has its
      drafts (or needs none), the rows still missing theirs are waited for at most the
-     margin from the step's start, and a row whose drafter let a wait expire with nothing
-     usable (`late`, until a block with drafts arrives) is not waited for at all. So a
-     drafter that answers politely with nothing (empty or stale blocks) costs the other
-     requests of its batch at most one margin, once. A request with no block in time gets
-     [] and decodes plainly this step. A request adaptive gamma gives no drafts at all is `held`:
+     margin from the step's start, and in a batch of more than one a row whose drafter let
+     a wait expire with nothing usable (`late`, until a block with drafts arrives) is not
+     waited for at all. So a drafter that answers politely with nothing (empty or stale
+     blocks) costs the other requests of its batch at most one margin, once. A request
+     with no block in time gets [] and decodes plainly this step. A request adaptive gamma gives no drafts at all is `held`:
      its verdicts say so (VerifyResponse.hold_drafts) and its drafter stops drafting until
      the budget comes back (as its acceptance history fades, verifier.budget.DECAY).
 vLLM then verifies the drafts in its next step with its own scheduler, KV cache (no
@@ -368,9 +368,10 @@ class DraftBoard:
                 now = time.monotonic()
                 wanting = [i for i, (rid, ctx) in enumerate(rows)
                            if self._wants_more(rid, len(ctx), len(drafts[i]), want[i])]
+                if len(rows) > 1:  # a late row never holds up the others
+                    until = [t0 if self._late(rid) else u for (rid, _), u in zip(rows, until)]
                 if len(wanting) < len(rows):  # a row has its drafts: the others may cost it the margin only
-                    until = [t0 if self._late(rows[i][0]) else min(u, t0 + self.wait_margin_s)
-                             for i, u in enumerate(until)]
+                    until = [min(u, t0 + self.wait_margin_s) for u in until]
                 missing = [i for i in wanting if now < until[i]]
                 if not missing:
                     break

@@ -341,3 +341,77 @@ def test_a_non_streaming_rest_request_is_cancelled_when_its_client_disconnects(t
 
     status, active = asyncio.run(run())
     assert status == 499 and active == 0
+
+
+# ---------------------------------------------------------------------------- slots held by clients that stop reading
+
+
+class WatchedSlots:
+    """The gateway's SessionSlots, with an event set each time a call leaves its slot."""
+
+    def __new__(cls, *args: Any) -> Any:
+        from specdec.serving import SessionSlots
+
+        class _Watched(SessionSlots):
+            def __init__(self, *a: Any) -> None:
+                super().__init__(*a)
+                self.entered, self.left = asyncio.Event(), asyncio.Event()
+
+            @contextlib.asynccontextmanager
+            async def hold(self, context: Any) -> AsyncIterator[None]:
+                async with super().hold(context):
+                    self.entered.set()
+                    try:
+                        yield
+                    finally:
+                        self.left.set()
+
+        return _Watched(*args)
+
+
+def test_a_grpc_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(tiny_target: Path) -> None:
+    """A client opens GenerateStream and never reads: once its flow-control window is full the
+    gateway's next write waits, and after stream_write_timeout_s the stream ends, the generation
+    is closed (here an endless one standing in for the verifier's verdicts) and the slot freed."""
+    timeout_s = 0.5
+
+    async def run() -> tuple[int, int, int, grpc.StatusCode]:
+        async with gateway(tiny_target, stream_write_timeout_s=timeout_s) as gw:
+            slots = gw.servicer.slots = WatchedSlots("gateway", 256, "max_inflight")
+            closed = asyncio.Event()
+            produced = 0
+
+            async def endless(request: Any, context: Any, key: str) -> AsyncIterator[pb.GenerateStreamResponse]:
+                nonlocal produced
+                try:
+                    while True:
+                        produced += 1
+                        yield pb.GenerateStreamResponse(request_id="r", text="x" * 1000, token_ids=[1] * 100)
+                finally:
+                    closed.set()  # the round's finally: its verifier and drafter calls are cancelled there
+
+            gw.servicer._generate_stream = endless  # type: ignore[method-assign]
+            # a small stream window and no BDP growth: the window fills after a few messages
+            options = [("grpc.http2.lookahead_bytes", 4096), ("grpc.http2.bdp_probe", 0)]
+            async with grpc.aio.insecure_channel(gw.address, options=options) as channel:
+                call = rpc.GatewayServiceStub(channel).GenerateStream(
+                    pb.GenerateStreamRequest(spec=generation_spec([1, 2, 3], max_tokens=4)))
+                await asyncio.wait_for(slots.entered.wait(), 20)
+                t0 = time.monotonic()
+                await asyncio.wait_for(closed.wait(), 100 * timeout_s)  # never without the timeout
+                await asyncio.wait_for(slots.left.wait(), 20)
+                ended_after = time.monotonic() - t0
+                active = slots.active
+                code = grpc.StatusCode.OK
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    async for _ in call:  # what arrived before the end, then the status
+                        pass
+                code = await call.code()
+            timeouts = gw.servicer.metrics.registry.get_sample_value("specdec:gateway_stream_write_timeouts_total")
+            print(f"\nended after {ended_after:.2f} s ({produced} messages produced); status {code.name}")
+            return active, produced, int(timeouts), code
+
+    active, produced, timeouts, code = asyncio.run(run())
+    assert active == 0 and timeouts == 1
+    assert produced < 10_000  # the writes did wait for the client: nothing unbounded was buffered
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
