@@ -462,7 +462,8 @@ async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: async
     app = build_app(local, servicer.tokenizer, cfg.tokenizer, keys=servicer.keys, metrics_auth=cfg.metrics_auth,
                     metrics_app=prometheus_client.make_asgi_app(servicer.metrics.registry),
                     max_request_bytes=int(cfg.max_request_mb * (1 << 20)), tokenizer_executor=servicer.tokenizer_executor,
-                    refused=servicer.metrics.refused)
+                    refused=servicer.metrics.refused, stream_write_timeout_s=cfg.stream_write_timeout_s,
+                    stream_write_timeouts=servicer.metrics.stream_write_timeouts)
 
     class Server(uvicorn.Server):
         def capture_signals(self):  # type: ignore[override]

@@ -306,7 +306,7 @@ def test_a_polite_drafter_that_never_drafts_is_detected_and_falls_back(services,
     assert drafter.sent - sent >= 8
     assert list(r.token_ids) == plain[tuple(PROMPT)]
     assert r.stats.drafter_fallback and "max_idle_commits 8" in r.stats.fallback_reason, r.stats.fallback_reason
-    assert r.stats.invalid_blocks == 0  # nothing it sent was invalid
+    assert "invalid" not in r.stats.fallback_reason  # nothing it sent was invalid
     print(f"\nfallback after {drafter.sent - sent} empty answers: {r.stats.fallback_reason}")
 
 

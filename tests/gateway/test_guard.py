@@ -82,7 +82,8 @@ async def gateway(tiny_target: Path, keys: str = "", max_request_mb: float = 8.0
     tokenizer = CountingTokenizer(servicer.tokenizer)
     app = build_app(f"127.0.0.1:{port}", tokenizer, cfg.tokenizer, keys=servicer.keys,
                     max_request_bytes=int(max_request_mb * (1 << 20)), tokenizer_executor=servicer.tokenizer_executor,
-                    refused=servicer.metrics.refused)
+                    refused=servicer.metrics.refused, stream_write_timeout_s=cfg.stream_write_timeout_s,
+                    stream_write_timeouts=servicer.metrics.stream_write_timeouts)
     try:
         async with app.router.lifespan_context(app):
             gw = Gateway(servicer, f"127.0.0.1:{port}", app, tokenizer)
@@ -415,3 +416,78 @@ def test_a_grpc_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(ti
     assert active == 0 and timeouts == 1
     assert produced < 10_000  # the writes did wait for the client: nothing unbounded was buffered
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_rest_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(tiny_target: Path) -> None:
+    """The REST side: a client that stays connected but takes no more of its event stream. After
+    stream_write_timeout_s the response ends, the gateway call is cancelled (the generation
+    closed) and the gateway's slot freed."""
+    timeout_s = 0.5
+
+    async def run() -> tuple[int, int, int]:
+        async with gateway(tiny_target, stream_write_timeout_s=timeout_s) as gw:
+            slots = gw.servicer.slots = WatchedSlots("gateway", 256, "max_inflight")
+            closed = asyncio.Event()
+
+            async def endless(request: Any, context: Any, key: str) -> AsyncIterator[pb.GenerateStreamResponse]:
+                try:
+                    while True:
+                        yield pb.GenerateStreamResponse(request_id="r", text="x", token_ids=[1])
+                finally:
+                    closed.set()
+
+            gw.servicer._generate_stream = endless  # type: ignore[method-assign]
+            body = b'{"prompt": [1, 2, 3], "max_tokens": 4, "stream": true}'
+            sent_body = False
+            bodies = 0
+
+            async def receive() -> dict[str, Any]:
+                nonlocal sent_body
+                if not sent_body:
+                    sent_body = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                await asyncio.Event().wait()  # connected, silent: never a disconnect
+                raise AssertionError("unreachable")
+
+            async def send(message: dict[str, Any]) -> None:
+                nonlocal bodies
+                if message["type"] == "http.response.body":
+                    bodies += 1
+                    if bodies > 1:  # the client took the first event, then stops reading
+                        await asyncio.Event().wait()
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                     "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("rest", 80),
+                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+            await asyncio.wait_for(gw.app(scope, receive, send), 100 * timeout_s)  # never without the timeout
+            await asyncio.wait_for(closed.wait(), 20)
+            await asyncio.wait_for(slots.left.wait(), 20)
+            timeouts = gw.servicer.metrics.registry.get_sample_value("specdec:gateway_stream_write_timeouts_total")
+            return slots.active, bodies, int(timeouts)
+
+    active, bodies, timeouts = asyncio.run(run())
+    assert active == 0 and bodies == 2 and timeouts == 1
+
+
+def test_rest_passes_its_clients_deadline_to_the_gateway_call(tiny_target: Path) -> None:
+    """X-Request-Timeout (or X-Stainless-Timeout, which OpenAI's SDKs send) becomes the gateway
+    call's deadline: a request that would wait verifier_retry_s (60 s) for a verifier ends with 504
+    at its deadline and frees its slot; a deadline that is not a number of seconds is a 400 naming
+    the header, before any work."""
+
+    async def run() -> list[tuple[int, Any, int]]:
+        async with gateway(tiny_target, verifier_retry_s=60.0) as gw:
+            out = []
+            for header, value in (("X-Request-Timeout", "0.5"), ("X-Stainless-Timeout", "0.5"),
+                                  ("X-Request-Timeout", "soon"), ("X-Stainless-Timeout", "-1")):
+                for stream in (False, True):
+                    r = await asyncio.wait_for(gw.rest.post(
+                        "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "stream": stream},
+                        headers={header: value}), 20)  # 60 s without the deadline
+                    out.append((r.status_code, r.json()["error"]["param"], gw.servicer.slots.active))
+            return out
+
+    results = asyncio.run(run())
+    assert results[:4] == [(504, None, 0)] * 4, results
+    assert results[4:] == [(400, "x-request-timeout", 0)] * 2 + [(400, "x-stainless-timeout", 0)] * 2, results
