@@ -267,3 +267,20 @@ def test_a_batch_of_one_is_still_waited_for_as_expected() -> None:
     waits = during_wait(b, lambda: b.offer("r", 4, [4, 4], committed=3))
     assert b.propose_batch([("r", np.array([1, 2, 5, 6]))], 8) == [[4, 4]]
     assert waits == [pytest.approx(waits[0])] and waits[0] > 1.0  # the drafter's expected pace, not 0
+
+
+def test_a_late_row_is_not_waited_for_beside_others_still_missing_theirs() -> None:
+    """Both rows miss drafts; the late one (its last wait expired empty) adds nothing to the
+    step's wait: the step waits only for the other row's expected arrival."""
+    b = DraftBoard(wait_s=5.0, wait_margin_s=0.05)
+    b.register("polite", gamma=3, prompt_len=2, max_tokens=100)
+    b.ready("polite", SLOW_PACE_MS)
+    b.offer("polite", 3, [], final=False)
+    b.wait_s = 0.01
+    assert b.propose_batch([("polite", np.array([1, 2, 5]))], 8) == [[]]  # alone: waited, expired empty
+    b.wait_s = 5.0
+    b.register("honest", gamma=3, prompt_len=2, max_tokens=100)
+    b.ready("honest", 10.0)  # 3 drafts x 10 ms x 1.5 + the margin: 0.095 s
+    waits = during_wait(b)  # real waits: nothing arrives
+    assert b.propose_batch([("polite", np.array([1, 2, 5])), ("honest", np.array([1, 2, 5]))], 8) == [[], []]
+    assert waits and all(w <= 0.1 for w in waits), waits  # not the polite row's 5 s
