@@ -16,6 +16,7 @@ the verifier's resident memory stays within RSS_BOUND_MIB of where it was.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from concurrent import futures
@@ -317,7 +318,7 @@ def _gaps(address: str, s: "pb.GenerationSpec") -> tuple[list[int], list[float]]
         for chunk in rpc.GatewayServiceStub(channel).GenerateStream(pb.GenerateStreamRequest(spec=s), timeout=120):
             tokens.extend(chunk.token_ids)
             times.append(time.monotonic())
-    return tokens, [b - a for a, b in zip(times, times[1:])]
+    return tokens, [b - a for a, b in itertools.pairwise(times)]
 
 
 def _per_token_s(tokens: list[int], gaps: list[float]) -> float:

@@ -589,11 +589,16 @@ def _polite_scenario(answers: list[list[int] | None], method: int = pb.DRAFT_MET
         for k, answer in enumerate(answers):
             verifier.responses.put_nowait(_verdict(pos, [10 + k], hold_drafts=k in holds))
             pos += 1
+            # the verdict's commit reaches the drafter, or the round gives up on it (`end`)
+            committed = asyncio.ensure_future(_written_count(drafter, "commit", k + 1))
+            ended = asyncio.ensure_future(_written_count(verifier, "end", 1))
+            await asyncio.wait({committed, ended}, return_when=asyncio.FIRST_COMPLETED)
+            committed.cancel()
+            ended.cancel()
             if r.stats.fallback_reason:
                 break
             if k in holds:
                 continue
-            await _written_count(drafter, "commit", k + 1)
             start, tokens = (pos - 1, [1]) if answer is None else (pos, answer)
             drafter.responses.put_nowait(pb.DraftResponse(block=pb.DraftBlock(
                 start_position=start, token_ids=tokens, committed_length=min(start, pos), final=final)))
@@ -631,4 +636,4 @@ def test_usable_drafts_holds_and_the_ngrams_nothing_do_not_count_as_idle() -> No
     assert "max_idle_commits" in r.stats.fallback_reason
     # 0: never
     r = _polite_scenario([[]] * 6, max_idle=0)
-    assert not r.stats.fallback_reason and r.idle_commits == 5
+    assert not r.stats.fallback_reason and r.idle_commits == 6  # the last verdict ends the sixth window

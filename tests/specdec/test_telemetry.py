@@ -69,14 +69,16 @@ FAMILIES = {
         "specdec:accepted_length", "specdec:rounds_total", "specdec:round_stage_seconds",
         "specdec:generation_tokens_total", "specdec:prompt_tokens_total", "specdec:requests_total",
         "specdec:requests_running", "specdec:latency_spikes_total", "specdec:drafter_fallbacks_total",
-        "specdec:gateway_refused_total", "specdec:gateway_migrations_total", "specdec:gateway_replicas",
+        "specdec:gateway_refused_total", "specdec:gateway_stream_write_timeouts_total",
+        "specdec:gateway_migrations_total", "specdec:gateway_replicas",
     },
     "drafter": {
         "specdec:drafter_sessions", "specdec:drafter_requests_total", "specdec:drafter_blocks_total", "specdec:drafter_tokens_total",
         "specdec:drafter_step_seconds", "specdec:drafter_branches_total",
     },
     "verifier": {
-        "specdec:verifier_sessions", "specdec:verifier_requests_total", "specdec:verifier_engine_steps_total",
+        "specdec:verifier_sessions", "specdec:verifier_engine_running", "specdec:verifier_engine_waiting",
+        "specdec:verifier_requests_total", "specdec:verifier_engine_steps_total",
         "specdec:verifier_step_seconds",
         "specdec:verifier_batch_size", "specdec:verifier_computed_tokens_total",
         "specdec:verifier_withheld_draft_tokens_total", "specdec:verifier_step_cost_ms",
