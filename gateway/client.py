@@ -176,13 +176,17 @@ class AsyncGatewayClient:
         self.wait_for_ready = wait_for_ready
         self.metadata = _auth(api_key)
 
-    async def generate(self, spec: "pb.GenerationSpec", metadata: Any = None) -> "pb.GenerateResponse":
-        return await self.stub.Generate(pb.GenerateRequest(spec=spec), timeout=self.timeout_s,
+    async def generate(self, spec: "pb.GenerationSpec", metadata: Any = None, timeout_s: float | None = None,
+                       ) -> "pb.GenerateResponse":
+        """Generate; `timeout_s`: this call's deadline (None: the client's timeout_s)."""
+        return await self.stub.Generate(pb.GenerateRequest(spec=spec), timeout=timeout_s or self.timeout_s,
                                         wait_for_ready=self.wait_for_ready, metadata=metadata or self.metadata)
 
-    def stream(self, spec: "pb.GenerationSpec", metadata: Any = None) -> grpc.aio.UnaryStreamCall:
-        """The GenerateStream call: `await call.read()` or `async for chunk in call`; cancel() stops it."""
-        return self.stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), timeout=self.timeout_s,
+    def stream(self, spec: "pb.GenerationSpec", metadata: Any = None, timeout_s: float | None = None,
+               ) -> grpc.aio.UnaryStreamCall:
+        """The GenerateStream call: `await call.read()` or `async for chunk in call`; cancel() stops it.
+        `timeout_s`: this call's deadline (None: the client's timeout_s)."""
+        return self.stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), timeout=timeout_s or self.timeout_s,
                                         wait_for_ready=self.wait_for_ready, metadata=metadata or self.metadata)
 
     async def chunks(self, spec: "pb.GenerationSpec") -> AsyncIterator["pb.GenerateStreamResponse"]:

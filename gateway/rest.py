@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -221,6 +222,9 @@ class ChatRequest(_GenerationRequest):
 
 
 # ---------------------------------------------------------------------------- errors
+
+
+log = logging.getLogger("specdec.gateway")
 
 
 class APIError(Exception):
@@ -565,11 +569,77 @@ def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
+# Headers that carry a client's deadline, seconds: ours, then the one OpenAI's SDKs send (their `timeout`).
+DEADLINE_HEADERS = ("x-request-timeout", "x-stainless-timeout")
+MAX_DEADLINE_S = 86_400.0
+
+
+def client_deadline_s(headers: Any) -> float | None:
+    """The client's deadline in seconds from its request headers (DEADLINE_HEADERS, the first
+    present), or None. It becomes the gateway call's gRPC deadline, so a generation the client
+    stopped waiting for stops too (504 when it passes). Not a number in (0, MAX_DEADLINE_S]:
+    400 naming the header."""
+    for name in DEADLINE_HEADERS:
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = float("nan")
+        if not 0 < seconds <= MAX_DEADLINE_S:  # also NaN
+            raise APIError(400, f"{name}: {value[:32]!r} is not a number of seconds in (0, {MAX_DEADLINE_S:g}]", name)
+        return seconds
+    return None
+
+
+class ClientStalled(Exception):
+    """A streaming client took no message for stream_write_timeout_s."""
+
+
+class TimedStreamingResponse(StreamingResponse):
+    """A StreamingResponse each of whose messages must be taken within `write_timeout_s` (0: no
+    limit). A client that stops reading fills the socket's buffers and the next send waits;
+    past the timeout the body iterator is closed (which cancels the gateway call: the
+    generation stops and its slot is freed) and the response ends unfinished (the server then
+    closes the connection). `on_timeout()` is called once when that happens."""
+
+    def __init__(self, content: Any, write_timeout_s: float, on_timeout: Callable[[], None] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.write_timeout_s = write_timeout_s
+        self.on_timeout = on_timeout
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        timeout = self.write_timeout_s
+        if timeout <= 0:
+            await super().__call__(scope, receive, send)
+            return
+
+        async def timed_send(message: dict[str, Any]) -> None:
+            sending = asyncio.ensure_future(send(message))
+            done, _ = await asyncio.wait({sending}, timeout=timeout)
+            if done:
+                sending.result()
+                return
+            sending.cancel()
+            raise ClientStalled(f"the client read nothing for stream_write_timeout_s ({timeout:g} s)")
+
+        try:
+            await super().__call__(scope, receive, timed_send)
+        except ClientStalled as stalled:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]  # cancels the gateway call now
+            if self.on_timeout is not None:
+                self.on_timeout()
+            log.warning("REST stream ended: %s", stalled)
+
+
 async def _open_stream(client: AsyncGatewayClient, spec: "pb.GenerationSpec", prompt_param: str, metadata: Any = (),
-                       ) -> AsyncGenerator["pb.GenerateStreamResponse", None]:
-    """Start GenerateStream and wait for its first chunk, so a rejected request still
-    gets a plain HTTP error; the iterator yields every chunk and cancels the call if left early."""
-    call = client.stream(spec, metadata=metadata)
+                       timeout_s: float | None = None) -> AsyncGenerator["pb.GenerateStreamResponse", None]:
+    """Start GenerateStream (deadline `timeout_s`, None: none) and wait for its first chunk, so a
+    rejected request still gets a plain HTTP error; the iterator yields every chunk and cancels
+    the call if left early."""
+    call = client.stream(spec, metadata=metadata, timeout_s=timeout_s)
     try:
         first = await call.read()
     except grpc.aio.AioRpcError as err:
@@ -696,7 +766,8 @@ class Guard:
 
 def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeyStore | None = None,
               metrics_auth: bool = False, metrics_app: Any = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              tokenizer_executor: Executor | None = None, refused: Any = None) -> FastAPI:
+              tokenizer_executor: Executor | None = None, refused: Any = None, stream_write_timeout_s: float = 0.0,
+              stream_write_timeouts: Any = None) -> FastAPI:
     """The REST bridge for the gateway at `gateway_address`. `tokenizer` (the target's)
     renders chat templates; `model_name` is the model id the API reports and accepts.
 
@@ -707,7 +778,10 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeySt
     Bodies over `max_request_bytes` are answered 413. Tokenising and chat templating run on
     `tokenizer_executor` (default: one thread of its own), never on the event loop that carries
     every stream. `refused`: the gateway's refusal counter (by reason), which counts the bridge's own
-    401 and 413 answers too."""
+    401 and 413 answers too. A streamed answer's client must take each message within
+    `stream_write_timeout_s` (0: no limit; TimedStreamingResponse), counted in
+    `stream_write_timeouts`. A client's deadline header (DEADLINE_HEADERS) becomes the gateway
+    call's deadline."""
     state: dict[str, Any] = {}
     executor = tokenizer_executor or ThreadPoolExecutor(1, thread_name_prefix="rest-tokenizer")
 
@@ -721,8 +795,8 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeySt
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The channel belongs to the serving event loop, so it is made here, not in build_app.
-        # No wait_for_ready and no deadline: an unreachable gateway is an immediate 503, and a
-        # generation runs as long as its client keeps the HTTP request open.
+        # No wait_for_ready and no default deadline: an unreachable gateway is an immediate 503, and a
+        # generation runs as long as its client keeps the HTTP request open (or its deadline header says).
         async with AsyncGatewayClient(gateway_address, timeout_s=None, wait_for_ready=False) as client:
             state["gateway"] = client
             state["health"] = health_pb2_grpc.HealthStub(client.channel)
@@ -754,6 +828,7 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeySt
             raise APIError(404, f"model: the model {req.model!r} does not exist; this server has {model_name!r}",
                            "model", code="model_not_found")
         metadata = forwarded(request)
+        deadline_s = client_deadline_s(request.headers)
         request_id = req.request_id or uuid.uuid4().hex
         spec = build_spec(req, prompt_ids, request_id)
         answer = Answer(
@@ -764,12 +839,14 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeySt
             LogprobsShaper(tokenizer, spec.sampling.logprobs, bool(req.return_tokens_as_token_ids)),
         )
         if req.stream:
-            chunks = await _open_stream(state["gateway"], spec, shape.prompt_param, metadata)
+            chunks = await _open_stream(state["gateway"], spec, shape.prompt_param, metadata, deadline_s)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream_events(answer, chunks, include_usage), media_type="text/event-stream")
+            return TimedStreamingResponse(
+                stream_events(answer, chunks, include_usage), stream_write_timeout_s, media_type="text/event-stream",
+                on_timeout=stream_write_timeouts.inc if stream_write_timeouts is not None else None)
         # as vLLM's `with_cancellation`: a client that goes away cancels its generation (the gRPC
         # call, so the gateway, the verifier's engine and the drafter stop working for it)
-        call = asyncio.ensure_future(state["gateway"].generate(spec, metadata=metadata))
+        call = asyncio.ensure_future(state["gateway"].generate(spec, metadata=metadata, timeout_s=deadline_s))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)

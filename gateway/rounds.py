@@ -27,6 +27,15 @@ The drafter's deadline measures the drafter alone: it owes an answer from each c
 (the first one carries the target's first token), and falls back when it stays silent
 for `drafter_timeout_s` while it owes one. The target's queueing and prefill never count:
 before the first commit the drafter owes nothing (it prefills its own copy meanwhile).
+
+A *polite* hostile drafter answers in time with valid blocks that carry no usable draft
+(empty, or only positions the target has already passed). Each commit to a drafter that has
+spoken (sent `ready` or a block), while the verifier does not hold its drafts and drafts are
+still possible (at least two tokens to go), opens a *window* that ends at the next commit. A
+window is *idle* when no block relayed in it reaches past the committed context (for the
+n-gram method, a `final` empty block, "no match here", is an answer: finding nothing is what
+it does). After `max_idle_commits` idle windows in a row the drafter is treated as failed
+(fallback, reason "... max_idle_commits ..."); a usable block resets the count.
 """
 
 from __future__ import annotations
@@ -208,6 +217,8 @@ class Round:
     `verdict_timeout_s` (> 0): once the verifier has sent its first verdict (queueing and prefill
     never count), a silence this long while it still owes verdicts ends the round with
     UNAVAILABLE, which the gateway treats as a verifier gone (migration).
+    `max_idle_commits` (> 0): idle windows in a row (see the module docstring) before the
+    drafter is treated as failed; 0: never.
     """
 
     def __init__(
@@ -224,8 +235,10 @@ class Round:
         stats: Stats | None = None,
         on_drafter_unavailable: Callable[[], None] | None = None,
         verdict_timeout_s: float = 0.0,
+        max_idle_commits: int = 0,
     ) -> None:
         self.plan = plan
+        self.max_idle_commits = max_idle_commits
         self.verdict_timeout_s = verdict_timeout_s
         self.on_drafter_unavailable = on_drafter_unavailable
         self.verifier_stub = verifier_stub
@@ -265,6 +278,10 @@ class Round:
         self._blocks_since_commit = 0  # blocks the drafter sent since the latest commit
         self._ready_seen = False
         self._hold = False  # the drafter is told to hold (the verifier's hold_drafts)
+        self._spoken = False  # the drafter sent `ready` or a block (its prefill is behind it)
+        self._window = False  # the latest commit opened a window (see the module docstring)
+        self._answered = False  # ... and a usable block (or the n-gram's "nothing") came in it
+        self.idle_commits = 0  # idle windows in a row
 
     def _fallback(self, reason: str) -> None:
         """The drafter is gone: tell the verifier to stop waiting for it and go on plainly."""
@@ -346,6 +363,7 @@ class Round:
                     self._violation("a reply with " + ("both a block and `ready`" if resp.HasField("ready") else
                                                        "neither a block nor `ready`"))
                     continue
+                self._spoken = True
                 if resp.HasField("ready"):
                     ready = self._checked_ready(resp.ready)
                     if ready is not None:
@@ -355,6 +373,9 @@ class Round:
                 block = self._checked_block(resp.block)
                 if block is None or self.stats.fallback_reason:
                     continue
+                if block.start_position + len(block.token_ids) > self._committed or (
+                        block.final and not block.token_ids and self.plan.drafter == pb.DRAFT_METHOD_NGRAM):
+                    self._answered = True  # drafts past the context (or the n-gram's "nothing here")
                 self.stats.blocks += 1
                 self.stats.block_tokens += len(block.token_ids)
                 self.stats.branches_drafted += block.branch
@@ -468,6 +489,8 @@ class Round:
                                                                                    hold=hold)))
             return
         skip = max(0, self._committed - v.start_position)
+        if self._idle_window_ended():
+            return
         self._hold = hold
         if hold:
             self._owed_since = None
@@ -484,6 +507,21 @@ class Round:
             )
         )
         self._committed = end
+        p = self.plan
+        self._window = self._spoken and not hold and end < len(p.prompt_token_ids) + p.sampling.max_tokens - 1
+        self._answered = False
+
+    def _idle_window_ended(self) -> bool:
+        """A commit ends the current window (see the module docstring): count it when idle; at
+        max_idle_commits in a row, fall back (returns True: nothing more goes to the drafter)."""
+        if not self._window:
+            return False
+        self.idle_commits = 0 if self._answered else self.idle_commits + 1
+        if self.max_idle_commits <= 0 or self.idle_commits < self.max_idle_commits:
+            return False
+        self._fallback(f"drafter answered {self.idle_commits} commits in a row with no usable draft "
+                       f"(max_idle_commits {self.max_idle_commits})")
+        return True
 
     async def _next_verdict(self, vcall: grpc.aio.StreamStreamCall) -> Any:
         """The verifier's next message; after its first verdict, within verdict_timeout_s."""

@@ -94,6 +94,10 @@ class Chunk:
     logprobs: list["pb.TokenLogprobs"] = field(default_factory=list)  # [len(token_ids)] when asked for
 
 
+class ClientStalled(Exception):
+    """A stream's client took no message for stream_write_timeout_s (see GenerateStream)."""
+
+
 class GatewayServicer(rpc.GatewayServiceServicer):
     """The gateway; its metrics (telemetry.GatewayMetrics) live on `registry`, which the
     REST bridge's /metrics serves too (`self.metrics.registry`)."""
@@ -258,6 +262,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         round_ = Round(plan, verifier.stub, drafter.stub if drafter is not None else None, self.cfg.drafter_timeout_s,
                        self.spikes, self.metrics, model=self.cfg.tokenizer, parent=parent, vocab_size=vocab,
                        stats=stats, verdict_timeout_s=self.cfg.verdict_timeout_s,
+                       max_idle_commits=self.cfg.max_idle_commits,
                        on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None)
         round_.replicas = (verifier, drafter)  # type: ignore[attr-defined]  # the servicer's tag on its Round
         return round_
@@ -409,15 +414,47 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self.metrics.e2e_latency.observe(time.perf_counter() - started)
         return response
 
-    async def GenerateStream(self, request, context) -> AsyncIterator["pb.GenerateStreamResponse"]:  # noqa: N802
+    async def GenerateStream(self, request, context) -> None:  # noqa: N802
+        """Stream the generation's chunks. Each chunk must be taken by the transport within
+        `stream_write_timeout_s`: a client that stops reading fills its flow-control window and
+        the next write waits; past the timeout the generation stops (the round ends: its verifier
+        and drafter calls are cancelled) and the max_inflight slot is freed at once. The stream's
+        status is then DEADLINE_EXCEEDED, which the client sees after what was sent, if it ever
+        reads again (the HTTP/2 stream itself lasts until then or until its connection closes)."""
         started, first = time.perf_counter(), True
-        async with self.admitted(context) as key, self.slots.hold(context):
-            async for chunk in self._generate_stream(request, context, key):
-                if first and chunk.token_ids:
-                    self.metrics.time_to_first_token.observe(time.perf_counter() - started)
-                    first = False
-                yield chunk
-        self.metrics.e2e_latency.observe(time.perf_counter() - started)
+        try:
+            async with self.admitted(context) as key, self.slots.hold(context):
+                chunks = self._generate_stream(request, context, key)
+                async with contextlib.aclosing(chunks):  # leaving early ends the round now, not at GC
+                    async for chunk in chunks:
+                        if first and chunk.token_ids:
+                            self.metrics.time_to_first_token.observe(time.perf_counter() - started)
+                            first = False
+                        await self._write(context, chunk)
+            self.metrics.e2e_latency.observe(time.perf_counter() - started)
+        except ClientStalled as stalled:
+            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+            context.set_details(str(stalled))
+
+    async def _write(self, context: grpc.aio.ServicerContext, msg: "pb.GenerateStreamResponse") -> None:
+        """One stream write within stream_write_timeout_s (0: no limit); past it, ClientStalled."""
+        timeout = self.cfg.stream_write_timeout_s
+        if timeout <= 0:
+            await context.write(msg)
+            return
+        # asyncio.wait, not wait_for: a write held by flow control does not end when cancelled
+        write = asyncio.ensure_future(context.write(msg))
+        done, _ = await asyncio.wait({write}, timeout=timeout)
+        if done:
+            write.result()
+            return
+        write.cancel()
+        write.add_done_callback(lambda task: task.cancelled() or task.exception())
+        self.metrics.stream_write_timeouts.inc()
+        log.warning("request %s: the client took no message for stream_write_timeout_s (%g s); stream ended",
+                    msg.request_id, timeout)
+        raise ClientStalled(f"gateway: the client read nothing for stream_write_timeout_s ({timeout:g} s); the "
+                            "stream was ended")
 
     async def _generate(self, request, context, key: str) -> "pb.GenerateResponse":
         plan = await self._checked_plan(request.spec, context, key)
@@ -481,7 +518,8 @@ async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: async
     app = build_app(local, servicer.tokenizer, cfg.tokenizer, keys=servicer.keys, metrics_auth=cfg.metrics_auth,
                     metrics_app=prometheus_client.make_asgi_app(servicer.metrics.registry),
                     max_request_bytes=int(cfg.max_request_mb * (1 << 20)), tokenizer_executor=servicer.tokenizer_executor,
-                    refused=servicer.metrics.refused)
+                    refused=servicer.metrics.refused, stream_write_timeout_s=cfg.stream_write_timeout_s,
+                    stream_write_timeouts=servicer.metrics.stream_write_timeouts)
 
     class Server(uvicorn.Server):
         def capture_signals(self):  # type: ignore[override]  # a no-op context in place of uvicorn's

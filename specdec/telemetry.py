@@ -222,6 +222,7 @@ class GatewayMetrics:
         specdec:e2e_request_latency_seconds               histogram: a call's arrival to its end (completed calls)
         specdec:latency_spikes_total{stage}, specdec:drafter_fallbacks_total
         specdec:gateway_refused_total{reason}             unauthenticated, rate_limited, request_too_large
+        specdec:gateway_stream_write_timeouts_total       streams ended: their client read nothing for stream_write_timeout_s
         specdec:gateway_migrations_total                  generations resumed on another verifier
         specdec:gateway_replicas{pool, state}             drafter / verifier replicas the gateway knows,
                                                           by their last health check (serving, not_serving)
@@ -303,6 +304,10 @@ class GatewayMetrics:
         )
         for reason in ("unauthenticated", "rate_limited"):
             self.refused.labels(reason)
+        self.stream_write_timeouts = Counter(
+            "specdec:gateway_stream_write_timeouts", "Streams ended because their client read nothing for "
+            "stream_write_timeout_s (gRPC GenerateStream and REST streams)", registry=registry,
+        )
         self.fallbacks = Counter(
             "specdec:drafter_fallbacks", "Requests that went on without their drafter", registry=registry
         )
@@ -353,6 +358,8 @@ class VerifierMetrics:
     Families:
         specdec:verifier_sessions                       open verify sessions (requests in the engine)
         specdec:verifier_requests_total                 verify sessions opened
+        specdec:verifier_engine_running                 requests the engine's scheduler runs (read at scrape)
+        specdec:verifier_engine_waiting                 requests the engine's scheduler has waiting (read at scrape)
         specdec:verifier_engine_steps_total             engine steps
         specdec:verifier_step_seconds                   histogram: engine step wall time
         specdec:verifier_batch_size                     histogram: requests per engine step
@@ -383,6 +390,14 @@ class VerifierMetrics:
             "specdec:verifier_sessions", "Open verify sessions (requests in the engine)", registry=registry
         )
         self.requests = Counter("specdec:verifier_requests", "Verify sessions opened", registry=registry)
+        # the engine's own view (vLLM's scheduler), beside the sessions: a request the gRPC layer let go
+        # but the engine still runs shows here (set to read the scheduler by verifier.engine)
+        self.engine_running = Gauge(
+            "specdec:verifier_engine_running", "Requests the engine's scheduler is running", registry=registry
+        )
+        self.engine_waiting = Gauge(
+            "specdec:verifier_engine_waiting", "Requests waiting in the engine's scheduler", registry=registry
+        )
         self.engine_steps = Counter("specdec:verifier_engine_steps", "Engine steps", registry=registry)
         self.step_seconds = Histogram(
             "specdec:verifier_step_seconds", "Engine step wall time",

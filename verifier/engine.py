@@ -127,6 +127,9 @@ class TargetEngine:
             metrics=self.metrics,
         )
         self.engine = vllm_hooks.build_engine(cfg, model_path, self.board)
+        engine = self.engine
+        self.metrics.engine_running.set_function(lambda: vllm_hooks.request_counts(engine)[0])
+        self.metrics.engine_waiting.set_function(lambda: vllm_hooks.request_counts(engine)[1])
         self._step_tokens = 0  # tokens the engine scheduled in the current step
         self._decode_step = False  # ... and whether they were all decode/verify tokens
         facts = vllm_hooks.model_facts(self.engine)

@@ -16,10 +16,16 @@ request's row to the board (`preview`, then `propose_batch`), which:
      drafter's pace x (1 + slack), plus a margin; a drafter that has not announced `ready`
      yet, i.e. is still prefilling or is stalled, gets the margin alone); the whole step
      waits at most `wait_s`, and with `adaptive` only while the missing drafts are worth
-     the wait. A request with no block in time gets [] and
-     decodes plainly this step. A request adaptive gamma gives no drafts at all is `held`:
-     its verdicts say so (VerifyResponse.hold_drafts) and its drafter stops drafting until
-     the budget comes back (as its acceptance history fades, verifier.budget.DECAY).
+     the wait. One request never holds the others up: once any row of the batch has its
+     drafts (or needs none), the rows still missing theirs are waited for at most the
+     margin from the step's start, and in a batch of more than one a row whose drafter let
+     a wait expire with nothing usable (`late`, until a block with drafts arrives) is not
+     waited for at all. So a drafter that answers politely with nothing (empty or stale
+     blocks) costs the other requests of its batch at most one margin, once. A request
+     with no block in time gets [] and decodes plainly this step. A request adaptive gamma
+     gives no drafts at all is `held`: its verdicts say so (VerifyResponse.hold_drafts) and
+     its drafter stops drafting until the budget comes back (as its acceptance history
+     fades, verifier.budget.DECAY).
 vLLM then verifies the drafts in its next step with its own scheduler, KV cache (no
 recompute of verified tokens) and rejection sampler (one-hot q, which is exact).
 
@@ -103,6 +109,7 @@ class _Entry:
     missed: set[int] = field(default_factory=set)  # lengths whose step found no branch after a break
     broken: tuple[int, list[int]] = (0, [])  # the chain the target last broke (start, tokens)
     held: bool = False  # adaptive gamma backed it off: its drafter is told to stop (see `holding`)
+    late: bool = False  # a wait for its drafts expired with nothing usable (see the module docstring)
 
 
 class DraftBoard:
@@ -198,6 +205,7 @@ class DraftBoard:
                 old = e.draft_ms_per_token
                 e.draft_ms_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
             if tokens:
+                e.late = False  # drafts again: worth waiting for
                 now = time.monotonic()
                 if e.clock:
                     observed = (now - e.clock) * 1e3 / len(tokens)
@@ -295,6 +303,10 @@ class DraftBoard:
             return None
         return e.pace_ms or e.draft_ms_per_token
 
+    def _late(self, req_id: str) -> bool:
+        e = self._entries.get(req_id)
+        return e is not None and e.late
+
     def _expected_wait_s(self, req_id: str, missing: int) -> float:
         """How long a row's `missing` drafts may be waited for (see the module docstring)."""
         e = self._entries.get(req_id)
@@ -352,12 +364,19 @@ class DraftBoard:
             held = self._hold(rows, want, k_max)
             until = [t0 if h else t0 + self._expected_wait_s(rid, w - len(d))
                      for (rid, _), d, w, h in zip(rows, drafts, want, held)]
+            waited: set[int] = set()  # rows the step waited for
             while True:
                 now = time.monotonic()
-                missing = [i for i, (rid, ctx) in enumerate(rows)
-                           if now < until[i] and self._wants_more(rid, len(ctx), len(drafts[i]), want[i])]
+                wanting = [i for i, (rid, ctx) in enumerate(rows)
+                           if self._wants_more(rid, len(ctx), len(drafts[i]), want[i])]
+                if len(rows) > 1:  # a late row never holds up the others
+                    until = [t0 if self._late(rid) else u for (rid, _), u in zip(rows, until)]
+                if len(wanting) < len(rows):  # a row has its drafts: the others may cost it the margin only
+                    until = [min(u, t0 + self.wait_margin_s) for u in until]
+                missing = [i for i in wanting if now < until[i]]
                 if not missing:
                     break
+                waited.update(missing)
                 left = min(t0 + self.wait_s, max(until[i] for i in missing)) - now
                 if left <= 0:
                     break
@@ -372,6 +391,11 @@ class DraftBoard:
                 self._cond.wait(left)
                 for i in missing:
                     drafts[i] = self._peek(rows[i][0], rows[i][1], k_max)
+            for i in waited:  # waited for and still missing drafts: late until its drafter sends some
+                rid, ctx = rows[i]
+                e = self._entries.get(rid)
+                if e is not None and self._wants_more(rid, len(ctx), len(drafts[i]), want[i]):
+                    e.late = True
             withheld = sum(max(0, len(d) - w) for d, w in zip(drafts, want))
             drafts = [d[:w] for d, w in zip(drafts, want)]
             for (rid, ctx), d in zip(rows, drafts):

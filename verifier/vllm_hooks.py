@@ -37,6 +37,8 @@ Each hook, why it is needed, and what it touches in vLLM:
                           `InprocClient` -> `EngineCore`), so the engine learns each step's
                           scheduled tokens (`SchedulerOutput`, `vllm/v1/core/sched/output.py`)
                           and queue length; the caller's callback gets a plain ScheduledStep.
+  request_counts          (running, waiting) from the same scheduler's `get_request_counts()`
+                          (the verifier's engine gauges, read at scrape time).
   find_model_runner       vLLM builds the proposer with only `vllm_config`; the rows of
                           `propose` follow `runner.input_batch.req_ids`, so the proposer walks
                           up the call stack to the model runner constructing it.
@@ -350,6 +352,12 @@ def install_schedule_hook(
         return out
 
     scheduler.schedule = schedule
+
+
+def request_counts(engine: Any) -> tuple[int, int]:
+    """(running, waiting) requests in the engine's scheduler (`Scheduler.get_request_counts`);
+    plain reads of its queues' lengths, so any thread may call it."""
+    return engine.engine_core.engine_core.scheduler.get_request_counts()
 
 
 # ---- the custom_class proposer ----------------------------------------------------------------

@@ -16,6 +16,7 @@ the verifier's resident memory stays within RSS_BOUND_MIB of where it was.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from concurrent import futures
@@ -24,8 +25,7 @@ import grpc
 import pytest
 from conftest import DRAFT_WAIT_MARGIN_MS, vllm_reference
 from gen import spec
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import HealthServicer
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec.wire import pb, rpc
 
@@ -69,6 +69,8 @@ def _garbage(mode: str, committed: int, gamma: int) -> list["pb.DraftBlock"]:
                 pb.DraftBlock(start_position=committed + 100_000, token_ids=[1] * gamma, committed_length=committed)]
     if mode == "huge":
         return [pb.DraftBlock(start_position=committed, token_ids=[1] * HUGE, committed_length=committed)]
+    if mode == "empty":  # the polite hostile drafter: valid, in time, and never a draft
+        return [pb.DraftBlock(start_position=committed, committed_length=committed, final=False)]
     if mode == "flood":
         block = pb.DraftBlock(start_position=committed, token_ids=[1] * gamma, committed_length=committed, final=True)
         return [block] * FLOOD
@@ -136,14 +138,13 @@ def hostile(services):
     drafter = HostileDrafter()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     rpc.add_DrafterServiceServicer_to_server(drafter, server)
-    # a drafter says it serves (the gateway health-checks its drafters and sends requests only
-    # to those that do: without this the hostile one would never be asked)
-    health = HealthServicer()
-    for name in ("", "specdec.v1.DrafterService"):
-        health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    # the gateway sends requests only to a drafter whose health check says SERVING
+    status = health.HealthServicer()
+    status.set("specdec.v1.DrafterService", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(status, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    drafter.address = f"127.0.0.1:{port}"
     gateway = services.start_gateway(f"127.0.0.1:{port}", services.verifier.address)
     try:
         gateway.wait_ready(120)
@@ -298,3 +299,66 @@ def test_the_verifier_drops_a_block_with_ids_outside_the_vocabulary_and_goes_on(
               pb.DraftBlock(start_position=n, token_ids=[3, 4], committed_length=n))
     tokens, finish, _ = asyncio.run(_verify(address, "bad-block", PROMPT, MAX_TOKENS, GAMMA, blocks=blocks))
     assert finish == pb.FINISH_REASON_LENGTH and tokens == reference
+
+
+def test_a_polite_drafter_that_never_drafts_is_detected_and_falls_back(services, hostile, plain) -> None:
+    """Empty blocks (non-final: "more to come"), in time, on every commit: valid, so no violation,
+    but after max_idle_commits (8) such answers in a row the request falls back, exactly."""
+    drafter, gateway = hostile
+    drafter.mode = "empty"
+    sent = drafter.sent
+    r = _generate(gateway.address, spec(PROMPT, MAX_TOKENS, gamma=GAMMA, ignore_eos=True))
+    assert drafter.sent - sent >= 8
+    assert list(r.token_ids) == plain[tuple(PROMPT)]
+    assert r.stats.drafter_fallback and "max_idle_commits 8" in r.stats.fallback_reason, r.stats.fallback_reason
+    assert "invalid" not in r.stats.fallback_reason  # nothing it sent was invalid
+    print(f"\nfallback after {drafter.sent - sent} empty answers: {r.stats.fallback_reason}")
+
+
+def _gaps(address: str, s: "pb.GenerationSpec") -> tuple[list[int], list[float]]:
+    """A stream's tokens and the gaps (s) between its chunks after the first (queueing and prefill)."""
+    tokens, times = [], []
+    with grpc.insecure_channel(address) as channel:
+        for chunk in rpc.GatewayServiceStub(channel).GenerateStream(pb.GenerateStreamRequest(spec=s), timeout=120):
+            tokens.extend(chunk.token_ids)
+            times.append(time.monotonic())
+    return tokens, [b - a for a, b in itertools.pairwise(times)]
+
+
+def _per_token_s(tokens: list[int], gaps: list[float]) -> float:
+    """Seconds per token after the first chunk."""
+    return sum(gaps) / max(1, len(tokens) - 1)
+
+
+def test_a_polite_drafter_costs_the_other_requests_of_its_batch_nothing_per_step(services, hostile, plain) -> None:
+    """The draft board's rule, end to end: a request whose drafter answers every commit with an
+    empty non-final block ("more to come") must not make the steps it shares with a normal
+    request wait for it. The detection is off on this gateway (max_idle_commits 0), so the
+    polite request stays in the batch for the whole measurement. The normal request's time per
+    token beside it over its time per token beside the same request without a drafter (gamma 0:
+    the same batch, the same compute), in one run: printed, and bounded at 2 (without the rule
+    every shared step waits the verifier's margin, 2 s here, for drafts that never come)."""
+    drafter, _ = hostile
+    drafter.mode = "empty"
+    gateway = services.start_gateway(drafter.address, services.verifier.address, ("--max-idle-commits", "0"))
+    normal = spec(OTHER, MAX_TOKENS, gamma=GAMMA, ignore_eos=True)
+    measured = {}
+    try:
+        gateway.wait_ready(120)
+        for name, gamma in (("without", 0), ("with", GAMMA)):
+            sent = drafter.sent
+            with grpc.insecure_channel(gateway.address) as channel:
+                other = rpc.GatewayServiceStub(channel).GenerateStream(
+                    pb.GenerateStreamRequest(spec=spec(PROMPT, 2000, gamma=gamma, ignore_eos=True)), timeout=600)
+                assert next(other).token_ids  # it is decoding: its row is in every step from here
+                tokens, gaps = _gaps(services.gateways["mid"].address, normal)
+                other.cancel()
+            assert tokens == plain[tuple(OTHER)]
+            assert (drafter.sent > sent) == (gamma > 0)  # the polite drafter did answer (only) with gamma
+            measured[name] = _per_token_s(tokens, gaps)
+    finally:
+        gateway.stop()
+    ratio = measured["with"] / measured["without"]
+    print(f"\nnormal request: {measured['without'] * 1e3:.1f} ms/token beside a request without a drafter, "
+          f"{measured['with'] * 1e3:.1f} ms/token beside one with a polite hostile drafter: ratio {ratio:.2f}")
+    assert ratio < 2.0, measured

@@ -82,7 +82,8 @@ async def gateway(tiny_target: Path, keys: str = "", max_request_mb: float = 8.0
     tokenizer = CountingTokenizer(servicer.tokenizer)
     app = build_app(f"127.0.0.1:{port}", tokenizer, cfg.tokenizer, keys=servicer.keys,
                     max_request_bytes=int(max_request_mb * (1 << 20)), tokenizer_executor=servicer.tokenizer_executor,
-                    refused=servicer.metrics.refused)
+                    refused=servicer.metrics.refused, stream_write_timeout_s=cfg.stream_write_timeout_s,
+                    stream_write_timeouts=servicer.metrics.stream_write_timeouts)
     try:
         async with app.router.lifespan_context(app):
             gw = Gateway(servicer, f"127.0.0.1:{port}", app, tokenizer)
@@ -344,3 +345,157 @@ def test_a_non_streaming_rest_request_is_cancelled_when_its_client_disconnects(t
 
     status, active = asyncio.run(run())
     assert status == 499 and active == 0
+
+
+# ---------------------------------------------------------------------------- slots held by clients that stop reading
+
+
+class WatchedSlots:
+    """The gateway's SessionSlots, with an event set each time a call leaves its slot."""
+
+    def __new__(cls, *args: Any) -> Any:
+        from specdec.serving import SessionSlots
+
+        class _Watched(SessionSlots):
+            def __init__(self, *a: Any) -> None:
+                super().__init__(*a)
+                self.entered, self.left = asyncio.Event(), asyncio.Event()
+
+            @contextlib.asynccontextmanager
+            async def hold(self, context: Any) -> AsyncIterator[None]:
+                async with super().hold(context):
+                    self.entered.set()
+                    try:
+                        yield
+                    finally:
+                        self.left.set()
+
+        return _Watched(*args)
+
+
+def test_a_grpc_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(tiny_target: Path) -> None:
+    """A client opens GenerateStream and never reads: once its flow-control window is full the
+    gateway's next write waits, and after stream_write_timeout_s the stream ends, the generation
+    is closed (here an endless one standing in for the verifier's verdicts) and the slot freed."""
+    timeout_s = 0.5
+
+    async def run() -> tuple[int, int, int, grpc.StatusCode]:
+        async with gateway(tiny_target, stream_write_timeout_s=timeout_s) as gw:
+            slots = gw.servicer.slots = WatchedSlots("gateway", 256, "max_inflight")
+            closed = asyncio.Event()
+            produced = 0
+
+            async def endless(request: Any, context: Any, key: str) -> AsyncIterator[pb.GenerateStreamResponse]:
+                nonlocal produced
+                try:
+                    while True:
+                        produced += 1
+                        yield pb.GenerateStreamResponse(request_id="r", text="x" * 1000, token_ids=[1] * 100)
+                finally:
+                    closed.set()  # the round's finally: its verifier and drafter calls are cancelled there
+
+            gw.servicer._generate_stream = endless  # type: ignore[method-assign]
+            # a small stream window and no BDP growth: the window fills after a few messages
+            options = [("grpc.http2.lookahead_bytes", 4096), ("grpc.http2.bdp_probe", 0)]
+            async with grpc.aio.insecure_channel(gw.address, options=options) as channel:
+                call = rpc.GatewayServiceStub(channel).GenerateStream(
+                    pb.GenerateStreamRequest(spec=generation_spec([1, 2, 3], max_tokens=4)))
+                await asyncio.wait_for(slots.entered.wait(), 20)
+                t0 = time.monotonic()
+                await asyncio.wait_for(closed.wait(), 100 * timeout_s)  # never without the timeout
+                await asyncio.wait_for(slots.left.wait(), 20)
+                ended_after = time.monotonic() - t0
+                active = slots.active
+                code = grpc.StatusCode.OK
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    async for _ in call:  # what arrived before the end, then the status
+                        pass
+                code = await call.code()
+            timeouts = gw.servicer.metrics.registry.get_sample_value("specdec:gateway_stream_write_timeouts_total")
+            print(f"\nended after {ended_after:.2f} s ({produced} messages produced); status {code.name}")
+            return active, produced, int(timeouts), code
+
+    active, produced, timeouts, code = asyncio.run(run())
+    assert active == 0 and timeouts == 1
+    assert produced < 10_000  # the writes did wait for the client: nothing unbounded was buffered
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_rest_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(tiny_target: Path) -> None:
+    """The REST side: a client that stays connected but takes no more of its event stream. After
+    stream_write_timeout_s the response ends, the gateway call is cancelled (the generation
+    closed) and the gateway's slot freed."""
+    timeout_s = 0.5
+
+    async def run() -> tuple[int, int, int]:
+        async with gateway(tiny_target, stream_write_timeout_s=timeout_s) as gw:
+            slots = gw.servicer.slots = WatchedSlots("gateway", 256, "max_inflight")
+            closed = asyncio.Event()
+
+            async def endless(request: Any, context: Any, key: str) -> AsyncIterator[pb.GenerateStreamResponse]:
+                try:
+                    while True:
+                        yield pb.GenerateStreamResponse(request_id="r", text="x", token_ids=[1])
+                finally:
+                    closed.set()
+
+            gw.servicer._generate_stream = endless  # type: ignore[method-assign]
+            body = b'{"prompt": [1, 2, 3], "max_tokens": 4, "stream": true}'
+            sent_body = False
+            bodies = 0
+
+            async def receive() -> dict[str, Any]:
+                nonlocal sent_body
+                if not sent_body:
+                    sent_body = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                await asyncio.Event().wait()  # connected, silent: never a disconnect
+                raise AssertionError("unreachable")
+
+            async def send(message: dict[str, Any]) -> None:
+                nonlocal bodies
+                if message["type"] == "http.response.body":
+                    bodies += 1
+                    if bodies > 1:  # the client took the first event, then stops reading
+                        await asyncio.Event().wait()
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                     "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("rest", 80),
+                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+            await asyncio.wait_for(gw.app(scope, receive, send), 100 * timeout_s)  # never without the timeout
+            await asyncio.wait_for(closed.wait(), 20)
+            await asyncio.wait_for(slots.left.wait(), 20)
+            timeouts = gw.servicer.metrics.registry.get_sample_value("specdec:gateway_stream_write_timeouts_total")
+            return slots.active, bodies, int(timeouts)
+
+    active, bodies, timeouts = asyncio.run(run())
+    assert active == 0 and bodies == 2 and timeouts == 1
+
+
+def test_rest_passes_its_clients_deadline_to_the_gateway_call(tiny_target: Path) -> None:
+    """X-Request-Timeout (or X-Stainless-Timeout, which OpenAI's SDKs send) becomes the gateway
+    call's deadline: a request that would wait verifier_retry_s (60 s) for a verifier ends with 504
+    at its deadline and frees its slot; a deadline that is not a number of seconds is a 400 naming
+    the header, before any work."""
+
+    async def run() -> list[tuple[int, Any, int]]:
+        async with gateway(tiny_target, verifier_retry_s=60.0) as gw:
+            slots = gw.servicer.slots = WatchedSlots("gateway", 256, "max_inflight")
+            out = []
+            for header, value in (("X-Request-Timeout", "0.5"), ("X-Stainless-Timeout", "0.5"),
+                                  ("X-Request-Timeout", "soon"), ("X-Stainless-Timeout", "-1")):
+                for stream in (False, True):
+                    slots.entered.clear()
+                    slots.left.clear()
+                    r = await asyncio.wait_for(gw.rest.post(
+                        "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "stream": stream},
+                        headers={header: value}), 20)  # 60 s without the deadline
+                    if slots.entered.is_set():  # the gateway's side of the deadline ends its call too
+                        await asyncio.wait_for(slots.left.wait(), 20)
+                    out.append((r.status_code, r.json()["error"]["param"], slots.active))
+            return out
+
+    results = asyncio.run(run())
+    assert results[:4] == [(504, None, 0)] * 4, results
+    assert results[4:] == [(400, "x-request-timeout", 0)] * 2 + [(400, "x-stainless-timeout", 0)] * 2, results

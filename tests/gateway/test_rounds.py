@@ -567,3 +567,80 @@ def test_a_verifier_silent_while_it_owes_verdicts_is_treated_as_gone() -> None:
     err, waited = asyncio.run(scenario())
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "verdict_timeout_s" in err.details()
     assert waited >= TIMEOUT_S * 0.9
+
+
+async def _written_count(call: FakeCall, kind: str, n: int) -> None:
+    """Wait until `n` messages of oneof kind `kind` have been written."""
+    while sum(m.WhichOneof("kind") == kind for m in call.written) < n:
+        call.wrote.clear()
+        await call.wrote.wait()
+
+
+def _polite_scenario(answers: list[list[int] | None], method: int = pb.DRAFT_METHOD_MODEL, max_idle: int = 3,
+                     holds: set[int] = frozenset(), final: bool = False) -> Round:
+    """A round whose drafter says `ready`, then answers commit k (k = 0, 1, ...) with one block
+    of `answers[k]` tokens at the committed position (None: a block at a passed position), the
+    verifier giving one token per verdict (`holds`: the verdicts that hold the drafts)."""
+
+    async def scenario() -> Round:
+        verifier, drafter = FakeCall(), FakeCall()
+        plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=100), gamma=2, drafter=method)
+        metrics = telemetry.GatewayMetrics(CollectorRegistry())
+        r = Round(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(), metrics,
+                  vocab_size=1000, max_idle_commits=max_idle)
+        run = asyncio.create_task(_collect(r))
+        await drafter.written_kind("open")
+        drafter.responses.put_nowait(pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=1.0)))
+        await verifier.written_kind("ready")
+        pos, blocks = len(PROMPT), 0
+        for k, answer in enumerate(answers):
+            verifier.responses.put_nowait(_verdict(pos, [10 + k], hold_drafts=k in holds))
+            pos += 1
+            # the verdict's commit reaches the drafter, or the round gives up on it (`end`)
+            committed = asyncio.ensure_future(_written_count(drafter, "commit", k + 1))
+            ended = asyncio.ensure_future(_written_count(verifier, "end", 1))
+            await asyncio.wait({committed, ended}, return_when=asyncio.FIRST_COMPLETED)
+            committed.cancel()
+            ended.cancel()
+            if r.stats.fallback_reason:
+                break
+            if k in holds:
+                continue
+            start, tokens = (pos - 1, [1]) if answer is None else (pos, answer)
+            drafter.responses.put_nowait(pb.DraftResponse(block=pb.DraftBlock(
+                start_position=start, token_ids=tokens, committed_length=min(start, pos), final=final)))
+            blocks += 1
+            await _written_count(verifier, "block", blocks)  # relayed before the next commit
+        verifier.responses.put_nowait(_verdict(pos, [99], finish=True))
+        await run
+        return r
+
+    return asyncio.run(scenario())
+
+
+def test_a_polite_drafter_with_no_usable_drafts_falls_back_after_max_idle_commits() -> None:
+    """Empty blocks, or blocks only at positions the target has passed, are valid but useless:
+    after max_idle_commits such answers in a row the drafter is treated as failed."""
+    for answer in ([], None):
+        r = _polite_scenario([answer] * 6)
+        assert "3 commits in a row with no usable draft" in r.stats.fallback_reason, r.stats.fallback_reason
+        assert "max_idle_commits" in r.stats.fallback_reason
+        assert r.metrics.registry.get_sample_value("specdec:drafter_fallbacks_total") == 1
+
+
+def test_usable_drafts_holds_and_the_ngrams_nothing_do_not_count_as_idle() -> None:
+    # a usable block among empty ones resets the count
+    r = _polite_scenario([[], [], [5], [], [], [7], [], []])
+    assert not r.stats.fallback_reason and r.idle_commits == 2
+    # windows held by adaptive gamma are not the drafter's fault
+    r = _polite_scenario([[], [], [], [], [], [], []], holds={1, 2, 3, 4, 5})
+    assert not r.stats.fallback_reason, r.stats.fallback_reason
+    # the n-gram drafter's final empty block says "no match here": an answer
+    r = _polite_scenario([[]] * 6, method=pb.DRAFT_METHOD_NGRAM, final=True)
+    assert not r.stats.fallback_reason
+    # ... while a model drafter's is not
+    r = _polite_scenario([[]] * 6, final=True)
+    assert "max_idle_commits" in r.stats.fallback_reason
+    # 0: never
+    r = _polite_scenario([[]] * 6, max_idle=0)
+    assert not r.stats.fallback_reason and r.idle_commits == 6  # the last verdict ends the sixth window

@@ -86,6 +86,7 @@ FAMILIES = {
         "specdec:gateway_replicas",
         "specdec:time_to_first_token_seconds",
         "specdec:e2e_request_latency_seconds",
+        "specdec:gateway_stream_write_timeouts_total",
     },
     "drafter": {
         "specdec:drafter_sessions",
@@ -99,6 +100,8 @@ FAMILIES = {
         "specdec:verifier_sessions",
         "specdec:verifier_requests_total",
         "specdec:verifier_engine_steps_total",
+        "specdec:verifier_engine_running",
+        "specdec:verifier_engine_waiting",
         "specdec:verifier_step_seconds",
         "specdec:verifier_batch_size",
         "specdec:verifier_computed_tokens_total",

@@ -227,3 +227,60 @@ def test_a_branch_from_another_context_or_a_flood_is_not_kept() -> None:
     for t in range(40):
         b.offer("r", 4, [t, 1, 1], committed=3, branch=True)
     assert len(b._entries["r"].branches) <= proposer.MAX_BRANCHES
+
+
+def test_one_rows_missing_drafts_cost_the_others_the_margin_once() -> None:
+    """A row whose drafter answers with nothing usable (here: an empty, non-final block) never
+    holds a batch whose other rows have their drafts longer than the margin, and once its wait
+    expired empty it is not waited for again until its drafter sends drafts."""
+    b = DraftBoard(wait_s=5.0, wait_margin_s=0.05)
+    for rid in ("good", "polite"):
+        b.register(rid, gamma=3, prompt_len=2, max_tokens=100)
+        b.ready(rid, SLOW_PACE_MS)  # alone, either would be waited for the whole wait_s
+    ctx = np.array([1, 2, 5])
+    b.offer("good", 3, [7, 8, 9])
+    b.offer("polite", 3, [], final=False)  # "more to come", and nothing ever comes
+    waits = during_wait(b)  # real waits
+    assert b.propose_batch([("good", ctx), ("polite", ctx)], 8) == [[7, 8, 9], []]
+    assert waits and all(0 < w <= 0.05 for w in waits), waits  # the margin, not wait_s
+    # the next step: the polite row is late, the step does not wait for it at all
+    ctx2 = np.array([1, 2, 5, 7, 8, 9, 4])
+    b.offer("good", 7, [1, 1, 1])
+    b.offer("polite", 7, [], final=False)
+    never_waits(b)
+    assert b.propose_batch([("good", ctx2), ("polite", ctx2)], 8) == [[1, 1, 1], []]
+    # drafts from it again: it is worth waiting for again (here it has them already)
+    b.offer("polite", 7, [3, 3], final=False)
+    waits = during_wait(b, lambda: b.offer("polite", 9, [3], committed=7))
+    assert b.propose_batch([("good", ctx2), ("polite", ctx2)], 8) == [[1, 1, 1], [3, 3, 3]]
+    assert len(waits) == 1 and waits[0] <= 0.05
+
+
+def test_a_batch_of_one_is_still_waited_for_as_expected() -> None:
+    """With no other row to hold up, a late row is waited for as before (its own step only)."""
+    b = _board(wait_s=5.0)
+    b.offer("r", 3, [], final=False)
+    during_wait(b, lambda: None)  # one wait that ends with nothing, then a real one
+    b.wait_s = 0.05
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
+    b.wait_s = 5.0
+    waits = during_wait(b, lambda: b.offer("r", 4, [4, 4], committed=3))
+    assert b.propose_batch([("r", np.array([1, 2, 5, 6]))], 8) == [[4, 4]]
+    assert waits == [pytest.approx(waits[0])] and waits[0] > 1.0  # the drafter's expected pace, not 0
+
+
+def test_a_late_row_is_not_waited_for_beside_others_still_missing_theirs() -> None:
+    """Both rows miss drafts; the late one (its last wait expired empty) adds nothing to the
+    step's wait: the step waits only for the other row's expected arrival."""
+    b = DraftBoard(wait_s=5.0, wait_margin_s=0.05)
+    b.register("polite", gamma=3, prompt_len=2, max_tokens=100)
+    b.ready("polite", SLOW_PACE_MS)
+    b.offer("polite", 3, [], final=False)
+    b.wait_s = 0.01
+    assert b.propose_batch([("polite", np.array([1, 2, 5]))], 8) == [[]]  # alone: waited, expired empty
+    b.wait_s = 5.0
+    b.register("honest", gamma=3, prompt_len=2, max_tokens=100)
+    b.ready("honest", 10.0)  # 3 drafts x 10 ms x 1.5 + the margin: 0.095 s
+    waits = during_wait(b)  # real waits: nothing arrives
+    assert b.propose_batch([("polite", np.array([1, 2, 5])), ("honest", np.array([1, 2, 5]))], 8) == [[], []]
+    assert waits and all(w <= 0.1 for w in waits), waits  # not the polite row's 5 s
