@@ -415,6 +415,20 @@ class Cluster:
             ]
             if readonly or m.get("readOnly"):
                 script.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+        # the image's software (this checkout and its environment, where the image has /opt/venv)
+        # stays visible where a volume covers its path (a checkout under /tmp, which an emptyDir hides)
+        mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]
+        # (an overlay of it, so the container's user may enter it, as an image's files are readable)
+        for i, keep in enumerate((self.bin_dir.parents[1], exe.parents[1])):
+            if any(str(keep) == mp or str(keep).startswith(mp.rstrip("/") + "/") for mp in mounts):
+                target = shlex.quote(f"{r}{keep}")
+                upper, work = root / f"keep{i}-upper", root / f"keep{i}-work"
+                upper.mkdir()
+                work.mkdir()
+                script += [f"mkdir -p {target}",
+                           f"mount -t overlay overlay -o lowerdir={shlex.quote(str(keep))},upperdir={upper},"
+                           f"workdir={work} {target}",
+                           f"chmod o+rx {target}"]
         if sc.get("readOnlyRootFilesystem"):
             script.append(f"mount -o remount,bind,ro {r}")
         user = f"--userspec={sc['runAsUser']}:{sc.get('runAsGroup', sc['runAsUser'])}" if "runAsUser" in sc else ""
