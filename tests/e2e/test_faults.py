@@ -45,4 +45,7 @@ def test_unreachable_drafter(services, tiny_target) -> None:
     with grpc.insecure_channel(gateway.address) as channel:
         r = rpc.GatewayServiceStub(channel).Generate(pb.GenerateRequest(spec=spec(PROMPT, 40, gamma=4)), timeout=120)
     assert list(r.token_ids) == reference
-    assert r.stats.drafter_fallback and "UNAVAILABLE" in r.stats.fallback_reason
+    # the gateway's health check finds it unreachable (no drafter serves), or, before its first
+    # check is over, the drafter call fails (UNAVAILABLE): either way, plain decoding
+    assert r.stats.drafter_fallback
+    assert r.stats.fallback_reason == "no drafter replica serves" or "UNAVAILABLE" in r.stats.fallback_reason
