@@ -28,12 +28,11 @@ The drafter's deadline measures the drafter alone: it owes an answer from each c
 for `drafter_timeout_s` while it owes one. The target's queueing and prefill never count:
 before the first commit the drafter owes nothing (it prefills its own copy meanwhile).
 
-A *polite* hostile drafter answers in time with valid blocks that carry no usable draft
-(empty, or only positions the target has already passed). Each commit to a drafter that has
+A *polite* hostile drafter answers in time with valid blocks that carry no draft at all
+(empty blocks). Each commit to a drafter that has
 spoken (sent `ready` or a block), while the verifier does not hold its drafts and drafts are
 still possible (at least two tokens to go), opens a *window* that ends at the next commit. A
-window is *idle* when no block relayed in it reaches past the committed context (for the
-n-gram method, a `final` empty block, "no match here", is an answer: finding nothing is what
+window is *idle* when no block relayed in it carries a drafted token (for the n-gram method, a `final` empty block, "no match here", is an answer: finding nothing is what
 it does). After `max_idle_commits` idle windows in a row the drafter is treated as failed
 (fallback, reason "... max_idle_commits ..."); a usable block resets the count.
 """
@@ -373,9 +372,10 @@ class Round:
                 block = self._checked_block(resp.block)
                 if block is None or self.stats.fallback_reason:
                     continue
-                if block.start_position + len(block.token_ids) > self._committed or (
-                        block.final and not block.token_ids and self.plan.drafter == pb.DRAFT_METHOD_NGRAM):
-                    self._answered = True  # drafts past the context (or the n-gram's "nothing here")
+                if block.token_ids or (block.final and self.plan.drafter == pb.DRAFT_METHOD_NGRAM):
+                    # drafts (even ones the target has passed: an honest drafter slower than its target
+                    # is adaptive gamma's business, not a hostile one) or the n-gram's "nothing here"
+                    self._answered = True
                 self.stats.blocks += 1
                 self.stats.block_tokens += len(block.token_ids)
                 self.stats.branches_drafted += block.branch

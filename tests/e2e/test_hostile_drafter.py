@@ -309,7 +309,7 @@ def test_a_polite_drafter_that_never_drafts_is_detected_and_falls_back(services,
     sent = drafter.sent
     r = _generate(gateway.address, spec(PROMPT, MAX_TOKENS, gamma=GAMMA, ignore_eos=True))
     assert drafter.sent - sent >= 8
-    assert list(r.token_ids) == plain[tuple(PROMPT)]
+    assert list(r.token_ids) == plain[(tuple(PROMPT), MAX_TOKENS)]
     assert r.stats.drafter_fallback and "max_idle_commits 8" in r.stats.fallback_reason, r.stats.fallback_reason
     assert "invalid" not in r.stats.fallback_reason  # nothing it sent was invalid
     print(f"\nfallback after {drafter.sent - sent} empty answers: {r.stats.fallback_reason}")
@@ -353,7 +353,7 @@ def test_a_polite_drafter_costs_the_other_requests_of_its_batch_nothing_per_step
                 assert next(other).token_ids  # it is decoding: its row is in every step from here
                 tokens, gaps = _gaps(services.gateways["mid"].address, normal)
                 other.cancel()
-            assert tokens == plain[tuple(OTHER)]
+            assert tokens == plain[(tuple(OTHER), MAX_TOKENS)]
             assert (drafter.sent > sent) == (gamma > 0)  # the polite drafter did answer (only) with gamma
             measured[name] = _per_token_s(tokens, gaps)
     finally:
