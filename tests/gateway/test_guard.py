@@ -299,22 +299,6 @@ def test_rest_tokenises_off_the_event_loop(tiny_target: Path) -> None:
 def test_a_non_streaming_rest_request_is_cancelled_when_its_client_disconnects(tiny_target: Path) -> None:
     """As vLLM's with_cancellation: the client goes away while its request waits (here for a
     verifier, verifier_retry_s 60 s): the gateway call is cancelled and its slot freed at once."""
-    from specdec.serving import SessionSlots
-
-    class WatchedSlots(SessionSlots):
-        def __init__(self, *args: Any) -> None:
-            super().__init__(*args)
-            self.entered, self.left = asyncio.Event(), asyncio.Event()
-
-        @contextlib.asynccontextmanager
-        async def hold(self, context: Any) -> AsyncIterator[None]:
-            async with super().hold(context):
-                self.entered.set()
-                try:
-                    yield
-                finally:
-                    self.left.set()
-
     async def run() -> tuple[int, int]:
         async with gateway(tiny_target, verifier_retry_s=60.0) as gw:
             slots = gw.servicer.slots = WatchedSlots("gateway", 256, "max_inflight")
@@ -351,7 +335,8 @@ def test_a_non_streaming_rest_request_is_cancelled_when_its_client_disconnects(t
 
 
 class WatchedSlots:
-    """The gateway's SessionSlots, with an event set each time a call leaves its slot."""
+    """The gateway's SessionSlots, with events set when a call enters (`entered`) and leaves
+    (`left`) its slot."""
 
     def __new__(cls, *args: Any) -> Any:
         from specdec.serving import SessionSlots
