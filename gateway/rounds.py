@@ -32,9 +32,14 @@ A *polite* hostile drafter answers in time with valid blocks that carry no draft
 (empty blocks). Each commit to a drafter that has
 spoken (sent `ready` or a block), while the verifier does not hold its drafts and drafts are
 still possible (at least two tokens to go), opens a *window* that ends at the next commit. A
-window is *idle* when no block relayed in it carries a drafted token (for the n-gram method, a `final` empty block, "no match here", is an answer: finding nothing is what
-it does). After `max_idle_commits` idle windows in a row the drafter is treated as failed
-(fallback, reason "... max_idle_commits ..."); a usable block resets the count.
+window is *idle* when blocks were relayed in it and none carries a drafted token (for the
+n-gram method a `final` empty block, "no match here", is an answer: finding nothing is what it
+does). A window with no block at all is neither: an honest drafter slower than its target
+sends nothing between two commits (its drafts are rolled back by the next one), and a drafter
+that sends nothing at all is the silence watch's (`drafter_timeout_s`). After
+`max_idle_commits` idle windows in a row the drafter is treated as failed (fallback, reason
+"... max_idle_commits ..."); a block with drafts resets the count. An honest model drafter
+never sends an empty block (its method always proposes a token), so the rule cannot drop one.
 """
 
 from __future__ import annotations
@@ -280,6 +285,7 @@ class Round:
         self._spoken = False  # the drafter sent `ready` or a block (its prefill is behind it)
         self._window = False  # the latest commit opened a window (see the module docstring)
         self._answered = False  # ... and a usable block (or the n-gram's "nothing") came in it
+        self._relayed = False  # ... and some block came in it
         self.idle_commits = 0  # idle windows in a row
 
     def _fallback(self, reason: str) -> None:
@@ -376,6 +382,7 @@ class Round:
                     # drafts (even ones the target has passed: an honest drafter slower than its target
                     # is adaptive gamma's business, not a hostile one) or the n-gram's "nothing here"
                     self._answered = True
+                self._relayed = True
                 self.stats.blocks += 1
                 self.stats.block_tokens += len(block.token_ids)
                 self.stats.branches_drafted += block.branch
@@ -509,12 +516,12 @@ class Round:
         self._committed = end
         p = self.plan
         self._window = self._spoken and not hold and end < len(p.prompt_token_ids) + p.sampling.max_tokens - 1
-        self._answered = False
+        self._answered = self._relayed = False
 
     def _idle_window_ended(self) -> bool:
         """A commit ends the current window (see the module docstring): count it when idle; at
         max_idle_commits in a row, fall back (returns True: nothing more goes to the drafter)."""
-        if not self._window:
+        if not self._window or not self._relayed:  # no block: not idle, not answered either
             return False
         self.idle_commits = 0 if self._answered else self.idle_commits + 1
         if self.max_idle_commits <= 0 or self.idle_commits < self.max_idle_commits:

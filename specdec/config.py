@@ -358,10 +358,10 @@ class GatewayConfig(TransportConfig):
         "stream ends (DEADLINE_EXCEEDED / the connection closes), the generation stops and its max_inflight slot "
         "is freed. 0: no limit.")
     max_idle_commits: int = setting(
-        0, "Commits in a row a drafter may answer with empty blocks only while drafts were possible (not held "
-        "by adaptive gamma); past it the request goes on as plain target decoding (fallback). 0: never (the "
-        "default: on the default settings an honest drafter that adaptive gamma gives no budget answers that "
-        "way too; the draft board's margin rule already bounds what such a drafter costs other requests).")
+        8, "Commits in a row a drafter may answer with empty blocks only while drafts were possible (not held "
+        "by adaptive gamma, two tokens or more to go); past it the request goes on as plain target decoding "
+        "(fallback). A commit the drafter sends no block after neither counts nor resets (an honest drafter "
+        "slower than its target). 0: never.")
     max_request_mb: float = setting(
         8.0, "Largest REST request body, MiB; over it: 413, without reading the rest. (The API key is checked "
         "before any of the body is read.)")

@@ -145,7 +145,7 @@ def hostile(services):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     drafter.address = f"127.0.0.1:{port}"
-    gateway = services.start_gateway(f"127.0.0.1:{port}", services.verifier.address, ("--max-idle-commits", "8"))
+    gateway = services.start_gateway(f"127.0.0.1:{port}", services.verifier.address)
     try:
         gateway.wait_ready(120)
         yield drafter, gateway

@@ -576,10 +576,14 @@ async def _written_count(call: FakeCall, kind: str, n: int) -> None:
         await call.wrote.wait()
 
 
-def _polite_scenario(answers: list[list[int] | None], method: int = pb.DRAFT_METHOD_MODEL, max_idle: int = 3,
+SILENT = "silent"  # a _polite_scenario answer: no block in that window
+
+
+def _polite_scenario(answers: list[list[int] | None | str], method: int = pb.DRAFT_METHOD_MODEL, max_idle: int = 3,
                      holds: set[int] = frozenset(), final: bool = False) -> Round:
     """A round whose drafter says `ready`, then answers commit k (k = 0, 1, ...) with one block
-    of `answers[k]` tokens at the committed position (None: a block at a passed position), the
+    of `answers[k]` tokens at the committed position (None: a block at a passed position;
+    SILENT: no block before the next commit), the
     verifier giving one token per verdict (`holds`: the verdicts that hold the drafts)."""
 
     async def scenario() -> Round:
@@ -604,7 +608,7 @@ def _polite_scenario(answers: list[list[int] | None], method: int = pb.DRAFT_MET
             ended.cancel()
             if r.stats.fallback_reason:
                 break
-            if k in holds:
+            if k in holds or answer == SILENT:
                 continue
             start, tokens = (pos - 1, [1]) if answer is None else (pos, answer)
             drafter.responses.put_nowait(pb.DraftResponse(block=pb.DraftBlock(
@@ -645,6 +649,11 @@ def test_usable_drafts_holds_and_the_ngrams_nothing_do_not_count_as_idle() -> No
     # gamma's business), not a polite hostile one
     r = _polite_scenario([None] * 6)
     assert not r.stats.fallback_reason, r.stats.fallback_reason
+    # a window with no block (an honest drafter slower than its target) neither counts nor resets
+    r = _polite_scenario([SILENT] * 8)
+    assert not r.stats.fallback_reason and r.idle_commits == 0, r.stats.fallback_reason
+    r = _polite_scenario([[], SILENT, [], SILENT, SILENT, [], []])
+    assert "3 commits in a row with no usable draft" in r.stats.fallback_reason, r.stats.fallback_reason
     # 0: never
     r = _polite_scenario([[]] * 6, max_idle=0)
     assert not r.stats.fallback_reason and r.idle_commits == 6  # the last verdict ends the sixth window
