@@ -33,7 +33,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from conftest import Services, vllm_reference
-from gen import generate_all, spec
+from gen import generate_all, scrape, spec
 from scipy.stats import chi2_contingency
 from transformers import AutoTokenizer
 
@@ -91,12 +91,22 @@ def test_sampling_matches_target_only(stack: Services, references, prompt_ids, d
     responses = generate_all(stack.gateways[draft].address, specs, concurrency=concurrency)
     drafted = sum(r.stats.drafted_tokens for r in responses)
     accepted = sum(r.stats.accepted_tokens for r in responses)
+    held = sum(r.stats.held_steps for r in responses)
+    reasons = Counter(r.stats.fallback_reason for r in responses if r.stats.drafter_fallback)
+    diagnosis = {"drafted": drafted, "accepted": accepted, "held": held, "fallbacks": dict(reasons),
+                 "drafter": {k: v for k, v in scrape(stack.drafters[draft].metrics_port).items()
+                             if k.startswith(("specdec:drafter_sessions", "specdec:drafter_requests"))}}
     # the rejection sampler must really have decided tokens: rejecting always, and accepting
-    # often with the agreeing drafter. With the defaults adaptive gamma verifies fewer drafts,
-    # so only "some" is required there.
-    fixed = not stack.defaults
-    assert drafted >= (N if fixed else 1) and accepted < drafted, (drafted, accepted)
-    if draft == "same" and fixed:
+    # often with the agreeing drafter. With the defaults adaptive gamma decides how many drafts
+    # are verified: some, or (it backed the drafter off) a hold; either way speculation was
+    # decided, not skipped (a request whose drafter missed its deadline on a loaded host rightly
+    # falls back; every one falling back is a broken drafter, and fails here).
+    if stack.defaults:
+        assert drafted > 0 or held > 0, diagnosis
+    else:
+        assert drafted >= N, diagnosis
+    assert accepted < drafted or drafted == 0, diagnosis
+    if draft == "same" and not stack.defaults:
         assert accepted > 0.2 * drafted, (drafted, accepted)
     ours = [tuple(r.token_ids) for r in responses]
     assert all(len(s) == MAX_TOKENS for s in ours)
