@@ -12,9 +12,12 @@ place that validates values: its INVALID_ARGUMENT ("spec.sampling.top_p: ...")
 becomes a 400 whose `param` names the OpenAI field (`top_p`).
 
 Parity with vLLM 0.32's OpenAI server: every request field vLLM accepts is either
-honoured as vLLM honours it (a field of CompletionRequest / ChatRequest below), or, when
-set to anything but vLLM's default, refused with 400 naming it and saying why (`REFUSED`).
-A field vLLM does not know is a 400 too, as in OpenAI's API. Nothing is silently dropped.
+honoured as vLLM honours it (a field of CompletionRequest / ChatRequest below, or of
+gateway.convert.GenerationFields, the fields that become the GenerationSpec), or, when
+set to anything but vLLM's default, refused with 400 naming it and saying why
+(gateway.convert.REFUSED). A field vLLM does not know is a 400 too, as in OpenAI's API.
+Nothing is silently dropped. gateway.convert is the one place a request becomes a
+GenerationSpec.
 
 Speculation stats: `metrics.speculative_decoding` carries them under vLLM's names
 (mean_acceptance_length, draft_acceptance_rate, acceptance_histogram, num_spec_steps,
@@ -49,23 +52,20 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
-from gateway.client import AsyncGatewayClient, generation_spec, stats_dict, vllm_spec_metrics
+from gateway import convert
+from gateway.client import AsyncGatewayClient, stats_dict, vllm_spec_metrics
+from gateway.convert import REFUSED, GenerationFields, Int32
 from specdec.config import MAX_LOGPROBS
 from specdec.security import KeyStore
-from specdec.wire import DRAFT_METHOD_NAMES, finish_reason_name, pb
+from specdec.validation import InvalidField
+from specdec.wire import finish_reason_name, pb
 
 GATEWAY_SERVICE = "specdec.v1.GatewayService"
 HEALTH_TIMEOUT_S = 2.0
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # GatewayConfig.max_request_mb's default
-
-# Integer fields sized like the proto fields they land in (a larger value is a 400, not a crash).
-Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
-UInt32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
-UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
-
 
 # gRPC status -> (HTTP status, OpenAI error type)
 GRPC_ERRORS = {
@@ -76,54 +76,6 @@ GRPC_ERRORS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
 }
 
-# vLLM 0.32 request fields the bridge does not honour: field -> (the values that mean "off",
-# which are accepted as vLLM's defaults, the reason any other value is refused).
-_TEXT_ONLY = "specdec serves text and token-id prompts only (no multimodal or embedding inputs)"
-_NO_CONSTRAINTS = ("token constraints are not carried to the verifier yet; vLLM's rejection sampler "
-                   "supports them, so this can come later")
-REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "min_p": ((None, 0, 0.0), "vLLM does not support min_p with speculative decoding "
-              "(SamplingParams._validate_spec_decode), and every specdec request runs on a speculative engine"),
-    "logit_bias": ((None, {}), "vLLM does not support logit_bias with speculative decoding "
-                   "(SamplingParams._validate_spec_decode)"),
-    "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported, as in vLLM"),
-    "best_of": ((None, 1), "best_of is not supported (vLLM 0.32 dropped it too); send n=1"),
-    "use_beam_search": ((False,), "beam search is not speculative decoding: run it on vLLM itself"),
-    "length_penalty": ((1, 1.0), "length_penalty applies only to beam search, which specdec does not run"),
-    "watermarking": ((None, False), "watermarking is not supported"),
-    "truncate_prompt_tokens": ((None,), "prompts are not truncated: send one that fits the model's context"),
-    "truncation_side": ((None,), "prompts are not truncated: send one that fits the model's context"),
-    "allowed_token_ids": ((None,), _NO_CONSTRAINTS),
-    "bad_words": ((None, []), _NO_CONSTRAINTS),
-    "structured_outputs": ((None,), "structured outputs (guided decoding) are not supported"),
-    "prompt_logprobs": ((None,), "the prompt's log-probabilities are not computed (the output's are: logprobs)"),
-    "logprob_token_ids": ((None, []), "log-probabilities of chosen token ids are not supported (use logprobs)"),
-    "prompt_embeds": ((None,), _TEXT_ONLY),
-    "mm_payload": (("tensors",), _TEXT_ONLY),
-    "return_mm_kwargs": ((None, False), _TEXT_ONLY),
-    "media_io_kwargs": ((None, {}), _TEXT_ONLY),
-    "mm_processor_kwargs": ((None, {}), _TEXT_ONLY),
-    "priority": ((0,), "no priority scheduling: the verifier serves requests first come, first served"),
-    "session_id": ((None,), "sessions are not supported"),
-    "routed_experts_prompt_start": ((0,), "MoE routing export is not supported"),
-    "return_token_offsets": ((None, False), "token offsets are not returned"),
-    "return_prompt_text": ((None, False), "the prompt text is not returned"),
-    "cache_salt": ((None,), "the verifier's prefix cache is not partitioned per request"),
-    "kv_transfer_params": ((None,), "disaggregated prefill (KV transfer) is not supported"),
-    "ec_transfer_params": ((None,), "encoder cache transfer is not supported"),
-    "vllm_xargs": ((None, {}), "no custom logits processors run, so extra arguments would be ignored"),
-    "repetition_detection": ((None,), "repetition detection is not supported"),
-    "thinking_token_budget": ((None,), "thinking budgets need a reasoning parser, which the bridge does not run"),
-    "stream_interval": ((None, 1), "specdec streams every target step's tokens as soon as they are verified"),
-    "spaces_between_special_tokens": ((True,), "fast tokenizers ignore it; only true is supported"),
-    "tools": ((None, []), "tool calling is not supported by the bridge"),
-    "tool_choice": ((None, "none"), "tool calling is not supported by the bridge"),
-    "reasoning_effort": ((None,), "reasoning controls are not supported by the bridge"),
-    "chat_template": ((None,), "request-supplied chat templates are refused (vLLM also refuses them unless "
-                      "started with --trust-request-chat-template)"),
-}
-
-
 # ---------------------------------------------------------------------------- requests
 
 
@@ -132,29 +84,12 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _GenerationRequest(BaseModel):
-    """Fields both endpoints take: OpenAI's and vLLM's sampling fields and our speculation
-    knobs. Each means what it means in vLLM's server; other fields are checked against
-    REFUSED (`refuse_extras`)."""
-
-    model_config = ConfigDict(extra="allow")
+class _GenerationRequest(GenerationFields):
+    """Fields both endpoints take: those that become the GenerationSpec (gateway.convert's
+    GenerationFields) and the bridge's own. Each means what it means in vLLM's server; other
+    fields are checked against REFUSED (gateway.convert.refuse_extras)."""
 
     model: str | None = None
-    max_tokens: Int32 | None = None
-    temperature: float | None = None  # OpenAI's default is 1.0; 0 is greedy
-    top_p: float | None = None
-    top_k: Int32 | None = None
-    seed: UInt64 | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Int32] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    min_tokens: UInt32 = 0
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    skip_special_tokens: bool = True
-    n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id; like vLLM, only accepted
@@ -162,16 +97,6 @@ class _GenerationRequest(BaseModel):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     add_special_tokens: bool | None = None
-    response_format: dict[str, Any] | None = None
-    gamma: UInt32 | None = Field(None, description="draft tokens per target step (extension)")
-    drafter: Literal[DRAFT_METHOD_NAMES] | None = Field(None, description="drafter method (extension)")  # type: ignore[valid-type]  # Literal built from the wire's names at import
-
-    def token_limit(self) -> int | None:
-        return self.max_tokens
-
-    def top_logprobs_count(self) -> int | None:
-        """How many alternatives to report per position; None: no logprobs."""
-        return None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -217,7 +142,7 @@ class ChatRequest(_GenerationRequest):
 
     def top_logprobs_count(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
-            raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+            raise InvalidField("top_logprobs", "requires logprobs to be true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
@@ -304,41 +229,6 @@ def _validation_error(err: RequestValidationError) -> APIError:
     param = loc[0] if loc and isinstance(loc[0], str) else None  # not the offset of a JSON syntax error
     where = ".".join(str(p) for p in loc) if param else ""
     return APIError(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param)
-
-
-def refuse_extras(req: _GenerationRequest) -> None:
-    """400 for a field the bridge does not honour: one of vLLM's (REFUSED) set to anything but
-    its default, with the reason, or one vLLM does not know either."""
-    for name, value in (req.model_extra or {}).items():
-        if name in REFUSED:
-            off, reason = REFUSED[name]
-            if any(value == v and type(value) is type(v) or value is v for v in off):
-                continue
-            raise APIError(400, f"{name}: not supported: {reason}", name)
-        raise APIError(400, f"{name}: unknown field (not part of the OpenAI or vLLM API); remove it", name)
-
-
-# ---------------------------------------------------------------------------- spec
-
-
-def build_spec(req: _GenerationRequest, prompt: str | list[int], request_id: str) -> "pb.GenerationSpec":
-    """The GenerationSpec of a request. Unset fields stay unset (the gateway's defaults)."""
-    refuse_extras(req)
-    if req.n not in (None, 1):
-        raise APIError(400, f"n: only n=1 is supported, got {req.n}", "n")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise APIError(400, "response_format: only {\"type\": \"text\"} is supported: structured outputs "
-                            "(json_object, json_schema, structural_tag) are not", "response_format")
-    return generation_spec(
-        prompt, max_tokens=req.token_limit(), gamma=req.gamma, drafter=req.drafter or "", request_id=request_id,
-        temperature=1.0 if req.temperature is None else req.temperature,  # 0 is greedy in both APIs
-        top_p=req.top_p, top_k=req.top_k or 0, seed=req.seed,
-        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-        ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0, repetition_penalty=req.repetition_penalty,
-        min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids or [], logprobs=req.top_logprobs_count(),
-        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-    )
 
 
 def completion_prompt(tokenizer: Any, req: CompletionRequest) -> tuple[list[int], str]:
@@ -830,7 +720,10 @@ def build_app(gateway_address: str, tokenizer: Any, model_name: str, keys: KeySt
         metadata = forwarded(request)
         deadline_s = client_deadline_s(request.headers)
         request_id = req.request_id or uuid.uuid4().hex
-        spec = build_spec(req, prompt_ids, request_id)
+        try:
+            spec = convert.generation_spec(req, prompt_ids, request_id)
+        except InvalidField as err:
+            raise APIError(400, str(err), err.field) from err
         answer = Answer(
             shape, {"id": shape.id_prefix + request_id, "object": shape.object, "created": int(time.time()),
                     "model": model_name},

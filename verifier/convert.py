@@ -47,7 +47,8 @@ def engine_params(sp: "pb.SamplingParams", field: str = "open.sampling") -> Any:
         )
     except (ValueError, VLLMClientError) as err:  # specdec.validation checks first; this is the backstop
         parameter = getattr(err, "parameter", None)  # vLLM's VLLMValidationError names it
-        raise InvalidField(f"{field}.{parameter}" if parameter else field, str(err.args[0] if err.args else err)) from err
+        message = str(err.args[0] if err.args else err)
+        raise InvalidField(f"{field}.{parameter}" if parameter else field, message) from err
 
 
 def generation_request(req: "pb.VerifyOpen") -> GenerationRequest:

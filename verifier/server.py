@@ -247,6 +247,7 @@ async def main(cfg: VerifierConfig) -> None:
         built.append(build(cfg, registry))
         return built[-1]
 
-    await serving.serve("verifier", cfg, build_one, rpc.add_VerifierServiceServicer_to_server, "specdec.v1.VerifierService")
+    await serving.serve("verifier", cfg, build_one, rpc.add_VerifierServiceServicer_to_server,
+                        "specdec.v1.VerifierService")
     if built and built[0].engine.failed:  # stopped because the engine failed: a failure status for its supervisor
         raise SystemExit(f"verifier: {built[0].engine.failed}")

@@ -7,7 +7,7 @@ completion_tokens), log-probabilities equal to 1e-4. Sampled requests are not ex
 to match across engines (different random streams): they are checked for shape only.
 Fields the bridge does not honour must be refused (400, OpenAI's error shape, `param`
 naming the field), never silently ignored; every field of vLLM's request models is either
-declared by the bridge or listed in gateway.rest.REFUSED.
+declared by the bridge or listed in gateway.convert.REFUSED.
 """
 
 from __future__ import annotations
@@ -369,7 +369,7 @@ def test_every_vllm_field_is_declared_or_refused(which: str) -> None:
         ours = rest.ChatRequest
     refused: dict[str, Any] = getattr(rest, "REFUSED", {})
     missing = sorted(set(Theirs.model_fields) - set(ours.model_fields) - set(refused))
-    assert not missing, f"vLLM {which} fields neither declared by the bridge nor in gateway.rest.REFUSED: {missing}"
+    assert not missing, f"vLLM {which} fields neither declared by the bridge nor in gateway.convert.REFUSED: {missing}"
     for name in set(Theirs.model_fields) & set(refused):
         assert isinstance(_reason(refused[name]), str) and _reason(refused[name]), f"REFUSED[{name!r}] has no reason"
     both_ways = sorted(set(ours.model_fields) & set(refused))

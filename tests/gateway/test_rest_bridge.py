@@ -7,17 +7,16 @@ from typing import Any
 import pytest
 
 from gateway.client import vllm_spec_metrics
+from gateway.convert import REFUSED, refuse_extras
+from gateway.convert import generation_spec as build_spec
 from gateway.rest import (
     CHAT,
     COMPLETION,
-    REFUSED,
-    APIError,
     ChatRequest,
     CompletionRequest,
     LogprobsShaper,
-    build_spec,
-    refuse_extras,
 )
+from specdec.validation import InvalidField
 from specdec.wire import pb
 
 
@@ -75,18 +74,18 @@ def test_vllm_metrics_histogram_from_per_position_counts() -> None:
 ])
 def test_unsupported_fields_are_refused_by_name(extra: dict[str, Any], param: str) -> None:
     req = CompletionRequest(prompt="x", **extra)
-    with pytest.raises(APIError) as info:
+    with pytest.raises(InvalidField) as info:
         refuse_extras(req)
-    assert info.value.status == 400 and info.value.param == param
+    assert info.value.field == param  # the bridge answers 400 with this `param`
     if param in REFUSED:
-        assert REFUSED[param][1] in info.value.message  # with the reason
+        assert REFUSED[param][1] in str(info.value)  # with the reason
 
 
 def test_defaults_of_refused_fields_pass() -> None:
     """Clients that send vLLM's defaults explicitly (vllm bench serve, SDKs) are served."""
     refuse_extras(CompletionRequest(prompt="x", min_p=0.0, priority=0, use_beam_search=False, logit_bias=None,
                                     length_penalty=1.0, tools=None, spaces_between_special_tokens=True))
-    with pytest.raises(APIError):  # False is not the default 0 of priority
+    with pytest.raises(InvalidField):  # False is not the default 0 of priority
         refuse_extras(CompletionRequest(prompt="x", priority=False))
 
 
@@ -107,12 +106,12 @@ def test_chat_logprobs_fields() -> None:
     chat = dict(messages=[{"role": "user", "content": "hi"}])
     assert build_spec(ChatRequest(**chat, logprobs=True, top_logprobs=2), [1], "r").sampling.logprobs == 2
     assert build_spec(ChatRequest(**chat, logprobs=True), [1], "r").sampling.logprobs == 0
-    with pytest.raises(APIError) as info:
+    with pytest.raises(InvalidField) as info:
         build_spec(ChatRequest(**chat, top_logprobs=2), [1], "r")
-    assert info.value.param == "top_logprobs"
-    with pytest.raises(APIError) as info:
+    assert info.value.field == "top_logprobs"
+    with pytest.raises(InvalidField) as info:
         build_spec(ChatRequest(**chat, response_format={"type": "json_object"}), [1], "r")
-    assert info.value.param == "response_format"
+    assert info.value.field == "response_format"
     assert build_spec(ChatRequest(**chat, max_completion_tokens=5, response_format={"type": "text"}),
                       [1], "r").sampling.max_tokens == 5
 
