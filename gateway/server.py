@@ -10,7 +10,7 @@ import ssl
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -70,6 +70,21 @@ def exposure_warnings(cfg: GatewayConfig, keys: security.KeyStore) -> list[str]:
     return out
 
 
+# Makes the (verifiers, drafters) replica pools of a gateway's config, not started yet.
+PoolFactory = Callable[[GatewayConfig], tuple[Pool, Pool]]
+
+
+def replica_pools(cfg: GatewayConfig) -> tuple[Pool, Pool]:
+    """The verifiers' and drafters' pools (gateway.pool) over gRPC channels, TLS when tls_ca is set."""
+
+    def connect(address: str, server_name: str) -> grpc.aio.Channel:
+        return security.client_channel(address, cfg, server_name)
+
+    every = {"health_every_s": cfg.health_every_s, "resolve_every_s": cfg.resolve_every_s}
+    return (Pool(cfg.verifier_address, connect, rpc.VerifierServiceStub, "specdec.v1.VerifierService", **every),
+            Pool(cfg.drafter_address, connect, rpc.DrafterServiceStub, "specdec.v1.DrafterService", **every))
+
+
 class VerifierUnavailable(Exception):
     """No verifier serves (or answers) within verifier_retry_s. Its message is for clients: it
     names no backend address (the log has them)."""
@@ -102,18 +117,18 @@ class GatewayServicer(rpc.GatewayServiceServicer):
     """The gateway; its metrics (telemetry.GatewayMetrics) live on `registry`, which the
     REST bridge's /metrics serves too (`self.metrics.registry`)."""
 
-    def __init__(self, cfg: GatewayConfig, registry: CollectorRegistry) -> None:
-        from transformers import AutoTokenizer
-
-        from specdec.models import resolve_tokenizer
-
+    def __init__(self, cfg: GatewayConfig, metrics: telemetry.GatewayMetrics, tokenizer: Any,
+                 pools: PoolFactory | None = None) -> None:
+        """A gateway with a loaded `tokenizer` (the target's); `pools(cfg)` makes the verifiers'
+        and drafters' replica pools, now and after each certificate rotation (default
+        `replica_pools`: gRPC channels). Call it in the event loop that serves it (the pools
+        start there). `build(cfg, registry)` loads the tokenizer."""
         self.cfg = cfg
         self.default_drafter = draft_method(cfg.default_drafter)  # a bad name stops the start-up, naming the known
         telemetry.setup_tracing("gateway")  # Round takes its tracer from the provider
-        self.metrics = telemetry.GatewayMetrics(registry)
+        self.metrics = metrics
         self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            resolve_tokenizer(cfg.tokenizer, revision=cfg.tokenizer_revision or None))
+        self.tokenizer = tokenizer
         self.vocabulary = compat.from_tokenizer(self.tokenizer, cfg.tokenizer)
         # drafter address -> its check: compat.mismatch's line, None when it fits (_fitting_drafter)
         self._drafter_checks: dict[str, asyncio.Future[str | None]] = {}
@@ -127,6 +142,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self.limits = security.RateLimiter.from_config(cfg, self.keys.enabled)
         self.slots = serving.SessionSlots("gateway", cfg.max_inflight, "max_inflight")
         self._client_files = security.CertFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+        self._make_pools = pools or replica_pools
         self._pools: list[Pool] = []
         self._connect()
         for role in ("drafter", "verifier"):  # read at scrape time: a certificate rotation remakes the pools
@@ -136,19 +152,11 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self._target: TargetInfo | None = None
 
     def _connect(self) -> None:
-        """(Re)make the replica pools of verifiers and drafters (gateway.pool; TLS when tls_ca is
+        """(Re)make the replica pools of verifiers and drafters (`pools`; TLS when tls_ca is
         set). A certificate rotation makes new ones for new requests; calls on the old ones finish."""
         self._client_files.read()
-
-        def connect(address: str, server_name: str) -> grpc.aio.Channel:
-            return security.client_channel(address, self.cfg, server_name)
-
         old = self._pools
-        every = {"health_every_s": self.cfg.health_every_s, "resolve_every_s": self.cfg.resolve_every_s}
-        self.verifiers = Pool(self.cfg.verifier_address, connect, rpc.VerifierServiceStub, "specdec.v1.VerifierService",
-                              **every)
-        self.drafters = Pool(self.cfg.drafter_address, connect, rpc.DrafterServiceStub, "specdec.v1.DrafterService",
-                             **every)
+        self.verifiers, self.drafters = self._make_pools(self.cfg)
         self._pools = [self.verifiers, self.drafters]
         for pool in self._pools:  # both resolved and health-checked from now on, not only when picked
             pool.start()
@@ -598,12 +606,23 @@ async def _reload_rest_certificates(context: ReloadingSSLContext, every_s: float
         context.reload()
 
 
+def build(cfg: GatewayConfig, registry: CollectorRegistry) -> GatewayServicer:
+    """The factory: load the tokenizer (cfg.tokenizer) and make the servicer, its metrics on
+    `registry`, its replica pools over gRPC channels. Call it in the serving event loop."""
+    from transformers import AutoTokenizer
+
+    from specdec.models import resolve_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer(cfg.tokenizer, revision=cfg.tokenizer_revision or None))
+    return GatewayServicer(cfg, telemetry.GatewayMetrics(registry), tokenizer)
+
+
 async def main(cfg: GatewayConfig) -> None:
     local_dir = tempfile.mkdtemp(prefix="specdec-gateway-")  # 0700: only this user reaches the socket
     local = f"unix:{local_dir}/grpc.sock"
     try:
         await serving.serve(
-            "gateway", cfg, lambda registry: GatewayServicer(cfg, registry), rpc.add_GatewayServiceServicer_to_server,
+            "gateway", cfg, lambda registry: build(cfg, registry), rpc.add_GatewayServiceServicer_to_server,
             "specdec.v1.GatewayService",
             also=(lambda servicer, stop: rest_bridge(cfg, servicer, stop, local)) if cfg.rest_port else None,
             local_address=local if cfg.rest_port else "",

@@ -38,10 +38,19 @@ class FakeStub:
 
 
 class FakePool:
-    """Replicas by address, chosen in order (the first not excluded)."""
+    """Replicas by address, chosen in order (the first not excluded); all serving."""
 
     def __init__(self, replicas: list[SimpleNamespace]) -> None:
         self.replicas = replicas
+
+    def start(self) -> None:
+        pass
+
+    def serving(self) -> int:
+        return len(self.replicas)
+
+    async def close(self, grace_s: float = 0.0) -> None:
+        pass
 
     def choose(self, exclude=frozenset()):
         return next((r for r in self.replicas if r.address not in exclude), None)
@@ -63,18 +72,12 @@ def target(tiny_target) -> compat.Vocabulary:
 
 
 def servicer(tiny_target, verifier_vocab: compat.Vocabulary, drafters: list[SimpleNamespace]) -> GatewayServicer:
-    s = GatewayServicer.__new__(GatewayServicer)  # no channels: the pools are fakes
-    s.cfg = GatewayConfig(tokenizer="tiny/target")
-    s.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    s.vocabulary = compat.from_tokenizer(s.tokenizer, "tiny/target")
-    s.metrics = telemetry.GatewayMetrics(CollectorRegistry())
-    s.spikes = telemetry.SpikeDetector()
-    s._target, s._target_vocabulary, s._drafter_checks = None, None, {}
+    """A real GatewayServicer whose pools are fakes (no channels)."""
     info = pb.GetVerifierInfoResponse(model="tiny/target", vocab_size=verifier_vocab.vocab_size, max_model_len=2048,
                                       max_gamma=8, vocabulary=compat.to_pb(verifier_vocab))
-    s.verifiers = FakePool([replica("verifier", info)])
-    s.drafters = FakePool(drafters)
-    return s
+    pools = (FakePool([replica("verifier", info)]), FakePool(drafters))
+    return GatewayServicer(GatewayConfig(tokenizer="tiny/target"), telemetry.GatewayMetrics(CollectorRegistry()),
+                           AutoTokenizer.from_pretrained(tiny_target), pools=lambda cfg: pools)
 
 
 def drafter_info(vocab: compat.Vocabulary) -> "pb.GetDrafterInfoResponse":

@@ -25,9 +25,10 @@ from prometheus_client import CollectorRegistry
 
 from gateway.client import generation_spec
 from gateway.rest import build_app
-from gateway.server import GatewayServicer
+from gateway.server import GatewayServicer, build
 from specdec.config import GatewayConfig
 from specdec.launch import free_port
+from specdec.serving import SessionSlots
 from specdec.validation import (
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRING_CHARS,
@@ -74,7 +75,7 @@ async def gateway(tiny_target: Path, keys: str = "", max_request_mb: float = 8.0
     cfg = GatewayConfig(**{"tokenizer": str(tiny_target), "verifier_address": nowhere, "drafter_address": nowhere,
                            "verifier_retry_s": RETRY_S, "rest_port": 0, "metrics_port": 0, "api_keys": keys,
                            "max_request_mb": max_request_mb, **overrides})
-    servicer = GatewayServicer(cfg, CollectorRegistry())
+    servicer = build(cfg, CollectorRegistry())
     server = grpc.aio.server()
     rpc.add_GatewayServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -197,7 +198,7 @@ def test_an_exposed_gateway_is_warned_about(tiny_target: Path, caplog: pytest.Lo
     """Off loopback without API keys; plaintext to a verifier and drafters on other hosts."""
     async def run(**overrides: Any) -> None:
         cfg = GatewayConfig(tokenizer=str(tiny_target), rest_port=0, metrics_port=0, **overrides)
-        await GatewayServicer(cfg, CollectorRegistry()).close()
+        await build(cfg, CollectorRegistry()).close()
 
     with caplog.at_level("WARNING", logger="specdec.gateway"):
         asyncio.run(run(host="0.0.0.0", verifier_address="10.9.8.7:50053",
@@ -334,28 +335,22 @@ def test_a_non_streaming_rest_request_is_cancelled_when_its_client_disconnects(t
 # ---------------------------------------------------------------------------- slots held by clients that stop reading
 
 
-class WatchedSlots:
+class WatchedSlots(SessionSlots):
     """The gateway's SessionSlots, with events set when a call enters (`entered`) and leaves
     (`left`) its slot."""
 
-    def __new__(cls, *args: Any) -> Any:
-        from specdec.serving import SessionSlots
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.entered, self.left = asyncio.Event(), asyncio.Event()
 
-        class _Watched(SessionSlots):
-            def __init__(self, *a: Any) -> None:
-                super().__init__(*a)
-                self.entered, self.left = asyncio.Event(), asyncio.Event()
-
-            @contextlib.asynccontextmanager
-            async def hold(self, context: Any) -> AsyncIterator[None]:
-                async with super().hold(context):
-                    self.entered.set()
-                    try:
-                        yield
-                    finally:
-                        self.left.set()
-
-        return _Watched(*args)
+    @contextlib.asynccontextmanager
+    async def hold(self, context: Any) -> AsyncIterator[None]:
+        async with super().hold(context):
+            self.entered.set()
+            try:
+                yield
+            finally:
+                self.left.set()
 
 
 def test_a_grpc_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(tiny_target: Path) -> None:

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from gateway.rounds import Plan
 from gateway.server import GatewayServicer
 from specdec import telemetry
+from specdec.config import GatewayConfig
 from specdec.wire import pb
 
 
@@ -20,10 +21,35 @@ def fake_round(plan: Plan, verdicts, stats=None) -> SimpleNamespace:
                            stats=stats or SimpleNamespace(migrations=0))
 
 
+class NoPool:
+    """A replica pool with no replica (the calls GatewayServicer makes of gateway.pool.Pool);
+    `failed_replicas`: those reported failed."""
+
+    def __init__(self) -> None:
+        self.replicas: list = []
+        self.failed_replicas: list = []
+
+    def start(self) -> None:
+        pass
+
+    def serving(self) -> int:
+        return 0
+
+    def failed(self, replica) -> None:
+        self.failed_replicas.append(replica)
+
+    async def close(self, grace_s: float = 0.0) -> None:
+        pass
+
+
+def gateway_servicer(tiny_target) -> GatewayServicer:
+    """A real GatewayServicer over the tiny target's tokenizer, with no channels (only _chunks is exercised)."""
+    return GatewayServicer(GatewayConfig(tokenizer=str(tiny_target)), telemetry.GatewayMetrics(CollectorRegistry()),
+                           AutoTokenizer.from_pretrained(tiny_target), pools=lambda cfg: (NoPool(), NoPool()))
+
+
 def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list:
-    servicer = GatewayServicer.__new__(GatewayServicer)  # no channels: only _chunks is exercised
-    servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    servicer.metrics = telemetry.GatewayMetrics(CollectorRegistry())
+    servicer = gateway_servicer(tiny_target)
 
     async def verdicts():
         for m in messages:
@@ -69,11 +95,8 @@ def test_a_verifier_that_goes_away_is_resumed_elsewhere_without_gap_or_duplicate
     got (preview tokens included), with the budgets that are left."""
     import grpc
 
-    servicer = GatewayServicer.__new__(GatewayServicer)
-    servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    servicer.metrics = telemetry.GatewayMetrics(CollectorRegistry())
-    failed = []
-    servicer.verifiers = SimpleNamespace(failed=failed.append)
+    servicer = gateway_servicer(tiny_target)
+    failed = servicer.verifiers.failed_replicas
     plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=6, min_tokens=4), 4, pb.DRAFT_METHOD_MODEL)
 
     async def first():
@@ -111,10 +134,7 @@ def test_a_verifier_that_goes_away_after_the_last_token_ends_the_stream_normally
     (which the verifier refuses), the stream ends with finish reason length."""
     import grpc
 
-    servicer = GatewayServicer.__new__(GatewayServicer)
-    servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    servicer.metrics = telemetry.GatewayMetrics(CollectorRegistry())
-    servicer.verifiers = SimpleNamespace(failed=lambda replica: None)
+    servicer = gateway_servicer(tiny_target)
     plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=3), 4, pb.DRAFT_METHOD_MODEL)
 
     async def verdicts():
