@@ -45,7 +45,7 @@ E2E_MODULES = (
     "drafter/test_sessions.py",  # the tiny draft model, loaded with transformers
     "test_packaging.py",  # a fresh venv serving the drafter and the gateway
     "test_readme_commands.py",  # the README's commands, services included
-    "verifier/test_engine_failure.py",  # a verifier servicer on the tiny target: vLLM in-process
+    "verifier/test_engine_failure.py",  # a verifier servicer over a fake vLLM engine, vLLM's SamplingParams
 )
 # Fixtures that bring up services, build the tiny models, or run vLLM.
 E2E_FIXTURES = frozenset({"services", "default_services", "stack", "gateway_address", "tiny_target", "tiny_cache"})

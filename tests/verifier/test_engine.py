@@ -50,14 +50,15 @@ def _bare_engine():
 def test_drafts_ready_and_end_before_the_request_is_added_are_kept_bounded_and_applied() -> None:
     """A session's `end` (say its drafter failed at once) can come before the engine thread has
     added the request: it must not be lost, or every step would wait for drafts that never come."""
+    from types import SimpleNamespace
+
     from specdec.validation import max_blocks_per_commit
-    from specdec.wire import pb
-    from verifier import convert
-    from verifier.engine import _Live
+    from verifier.engine import GenerationRequest, _Live
 
     eng = _bare_engine()
-    req = convert.generation_request(pb.VerifyOpen(request_id="a", prompt_token_ids=[1, 2, 3], gamma=2,
-                                                   sampling=pb.SamplingParams(max_tokens=10)))
+    # vllm.SamplingParams's fields the engine reads (verifier.convert makes the real one; this tier imports no vLLM)
+    params = SimpleNamespace(max_tokens=10, stop_token_ids=None, logprobs=None)
+    req = GenerationRequest("a", [1, 2, 3], gamma=2, params=params)
     eng.submit(req, lambda v: None)
     eng.drafter_ready("a", 5.0)
     eng.offer("a", 3, [7, 8], True, 3)
