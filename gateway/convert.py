@@ -46,7 +46,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "watermarking": ((None, False), "watermarking is not supported"),
     "truncate_prompt_tokens": ((None,), "prompts are not truncated: send one that fits the model's context"),
     "truncation_side": ((None,), "prompts are not truncated: send one that fits the model's context"),
-    "allowed_token_ids": ((None,), _NO_CONSTRAINTS),
     "bad_words": ((None, []), _NO_CONSTRAINTS),
     "structured_outputs": ((None,), "structured outputs (guided decoding) are not supported"),
     "prompt_logprobs": ((None,), "the prompt's log-probabilities are not computed (the output's are: logprobs)"),
@@ -98,6 +97,7 @@ class GenerationFields(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     skip_special_tokens: bool = True
+    allowed_token_ids: list[Int32] | None = None
     n: int | None = 1
     response_format: dict[str, Any] | None = None
     gamma: UInt32 | None = Field(None, description="draft tokens per target step (extension)")
@@ -138,6 +138,7 @@ def sampling_params(req: GenerationFields) -> "pb.SamplingParams":
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         skip_special_tokens=req.skip_special_tokens,
+        allowed_token_ids=req.allowed_token_ids or [],
     )
     for name, value in (("max_tokens", req.token_limit()), ("top_p", req.top_p), ("seed", req.seed),
                         ("repetition_penalty", req.repetition_penalty), ("logprobs", req.top_logprobs_count())):
@@ -151,6 +152,8 @@ def generation_spec(req: GenerationFields, prompt: str | list[int], request_id: 
     naming the OpenAI field for what the bridge cannot carry (REFUSED, unknown fields, n > 1,
     a structured response_format)."""
     refuse_extras(req)
+    if req.allowed_token_ids == []:  # the wire's empty list means no constraint; vLLM refuses [] too
+        raise InvalidField("allowed_token_ids", "must not be empty (leave it out for no constraint)")
     if req.n not in (None, 1):
         raise InvalidField("n", f"only n=1 is supported, got {req.n}")
     if req.response_format is not None and req.response_format.get("type") != "text":

@@ -42,6 +42,7 @@ def engine_params(sp: "pb.SamplingParams", field: str = "open.sampling") -> Any:
             min_tokens=sp.min_tokens,
             stop_token_ids=list(sp.stop_token_ids) or None,
             logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            allowed_token_ids=list(sp.allowed_token_ids) or None,  # empty: no constraint
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )

@@ -144,6 +144,8 @@ def test_bad_top_p_names_the_field(api: openai.OpenAI, stream: bool) -> None:
         ({"extra_body": {"gamma": 99}}, "gamma"),
         ({"prompt": ["one", "two"]}, "prompt"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"extra_body": {"allowed_token_ids": [5, 10**6]}}, "allowed_token_ids"),  # outside the vocabulary
+        ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
     ],
 )
 def test_bad_requests_are_400(api: openai.OpenAI, kw: dict[str, Any], param: str) -> None:

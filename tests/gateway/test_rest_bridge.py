@@ -93,13 +93,22 @@ def test_spec_carries_every_honoured_field() -> None:
     req = CompletionRequest(prompt="x", max_tokens=9, temperature=0, top_k=5, seed=3, stop="\n", stop_token_ids=[7],
                             ignore_eos=True, min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5,
                             repetition_penalty=1.2, logprobs=3, include_stop_str_in_output=True,
-                            skip_special_tokens=False)
+                            skip_special_tokens=False, allowed_token_ids=[4, 5])
     s = build_spec(req, [1, 2], "r").sampling
     assert (s.max_tokens, s.top_k, s.seed, list(s.stop), list(s.stop_token_ids)) == (9, 5, 3, ["\n"], [7])
     assert s.ignore_eos and s.min_tokens == 2 and s.logprobs == 3 and s.include_stop_str_in_output
     assert (s.presence_penalty, s.frequency_penalty) == (0.5, -0.5) and s.repetition_penalty == pytest.approx(1.2)
     assert s.HasField("skip_special_tokens") and not s.skip_special_tokens
+    assert list(s.allowed_token_ids) == [4, 5]
     assert not build_spec(CompletionRequest(prompt="x"), [1], "r").sampling.HasField("logprobs")
+
+
+def test_an_empty_allowed_token_ids_is_refused_by_name() -> None:
+    """The wire's empty list means no constraint, so an explicit [] is a 400 (vLLM refuses it too)."""
+    assert not build_spec(CompletionRequest(prompt="x"), [1], "r").sampling.allowed_token_ids
+    with pytest.raises(InvalidField) as info:
+        build_spec(CompletionRequest(prompt="x", allowed_token_ids=[]), [1], "r")
+    assert info.value.field == "allowed_token_ids"
 
 
 def test_chat_logprobs_fields() -> None:

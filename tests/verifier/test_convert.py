@@ -16,19 +16,19 @@ def test_unset_optional_fields_take_vllms_defaults() -> None:
     p = engine_params(pb.SamplingParams(max_tokens=5))
     assert (p.temperature, p.top_p, p.seed, p.max_tokens) == (0.0, 1.0, None, 5)
     assert p.top_k in (0, -1)  # off (vLLM 0.32 writes -1 as 0)
-    assert (p.repetition_penalty, p.logprobs, p.stop_token_ids) == (1.0, None, [])
+    assert (p.repetition_penalty, p.logprobs, p.stop_token_ids, p.allowed_token_ids) == (1.0, None, [], None)
     assert not p.detokenize  # the gateway owns the text
 
 
 def test_every_field_reaches_vllm() -> None:
     sp = pb.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, max_tokens=9, ignore_eos=True,
                            presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=2,
-                           stop_token_ids=[7, 8], logprobs=3)
+                           stop_token_ids=[7, 8], logprobs=3, allowed_token_ids=[4, 7])
     p = engine_params(sp)
     assert (p.top_p, p.top_k, p.seed, p.max_tokens, p.ignore_eos) == (pytest.approx(0.9), 5, 3, 9, True)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == pytest.approx((0.5, -0.5, 1.2))
     assert (p.min_tokens, p.stop_token_ids, p.logprobs) == (2, [7, 8], 3)
-    assert p.temperature == pytest.approx(0.7)
+    assert p.temperature == pytest.approx(0.7) and p.allowed_token_ids == [4, 7]
 
 
 def test_a_value_vllm_refuses_names_the_field() -> None:
