@@ -17,12 +17,16 @@ that field. docs/adding-a-sampling-field.md walks a new field through it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.validation import InvalidField
 from specdec.wire import DRAFT_METHOD_NAMES, draft_method, pb
+
+if TYPE_CHECKING:  # the generated stubs' types (specdec.wire.pb holds the same classes)
+    from specdec.v1.common_pb2 import SamplingParams
+    from specdec.v1.gateway_pb2 import GenerationSpec
 
 # Integer fields sized like the proto fields they land in (a larger value is a 400, not a crash).
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -124,7 +128,7 @@ def refuse_extras(req: BaseModel) -> None:
         raise InvalidField(name, "unknown field (not part of the OpenAI or vLLM API); remove it")
 
 
-def sampling_params(req: GenerationFields) -> "pb.SamplingParams":
+def sampling_params(req: GenerationFields) -> SamplingParams:
     """The wire SamplingParams of a request (TGI's to_pb). A field the client left out stays
     unset, so the gateway's default (max_tokens) or plain sampling's applies."""
     sampling = pb.SamplingParams(
@@ -147,7 +151,7 @@ def sampling_params(req: GenerationFields) -> "pb.SamplingParams":
     return sampling
 
 
-def generation_spec(req: GenerationFields, prompt: str | list[int], request_id: str) -> "pb.GenerationSpec":
+def generation_spec(req: GenerationFields, prompt: str | list[int], request_id: str) -> GenerationSpec:
     """The GenerationSpec of a request (its prompt as text or token ids). Raises InvalidField
     naming the OpenAI field for what the bridge cannot carry (REFUSED, unknown fields, n > 1,
     a structured response_format)."""

@@ -13,14 +13,17 @@ position, drafts included.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdec.validation import InvalidField
-from specdec.wire import pb
 from verifier.engine import GenerationRequest
 
+if TYPE_CHECKING:  # the generated stubs' types (specdec.wire.pb holds the same classes)
+    from specdec.v1.common_pb2 import SamplingParams as WireSamplingParams
+    from specdec.v1.verifier_pb2 import VerifyOpen
 
-def engine_params(sp: "pb.SamplingParams", field: str = "open.sampling") -> Any:  # -> vllm.SamplingParams
+
+def engine_params(sp: WireSamplingParams, field: str = "open.sampling") -> Any:  # -> vllm.SamplingParams
     """The vLLM SamplingParams of a validated wire SamplingParams (unset optional fields take
     vLLM's defaults). Detokenizing is off (the gateway owns the text) and outputs come as deltas
     (each engine step's new tokens). A value vLLM's own checks refuse raises InvalidField naming
@@ -52,7 +55,7 @@ def engine_params(sp: "pb.SamplingParams", field: str = "open.sampling") -> Any:
         raise InvalidField(f"{field}.{parameter}" if parameter else field, message) from err
 
 
-def generation_request(req: "pb.VerifyOpen") -> GenerationRequest:
+def generation_request(req: VerifyOpen) -> GenerationRequest:
     """The engine's request for a validated VerifyOpen (TGI's from_pb)."""
     return GenerationRequest(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), gamma=req.gamma,
                              params=engine_params(req.sampling))
