@@ -195,6 +195,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             seed=sp.seed if sp.HasField("seed") else None,
             q_top_k=self.cfg.q_top_k,
             vocab_limit=self.vocabulary.tokenizer_size,
+            allowed_token_ids=sp.allowed_token_ids,
         )
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
