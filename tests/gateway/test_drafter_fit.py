@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from gateway.rounds import Plan
-from gateway.server import GatewayServicer
+from gateway.server import GatewayCore
 from specdec import telemetry
 from specdec.config import GatewayConfig
 from specdec.models import compat
@@ -62,8 +62,8 @@ def target(tiny_target) -> compat.Vocabulary:
     return compat.from_folder(tiny_target, "tiny/target")
 
 
-def servicer(tiny_target, verifier_vocab: compat.Vocabulary, drafters: list[SimpleNamespace]) -> GatewayServicer:
-    s = GatewayServicer.__new__(GatewayServicer)  # no channels: the pools are fakes
+def servicer(tiny_target, verifier_vocab: compat.Vocabulary, drafters: list[SimpleNamespace]) -> GatewayCore:
+    s = GatewayCore.__new__(GatewayCore)  # no channels: the pools are fakes
     s.cfg = GatewayConfig(tokenizer="tiny/target")
     s.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
     s.vocabulary = compat.from_tokenizer(s.tokenizer, "tiny/target")
@@ -112,8 +112,7 @@ def test_with_no_drafter_that_fits_a_model_request_decodes_plainly_and_ngram_sti
 
     async def run():
         await s.target_info()
-        return (await s._round(plan(pb.DRAFT_METHOD_MODEL), SimpleNamespace(invocation_metadata=lambda: ())),
-                await s._round(plan(pb.DRAFT_METHOD_NGRAM), SimpleNamespace(invocation_metadata=lambda: ())))
+        return (await s._round(plan(pb.DRAFT_METHOD_MODEL), None), await s._round(plan(pb.DRAFT_METHOD_NGRAM), None))
 
     model_round, ngram_round = asyncio.run(run())
     assert model_round.drafter_stub is None  # the round decodes plainly

@@ -1,4 +1,4 @@
-"""The REST bridge's request and response shaping (gateway/rest.py), without services."""
+"""The REST bridge's request and response shaping (gateway/rest/), without services."""
 
 from __future__ import annotations
 
@@ -7,17 +7,8 @@ from typing import Any
 import pytest
 
 from gateway.client import vllm_spec_metrics
-from gateway.rest import (
-    CHAT,
-    COMPLETION,
-    REFUSED,
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    LogprobsShaper,
-    build_spec,
-    refuse_extras,
-)
+from gateway.rest.protocol import REFUSED, APIError, ChatRequest, CompletionRequest, build_spec, refuse_extras
+from gateway.rest.serving import CHAT, COMPLETION, LogprobsShaper
 from specdec.wire import pb
 
 

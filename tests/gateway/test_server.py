@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from gateway.rounds import Plan
-from gateway.server import GatewayServicer
+from gateway.server import GatewayCore
 from specdec import telemetry
 from specdec.wire import pb
 
@@ -21,9 +21,9 @@ def fake_round(plan: Plan, verdicts, stats=None) -> SimpleNamespace:
 
 
 def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list:
-    servicer = GatewayServicer.__new__(GatewayServicer)  # no channels: only _chunks is exercised
-    servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    servicer.metrics = telemetry.GatewayMetrics(CollectorRegistry())
+    core = GatewayCore.__new__(GatewayCore)  # no channels: only _chunks is exercised
+    core.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    core.metrics = telemetry.GatewayMetrics(CollectorRegistry())
 
     async def verdicts():
         for m in messages:
@@ -33,7 +33,7 @@ def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list
     round_ = fake_round(plan, verdicts)
 
     async def run() -> list:
-        return [c async for c in servicer._chunks(round_, None)]
+        return [c async for c in core._chunks(round_, None)]
 
     return asyncio.run(run())
 
@@ -69,11 +69,11 @@ def test_a_verifier_that_goes_away_is_resumed_elsewhere_without_gap_or_duplicate
     got (preview tokens included), with the budgets that are left."""
     import grpc
 
-    servicer = GatewayServicer.__new__(GatewayServicer)
-    servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    servicer.metrics = telemetry.GatewayMetrics(CollectorRegistry())
+    core = GatewayCore.__new__(GatewayCore)
+    core.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    core.metrics = telemetry.GatewayMetrics(CollectorRegistry())
     failed = []
-    servicer.verifiers = SimpleNamespace(failed=failed.append)
+    core.verifiers = SimpleNamespace(failed=failed.append)
     plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=6, min_tokens=4), 4, pb.DRAFT_METHOD_MODEL)
 
     async def first():
@@ -92,11 +92,11 @@ def test_a_verifier_that_goes_away_is_resumed_elsewhere_without_gap_or_duplicate
         resumed.append(p)
         return fake_round(p, second, stats)
 
-    servicer._round = next_round
+    core._round = next_round
     round_ = fake_round(plan, first)
 
     async def run() -> list:
-        return [c async for c in servicer._chunks(round_, None)]
+        return [c async for c in core._chunks(round_, None)]
 
     chunks = asyncio.run(run())
     assert [t for c in chunks for t in c.token_ids] == [10, 11, 12, 13, 14, 15]  # no gap, no duplicate
@@ -111,10 +111,10 @@ def test_a_verifier_that_goes_away_after_the_last_token_ends_the_stream_normally
     (which the verifier refuses), the stream ends with finish reason length."""
     import grpc
 
-    servicer = GatewayServicer.__new__(GatewayServicer)
-    servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    servicer.metrics = telemetry.GatewayMetrics(CollectorRegistry())
-    servicer.verifiers = SimpleNamespace(failed=lambda replica: None)
+    core = GatewayCore.__new__(GatewayCore)
+    core.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    core.metrics = telemetry.GatewayMetrics(CollectorRegistry())
+    core.verifiers = SimpleNamespace(failed=lambda replica: None)
     plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=3), 4, pb.DRAFT_METHOD_MODEL)
 
     async def verdicts():
@@ -129,10 +129,10 @@ def test_a_verifier_that_goes_away_after_the_last_token_ends_the_stream_normally
         resumed.append(p)
         raise AssertionError("nothing is left to resume")
 
-    servicer._round = next_round
+    core._round = next_round
 
     async def run() -> list:
-        return [c async for c in servicer._chunks(fake_round(plan, verdicts), None)]
+        return [c async for c in core._chunks(fake_round(plan, verdicts), None)]
 
     chunks = asyncio.run(run())
     assert [t for c in chunks for t in c.token_ids] == [10, 11, 12] and not resumed
