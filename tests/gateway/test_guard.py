@@ -190,6 +190,23 @@ def test_no_verifier_is_unavailable_within_verifier_retry_s_naming_no_address(ti
     assert took < 10 * max(RETRY_S, 1.0)  # within verifier_retry_s (the bound: 10x, for a loaded host)
 
 
+def test_a_draining_gateway_refuses_both_adapters_and_its_health_says_so(tiny_target: Path) -> None:
+    """Once the drain began (serving.serve at SIGTERM), the one core refuses new generations from
+    both adapters: gRPC UNAVAILABLE, REST 503 with the same message, and REST /health is 503."""
+    async def run() -> tuple[grpc.aio.AioRpcError, httpx.Response, int, int]:
+        async with gateway(tiny_target) as gw:
+            up = (await gw.rest.get("/health")).status_code
+            gw.core.slots.draining = True  # what SessionSlots.drain sets first
+            err = await grpc_error(gw.address, generation_spec([1, 2, 3], max_tokens=4))
+            r = await gw.rest.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+            return err, r, up, (await gw.rest.get("/health")).status_code
+
+    err, r, up, down = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.details()
+    assert r.status_code == 503 and r.json()["error"]["message"] == err.details()
+    assert (up, down) == (200, 503)
+
+
 # ---------------------------------------------------------------------------- exposure warnings
 
 
