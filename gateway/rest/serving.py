@@ -314,7 +314,7 @@ MAX_DEADLINE_S = 86_400.0
 
 def client_deadline_s(headers: Any) -> float | None:
     """The client's deadline in seconds from its request headers (DEADLINE_HEADERS, the first
-    present), or None. It becomes the gateway call's gRPC deadline, so a generation the client
+    present), or None. It becomes the generation's deadline (`deadline_s`), so a generation the client
     stopped waiting for stops too (504 when it passes). Not a number in (0, MAX_DEADLINE_S]:
     400 naming the header."""
     for name in DEADLINE_HEADERS:
