@@ -11,8 +11,11 @@ once, so what is timed is the path a chunk takes, not a model:
                 gateway before: REST -> gRPC client -> unix socket -> servicer -> core)
 
 Rounds alternate the two paths; each round streams `--requests` completions of `--chunks`
-chunks, `--concurrency` at a time, from an httpx client in the same event loop. Prints the
-median time per chunk (wall time of a round / chunks sent) of each path and their ratio.
+chunks, `--concurrency` at a time, from an httpx client in the same event loop. Prints, per
+path, the median over rounds of the CPU time per chunk (the process's, all its threads: the
+client, both servers, gRPC's own threads; what the hop costs) and of the wall time per chunk,
+and the ratios. CPU time is the figure to compare on a shared host: wall time there moves
+with other processes' load, CPU time much less.
 
     python -m benchmarks.rest_hop
     python -m benchmarks.rest_hop --requests 200 --chunks 64 --concurrency 16 --rounds 5
@@ -121,8 +124,10 @@ async def _serve(app: Any) -> tuple[uvicorn.Server, asyncio.Task, str]:
     return server, task, f"http://127.0.0.1:{port}"
 
 
-async def _round(client: httpx.AsyncClient, url: str, requests: int, concurrency: int, chunks: int) -> float:
-    """Seconds per chunk of one round: `requests` streamed completions, `concurrency` at a time."""
+async def _round(client: httpx.AsyncClient, url: str, requests: int, concurrency: int,
+                 chunks: int) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) per chunk of one round: `requests` streamed completions,
+    `concurrency` at a time."""
     gate = asyncio.Semaphore(concurrency)
     body = {"prompt": [1, 2, 3], "max_tokens": chunks, "stream": True}
 
@@ -135,12 +140,12 @@ async def _round(client: httpx.AsyncClient, url: str, requests: int, concurrency
                     got += 1
             return got
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     got = await asyncio.gather(*(one() for _ in range(requests)))
-    took = time.perf_counter() - t0
+    cpu, took = time.process_time() - cpu0, time.perf_counter() - t0
     if set(got) != {chunks}:
         raise RuntimeError(f"expected {chunks} chunk events per stream, got {sorted(set(got))}")
-    return took / (requests * chunks)
+    return cpu / (requests * chunks), took / (requests * chunks)
 
 
 async def measure(requests: int, chunks: int, concurrency: int, rounds: int) -> dict[str, Any]:
@@ -154,7 +159,7 @@ async def measure(requests: int, chunks: int, concurrency: int, rounds: int) -> 
     hop = GrpcHop(address)
     servers = {name: await _serve(build_app(c, Tok(), "m"))  # type: ignore[arg-type]  # both fit gateway.core.Core
                for name, c in (("in-process", core), ("grpc hop", hop))}
-    per_chunk: dict[str, list[float]] = {name: [] for name in servers}
+    per_chunk: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}  # (cpu, wall) per round
     try:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
@@ -170,14 +175,14 @@ async def measure(requests: int, chunks: int, concurrency: int, rounds: int) -> 
         await hop.client.close()
         await grpc_server.stop(0)
         shutil.rmtree(folder, ignore_errors=True)
-    us = {name: statistics.median(values) * 1e6 for name, values in per_chunk.items()}
-    return {
-        "requests": requests, "chunks": chunks, "concurrency": concurrency, "rounds": rounds,
-        "in_process_us_per_chunk": round(us["in-process"], 1),
-        "grpc_hop_us_per_chunk": round(us["grpc hop"], 1),
-        "saved_us_per_chunk": round(us["grpc hop"] - us["in-process"], 1),
-        "ratio": round(us["grpc hop"] / us["in-process"], 2),
-    }
+    out: dict[str, Any] = {"requests": requests, "chunks": chunks, "concurrency": concurrency, "rounds": rounds}
+    for i, kind in enumerate(("cpu", "wall")):
+        us = {name: statistics.median(v[i] for v in values) * 1e6 for name, values in per_chunk.items()}
+        out[f"in_process_{kind}_us_per_chunk"] = round(us["in-process"], 1)
+        out[f"grpc_hop_{kind}_us_per_chunk"] = round(us["grpc hop"], 1)
+        out[f"saved_{kind}_us_per_chunk"] = round(us["grpc hop"] - us["in-process"], 1)
+        out[f"{kind}_ratio"] = round(us["grpc hop"] / us["in-process"], 2)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -188,9 +193,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per path, alternating; the median is kept")
     args = parser.parse_args(argv)
     result = asyncio.run(measure(args.requests, args.chunks, args.concurrency, args.rounds))
-    print(f"in-process: {result['in_process_us_per_chunk']:.1f} us per REST chunk; "
-          f"grpc hop: {result['grpc_hop_us_per_chunk']:.1f} us; the hop costs {result['ratio']:.2f}x "
-          f"({result['saved_us_per_chunk']:.1f} us saved per chunk)")
+    for kind in ("cpu", "wall"):
+        print(f"{kind:>4}: in-process {result[f'in_process_{kind}_us_per_chunk']:.1f} us per REST chunk, "
+              f"grpc hop {result[f'grpc_hop_{kind}_us_per_chunk']:.1f} us: "
+              f"the hop costs {result[f'{kind}_ratio']:.2f}x "
+              f"({result[f'saved_{kind}_us_per_chunk']:.1f} us saved per chunk)")
     print(json.dumps(result))
     return result
 
