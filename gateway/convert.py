@@ -7,7 +7,7 @@ Every request field vLLM 0.32's OpenAI server takes is in one of two places here
   a 400 naming the field and saying why (`refuse_extras`). A field vLLM does not know either
   is a 400 too, as in OpenAI's API. Nothing is silently dropped.
 
-The endpoints' own request models (gateway.rest: CompletionRequest, ChatRequest) derive from
+The endpoints' own request models (gateway.rest.protocol: CompletionRequest, ChatRequest) derive from
 GenerationFields and add what is not sampling (messages, echo, streaming, how logprobs are
 asked for). Values are checked by the gateway, the one place that validates
 (specdec.validation); this module only refuses what it cannot carry, raising

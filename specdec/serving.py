@@ -136,7 +136,6 @@ async def serve(
     add_to_server: Callable[[S, grpc.aio.Server], None],
     service: str,
     also: Callable[[S, asyncio.Event], Awaitable[None]] | None = None,
-    local_address: str = "",
 ) -> None:
     """Run one gRPC service until SIGINT/SIGTERM, then stop gracefully.
 
@@ -149,8 +148,7 @@ async def serve(
     `also(servicer, stop_event)` runs beside the server in the same loop (the gateway's REST
     bridge) and must return once the event is set.
     TLS, message sizes and keepalive come from cfg (specdec.security; a plaintext port other
-    hosts can reach is warned about). `local_address` (a `unix:` path in a private folder) is
-    served too, in plaintext: the REST bridge in the same process calls the gateway there.
+    hosts can reach is warned about).
     SIGHUP re-reads the TLS certificates.
     """
     security.check_tls_settings(cfg)
@@ -159,8 +157,6 @@ async def serve(
     bound = security.add_port(server, name, f"{cfg.host}:{cfg.port}", cfg)
     if bound == 0:
         raise OSError(f"{name}: cannot bind {cfg.host}:{cfg.port}")
-    if local_address and server.add_insecure_port(local_address) == 0:
-        raise OSError(f"{name}: cannot bind {local_address}")
     registry = service_registry(name)
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.host, registry=registry)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from gateway.rounds import Plan
-from gateway.server import GatewayServicer
+from gateway.server import GatewayCore
 from specdec import telemetry
 from specdec.config import GatewayConfig
 from specdec.models import compat
@@ -71,13 +71,13 @@ def target(tiny_target) -> compat.Vocabulary:
     return compat.from_folder(tiny_target, "tiny/target")
 
 
-def servicer(tiny_target, verifier_vocab: compat.Vocabulary, drafters: list[SimpleNamespace]) -> GatewayServicer:
-    """A real GatewayServicer whose pools are fakes (no channels)."""
+def servicer(tiny_target, verifier_vocab: compat.Vocabulary, drafters: list[SimpleNamespace]) -> GatewayCore:
+    """A real GatewayCore whose pools are fakes (no channels)."""
     info = pb.GetVerifierInfoResponse(model="tiny/target", vocab_size=verifier_vocab.vocab_size, max_model_len=2048,
                                       max_gamma=8, vocabulary=compat.to_pb(verifier_vocab))
     pools = (FakePool([replica("verifier", info)]), FakePool(drafters))
-    return GatewayServicer(GatewayConfig(tokenizer="tiny/target"), telemetry.GatewayMetrics(CollectorRegistry()),
-                           AutoTokenizer.from_pretrained(tiny_target), pools=lambda cfg: pools)
+    return GatewayCore(GatewayConfig(tokenizer="tiny/target"), telemetry.GatewayMetrics(CollectorRegistry()),
+                       AutoTokenizer.from_pretrained(tiny_target), pools=lambda cfg: pools)
 
 
 def drafter_info(vocab: compat.Vocabulary) -> "pb.GetDrafterInfoResponse":
@@ -115,8 +115,7 @@ def test_with_no_drafter_that_fits_a_model_request_decodes_plainly_and_ngram_sti
 
     async def run():
         await s.target_info()
-        return (await s._round(plan(pb.DRAFT_METHOD_MODEL), SimpleNamespace(invocation_metadata=lambda: ())),
-                await s._round(plan(pb.DRAFT_METHOD_NGRAM), SimpleNamespace(invocation_metadata=lambda: ())))
+        return (await s._round(plan(pb.DRAFT_METHOD_MODEL), None), await s._round(plan(pb.DRAFT_METHOD_NGRAM), None))
 
     model_round, ngram_round = asyncio.run(run())
     assert model_round.drafter_stub is None  # the round decodes plainly

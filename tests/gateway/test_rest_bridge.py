@@ -1,4 +1,4 @@
-"""The REST bridge's request and response shaping (gateway/rest.py), without services."""
+"""The REST bridge's request and response shaping (gateway/rest/), without services."""
 
 from __future__ import annotations
 
@@ -9,13 +9,8 @@ import pytest
 from gateway.client import vllm_spec_metrics
 from gateway.convert import REFUSED, refuse_extras
 from gateway.convert import generation_spec as build_spec
-from gateway.rest import (
-    CHAT,
-    COMPLETION,
-    ChatRequest,
-    CompletionRequest,
-    LogprobsShaper,
-)
+from gateway.rest.protocol import ChatRequest, CompletionRequest
+from gateway.rest.serving import CHAT, COMPLETION, LogprobsShaper
 from specdec.validation import InvalidField
 from specdec.wire import pb
 

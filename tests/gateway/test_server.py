@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from gateway.rounds import Plan
-from gateway.server import GatewayServicer
+from gateway.server import GatewayCore
 from specdec import telemetry
 from specdec.config import GatewayConfig
 from specdec.wire import pb
@@ -22,7 +22,7 @@ def fake_round(plan: Plan, verdicts, stats=None) -> SimpleNamespace:
 
 
 class NoPool:
-    """A replica pool with no replica (the calls GatewayServicer makes of gateway.pool.Pool);
+    """A replica pool with no replica (the calls GatewayCore makes of gateway.pool.Pool);
     `failed_replicas`: those reported failed."""
 
     def __init__(self) -> None:
@@ -42,14 +42,14 @@ class NoPool:
         pass
 
 
-def gateway_servicer(tiny_target) -> GatewayServicer:
-    """A real GatewayServicer over the tiny target's tokenizer, with no channels (only _chunks is exercised)."""
-    return GatewayServicer(GatewayConfig(tokenizer=str(tiny_target)), telemetry.GatewayMetrics(CollectorRegistry()),
-                           AutoTokenizer.from_pretrained(tiny_target), pools=lambda cfg: (NoPool(), NoPool()))
+def gateway_core(tiny_target) -> GatewayCore:
+    """A real GatewayCore over the tiny target's tokenizer, with no channels (only _chunks is exercised)."""
+    return GatewayCore(GatewayConfig(tokenizer=str(tiny_target)), telemetry.GatewayMetrics(CollectorRegistry()),
+                       AutoTokenizer.from_pretrained(tiny_target), pools=lambda cfg: (NoPool(), NoPool()))
 
 
 def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list:
-    servicer = gateway_servicer(tiny_target)
+    core = gateway_core(tiny_target)
 
     async def verdicts():
         for m in messages:
@@ -59,7 +59,7 @@ def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list
     round_ = fake_round(plan, verdicts)
 
     async def run() -> list:
-        return [c async for c in servicer._chunks(round_, None)]
+        return [c async for c in core._chunks(round_, None)]
 
     return asyncio.run(run())
 
@@ -95,8 +95,8 @@ def test_a_verifier_that_goes_away_is_resumed_elsewhere_without_gap_or_duplicate
     got (preview tokens included), with the budgets that are left."""
     import grpc
 
-    servicer = gateway_servicer(tiny_target)
-    failed = servicer.verifiers.failed_replicas
+    core = gateway_core(tiny_target)
+    failed = core.verifiers.failed_replicas
     plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=6, min_tokens=4), 4, pb.DRAFT_METHOD_MODEL)
 
     async def first():
@@ -111,15 +111,15 @@ def test_a_verifier_that_goes_away_is_resumed_elsewhere_without_gap_or_duplicate
 
     resumed = []
 
-    async def next_round(p, context, stats):
+    async def next_round(p, parent, stats):
         resumed.append(p)
         return fake_round(p, second, stats)
 
-    servicer._round = next_round
+    core._round = next_round
     round_ = fake_round(plan, first)
 
     async def run() -> list:
-        return [c async for c in servicer._chunks(round_, None)]
+        return [c async for c in core._chunks(round_, None)]
 
     chunks = asyncio.run(run())
     assert [t for c in chunks for t in c.token_ids] == [10, 11, 12, 13, 14, 15]  # no gap, no duplicate
@@ -134,7 +134,7 @@ def test_a_verifier_that_goes_away_after_the_last_token_ends_the_stream_normally
     (which the verifier refuses), the stream ends with finish reason length."""
     import grpc
 
-    servicer = gateway_servicer(tiny_target)
+    core = gateway_core(tiny_target)
     plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=3), 4, pb.DRAFT_METHOD_MODEL)
 
     async def verdicts():
@@ -145,14 +145,14 @@ def test_a_verifier_that_goes_away_after_the_last_token_ends_the_stream_normally
 
     resumed = []
 
-    async def next_round(p, context, stats):
+    async def next_round(p, parent, stats):
         resumed.append(p)
         raise AssertionError("nothing is left to resume")
 
-    servicer._round = next_round
+    core._round = next_round
 
     async def run() -> list:
-        return [c async for c in servicer._chunks(fake_round(plan, verdicts), None)]
+        return [c async for c in core._chunks(fake_round(plan, verdicts), None)]
 
     chunks = asyncio.run(run())
     assert [t for c in chunks for t in c.token_ids] == [10, 11, 12] and not resumed
