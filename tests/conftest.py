@@ -19,6 +19,7 @@ a test that needs either cannot hide in the fast tier.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -26,7 +27,9 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import faultkit
 import grpc
 import pytest
 
@@ -117,7 +120,14 @@ class Services:
         self.defaults = False  # True: every service runs with its default settings (default_services)
 
     def _start(self, kind: str, args: list[str]) -> Service:
-        svc = start_service(kind, free_port(), args, self.log_dir, env=self.env, metrics_port=free_port())
+        env = dict(self.env)
+        faults_port = 0
+        if kind in ("verifier", "drafter"):  # the test-only fault plugin, all faults off (tests/faultkit.py)
+            faults_port = free_port()
+            env.update({"SPECDEC_PLUGINS": faultkit.PLUGIN, faultkit.PORT_ENV: str(faults_port),
+                        "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)})
+        svc = start_service(kind, free_port(), args, self.log_dir, env=env, metrics_port=free_port())
+        svc.faults_port = faults_port  # type: ignore[attr-defined]  # a test-side attribute: where `injected` switches faults
         self.started.append(svc)
         return svc
 
@@ -154,6 +164,19 @@ class Services:
     def stop(self) -> None:
         for svc in reversed(self.started):
             svc.stop()
+
+
+@contextlib.contextmanager
+def injected(svc: Service, **faults: Any) -> Iterator[dict[str, Any]]:
+    """Put `faults` (tests/faultkit.py's Faults fields) in force in `svc`, a verifier or drafter a
+    `Services` started, for the body of the `with`; then restore the set it had. Both switches
+    return once the service acknowledges them (no sleep)."""
+    port = svc.faults_port  # type: ignore[attr-defined]  # set by Services._start
+    before = faultkit.state(port)["faults"]
+    try:
+        yield faultkit.switch(port, **faults)
+    finally:
+        faultkit.switch(port, **before)
 
 
 @pytest.fixture(scope="session")

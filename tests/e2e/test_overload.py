@@ -5,10 +5,18 @@ gateways and a drafter of this module's own.
   at once with RESOURCE_EXHAUSTED (REST: 429 + Retry-After); none hangs or fails otherwise,
   and the gateway's memory stays bounded.
 - 1,000 client cancellations at random points: the verifier's sessions, the drafter's
-  sessions and the gateway's requests in flight all return to 0, memory growth stays under a
-  bound, and the next request is exact.
-- A client deadline reaches the engine: a request past its deadline is aborted there.
+  sessions and the gateway's requests in flight all return to 0, and so do the requests in
+  vLLM's own scheduler (running and waiting); memory growth stays under a bound, and the next
+  request is exact.
+- A client deadline reaches the engine: a request past its deadline is aborted there (vLLM's
+  scheduler holds no request afterwards).
 - A drafter that hangs (SIGSTOP: alive, silent) makes its requests fall back, exact.
+
+The engine checks read specdec:verifier_engine_running / _waiting, which the verifier reads
+from vLLM's scheduler itself (Scheduler.get_request_counts), not from its gRPC sessions: a
+session ends with its call whether or not the engine request was aborted. These tests fail
+when the verifier does not abort (docs/testing-faults.md shows it: the run with
+SPECDEC_FAULTS='{"abort_disabled": true}', tests/faultkit.py).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import grpc
 import httpx
 import pytest
 from conftest import vllm_reference
-from gen import prompts, scrape, spec
+from gen import prompts, scrape, spec, wait_for
 from transformers import AutoTokenizer
 
 from gateway.client import AsyncGatewayClient, GatewayClient
@@ -36,6 +44,10 @@ N_OVERLOAD = 300
 N_CANCEL = 1000
 MAX_TOKENS = 12
 CANCEL_TOKENS = 1800  # a cancelled stream's length: long enough that none finishes before its cancel
+# How long the engine may take to hold no request once the calls ended: aborts reach it within
+# a step or two (milliseconds); this bound is far above that, and far below what the aborted
+# requests would take to run to their ends (so a missing abort fails the test)
+ENGINE_IDLE_BOUND_S = 60.0
 
 
 def rss_mib(svc: Service) -> float:
@@ -63,6 +75,18 @@ def cases(tiny_target: Path) -> tuple[list[list[int]], list[list[int]]]:
     """10 prompts and a plain vLLM engine's greedy outputs for them (the reference)."""
     ps = prompts(AutoTokenizer.from_pretrained(tiny_target), 10, seed=11)
     return ps, vllm_reference(tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS} for p in ps])
+
+
+def engine_requests(verifier: Service) -> tuple[float, float]:
+    """(running, waiting) requests in the verifier's vLLM scheduler (-1: not exported)."""
+    m = scrape(verifier.metrics_port)
+    return m.get("specdec:verifier_engine_running", -1.0), m.get("specdec:verifier_engine_waiting", -1.0)
+
+
+def wait_engine_idle(verifier: Service, what: str) -> None:
+    """Wait (bounded by ENGINE_IDLE_BOUND_S) until vLLM's scheduler holds no request."""
+    wait_for(lambda: engine_requests(verifier) == (0, 0), ENGINE_IDLE_BOUND_S,
+             f"{what}: the engine holds no request (running, waiting now: {engine_requests(verifier)})")
 
 
 def settle(check, timeout_s: float = 60) -> None:
@@ -117,6 +141,7 @@ def test_overload_is_refused_at_once_never_queued(own, cases) -> None:
 def test_cancellations_free_everything(own, services, cases) -> None:
     ps, ref = cases
     gw = own["gateway"]
+    wait_engine_idle(services.verifier, "before the cancellations")
     rng = random.Random(5)
     delays = [rng.uniform(0, 0.25) for _ in range(N_CANCEL)]
     before = {k: rss_mib(v) for k, v in (("gateway", gw), ("verifier", services.verifier), ("drafter", own["drafter"]))}
@@ -139,6 +164,7 @@ def test_cancellations_free_everything(own, services, cases) -> None:
     settle(lambda: scrape(gw.metrics_port).get("specdec:requests_running") == 0)
     settle(lambda: scrape(own["drafter"].metrics_port).get("specdec:drafter_sessions") == 0)
     settle(lambda: scrape(services.verifier.metrics_port).get("specdec:verifier_sessions") == 0)
+    wait_engine_idle(services.verifier, f"after {cancelled} cancellations")
     with grpc.insecure_channel(services.verifier.address) as channel:
         from specdec.wire import rpc
 
@@ -154,11 +180,13 @@ def test_cancellations_free_everything(own, services, cases) -> None:
 
 def test_a_deadline_reaches_the_engine(own, services, cases) -> None:
     ps, _ = cases
+    wait_engine_idle(services.verifier, "before the request")
     with GatewayClient(own["gateway"].address, timeout_s=0.5) as client:
         with pytest.raises(grpc.RpcError) as info:
-            client.generate(spec(ps[1], 1800, gamma=4, ignore_eos=True))
+            client.generate(spec(ps[1], CANCEL_TOKENS, gamma=4, ignore_eos=True))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     settle(lambda: scrape(services.verifier.metrics_port).get("specdec:verifier_sessions") == 0, 30)
+    wait_engine_idle(services.verifier, "after the deadline")
 
 
 def test_a_hung_drafter_falls_back(own, cases) -> None:
