@@ -1,7 +1,8 @@
 """Shared fixtures: the tiny model pair, real services on loopback, a vLLM reference.
 
 The end-to-end tests run the real services (separate processes, real vLLM on CPU)
-on the tiny pair. One verifier serves all gateways; each drafter serves one draft
+on the tiny pair. One verifier serves all gateways (and the modules that need it slow or
+faulty: they switch its faults at run time, `injected`); each drafter serves one draft
 model and has its own gateway:
     "mid"   draft-mid (agrees often, not always)   "same" draft-same (agrees always)
     "far"   draft-far (agrees rarely)
@@ -108,7 +109,9 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Services:
-    """Handles to the running services of the session."""
+    """Handles to the running services of the session. Every verifier and drafter started here
+    loads the test-only fault plugin (tests/faultkit.py, docs/testing-faults.md) with all faults
+    off (or those of SPECDEC_FAULTS) and a control port: `injected(svc, ...)` switches them."""
 
     def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.log_dir = log_dir
