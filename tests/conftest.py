@@ -124,13 +124,15 @@ class Services:
 
     def _start(self, kind: str, args: list[str]) -> Service:
         env = dict(self.env)
-        faults_port = 0
+        port = free_port()
+        control = ""
         if kind in ("verifier", "drafter"):  # the test-only fault plugin, all faults off (tests/faultkit.py)
-            faults_port = free_port()
-            env.update({"SPECDEC_PLUGINS": faultkit.PLUGIN, faultkit.PORT_ENV: str(faults_port),
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            control = str(self.log_dir / f"{kind}-{port}.faults-port")
+            env.update({"SPECDEC_PLUGINS": faultkit.PLUGIN, faultkit.CONTROL_ENV: control,
                         "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)})
-        svc = start_service(kind, free_port(), args, self.log_dir, env=env, metrics_port=free_port())
-        svc.faults_port = faults_port  # type: ignore[attr-defined]  # a test-side attribute: where `injected` switches faults
+        svc = start_service(kind, port, args, self.log_dir, env=env, metrics_port=free_port())
+        svc.faults_control = control  # type: ignore[attr-defined]  # a test-side attribute: where `injected` finds the port
         self.started.append(svc)
         return svc
 
@@ -174,7 +176,7 @@ def injected(svc: Service, **faults: Any) -> Iterator[dict[str, Any]]:
     """Put `faults` (tests/faultkit.py's Faults fields) in force in `svc`, a verifier or drafter a
     `Services` started, for the body of the `with`; then restore the set it had. Both switches
     return once the service acknowledges them (no sleep)."""
-    port = svc.faults_port  # type: ignore[attr-defined]  # set by Services._start
+    port = faultkit.control_port(svc.faults_control)  # type: ignore[attr-defined]  # set by Services._start
     before = faultkit.state(port)["faults"]
     try:
         yield faultkit.switch(port, **faults)

@@ -12,10 +12,12 @@ specdec.serving.load_plugins then calls `install(service, servicer)`, which hook
 Faults (all off by default; see `Faults`), set three ways:
     - at start: `SPECDEC_FAULTS` holds a JSON object of Faults fields (a whole stack, e.g. to
       show a test fails with the verifier's abort disabled, docs/testing-faults.md);
-    - at run time: `SPECDEC_FAULTS_PORT` makes the service listen on 127.0.0.1:PORT for
-      `PUT /faults` (a JSON object of Faults fields, replacing the whole set) and `GET /faults`;
-      the answer comes once the new set is in force (the hooks read it on their next call), so
-      a test that waits for it never needs to sleep: `switch(port, ...)`;
+    - at run time: with `SPECDEC_FAULTS_CONTROL=PATH` the service listens on 127.0.0.1, on a
+      port the system picks (so no other process can take it first), and writes that port to
+      PATH before it serves; there it answers `PUT /faults` (a JSON object of Faults fields,
+      replacing the whole set) and `GET /faults`. The answer comes once the new set is in force
+      (the hooks read it on their next call), so a test that waits for it never needs to sleep:
+      `switch(control_port(PATH), ...)`;
     - `trace_file` in the set (verifier): spans the verifier ends from then on are also written
       to that JSON-lines file (specdec.telemetry's exporter), so a test tracing its own requests
       can share the session's verifier; "" stops it.
@@ -37,7 +39,7 @@ log = logging.getLogger("specdec.faultkit")
 
 PLUGIN = "faultkit:install"
 FAULTS_ENV = "SPECDEC_FAULTS"
-PORT_ENV = "SPECDEC_FAULTS_PORT"
+CONTROL_ENV = "SPECDEC_FAULTS_CONTROL"
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,8 @@ class Injector:
             old.shutdown()  # closes the previous file
 
 
-def _serve_control(injector: Injector, port: int) -> ThreadingHTTPServer:
+def _serve_control(injector: Injector, path: str) -> ThreadingHTTPServer:
+    """Serve the control port (module docstring) and write its number to `path`."""
     class Handler(BaseHTTPRequestHandler):
         def _answer(self, code: int, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()
@@ -174,8 +177,12 @@ def _serve_control(injector: Injector, port: int) -> ThreadingHTTPServer:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, name="faultkit", daemon=True).start()
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(server.server_address[1]))
+    os.replace(tmp, path)  # whole or absent: a reader never sees half a number
     return server
 
 
@@ -189,14 +196,20 @@ def install(service: str, servicer: Any) -> Injector:
         injector.wrap_abort(servicer.engine)
     elif service == "drafter":
         servicer.step_hooks.append(injector.draft_step)
-    port = os.environ.get(PORT_ENV)
-    if port:
-        _serve_control(injector, int(port))
-    log.warning("faultkit installed in the %s: %s (control port %s)", service, asdict(injector.faults), port or "none")
+    control = os.environ.get(CONTROL_ENV)
+    port = _serve_control(injector, control).server_address[1] if control else "none"
+    log.warning("faultkit installed in the %s: %s (control port %s)", service, asdict(injector.faults), port)
     return injector
 
 
 # ---- the tests' side -----------------------------------------------------------------------------
+def control_port(path: str) -> int:
+    """The control port a service wrote to `path` (SPECDEC_FAULTS_CONTROL); it is there once
+    the service serves (the plugin is installed before the server starts)."""
+    with open(path) as f:
+        return int(f.read())
+
+
 def switch(port: int, **faults: Any) -> dict[str, Any]:
     """Put this set of faults in force in the service listening on `port` (the others off), and
     return its acknowledgement once it is in force; raises if the service disagrees."""

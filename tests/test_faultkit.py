@@ -25,7 +25,6 @@ import faultkit
 import pytest
 
 from specdec import config, serving
-from specdec.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCTION = ("specdec", "drafter", "verifier", "gateway", "benchmarks")
@@ -121,12 +120,14 @@ def test_draft_step_faults_go_through_the_sessions_step_hooks(sleeps: list[float
     assert session.steps >= 6 and sleeps == [0.1] * (session.steps // 3)
 
 
-def test_the_control_port_switches_faults_with_an_acknowledgement(monkeypatch: pytest.MonkeyPatch) -> None:
-    port = free_port()
-    monkeypatch.setenv(faultkit.PORT_ENV, str(port))
+def test_the_control_port_switches_faults_with_an_acknowledgement(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    control = str(tmp_path / "drafter.faults-port")
+    monkeypatch.setenv(faultkit.CONTROL_ENV, control)
     monkeypatch.setenv(faultkit.FAULTS_ENV, json.dumps({"draft_every": 5, "draft_delay_ms": 10}))
     servicer = SimpleNamespace(step_hooks=[])
     injector = faultkit.install("drafter", servicer)
+    port = faultkit.control_port(control)  # written before install returned (before the service serves)
     assert servicer.step_hooks == [injector.draft_step]
     assert faultkit.state(port)["faults"]["draft_every"] == 5  # from SPECDEC_FAULTS at start
     ack = faultkit.switch(port, draft_delay_ms=250.0, draft_every=15)
