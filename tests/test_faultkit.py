@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import ast
 import json
-import queue
-import threading
 import urllib.error
 import urllib.request
 from dataclasses import fields
@@ -63,14 +61,17 @@ def test_load_plugins_loads_nothing_by_default_and_names_a_bad_entry(monkeypatch
 
 
 def _bare_engine():
-    """A TargetEngine without vLLM or its thread: what abort and the scheduler hooks touch."""
+    """A TargetEngine, not started, over no vLLM engine: what abort and the scheduler hooks touch."""
+    from prometheus_client import CollectorRegistry
+
+    from specdec import telemetry
+    from specdec.config import VerifierConfig
     from verifier.engine import TargetEngine
     from verifier.proposer import DraftBoard
+    from verifier.vllm_hooks import ModelFacts
 
-    eng = object.__new__(TargetEngine)
-    eng._commands, eng._wake = queue.SimpleQueue(), threading.Event()
-    eng.board, eng._by_engine_id, eng.steps, eng.step_hooks = DraftBoard(), {}, 0, []
-    return eng
+    metrics = telemetry.VerifierMetrics(CollectorRegistry())
+    return TargetEngine(VerifierConfig(), None, DraftBoard(metrics=metrics), metrics, ModelFacts(100, [0], {0}))
 
 
 def _queued(eng) -> list:
