@@ -155,6 +155,10 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.tracer = telemetry.setup_tracing("drafter")
         self.metrics = metrics
         self.slots = serving.SessionSlots("drafter", cfg.max_sessions)
+        # Hook point: called as hook(session) after each draft step of every session, on the
+        # worker thread (DraftSession.step). Empty in production; plugins append to it
+        # (specdec.serving.load_plugins; the tests' fault injection, tests/faultkit.py).
+        self.step_hooks: list[Callable[[DraftSession], None]] = []
         self.worker = DraftWorker(token_ms, self.metrics)
         self.worker.start()
 
@@ -179,7 +183,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         session.branches = self.cfg.branches
         session.flush_ms = self.cfg.flush_ms
         session.prefill_chunk = self.cfg.prefill_chunk
-        session.inject_delay_ms, session.inject_every = self.cfg.inject_delay_ms, self.cfg.inject_every
+        session.step_hooks = self.step_hooks  # shared: a hook appended later reaches running sessions
         return session
 
     def _model_session(self, req: "pb.DraftOpen", prompt: list[int], lookahead: int) -> ModelDraftSession:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,9 +101,9 @@ class DraftSession:
         self._pending_ms = 0.0
         self.steps = 0
         self.last_token_ms = 0.0  # compute time of the token the latest draft step drafted (0: none)
-        # fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th step
-        self.inject_delay_ms = 0.0
-        self.inject_every = 0
+        # called as hook(self) after each draft step (the servicer's step_hooks list; empty in
+        # production, tests/faultkit.py's fault injection appends to it)
+        self.step_hooks: list[Callable[[DraftSession], None]] = []
         # pre-drafted branches (see the module's terms); branches = 0: none
         self.branches = 0  # most branches per committed context
         self.branch_alts = 3  # alternatives considered per position (the draft's 2nd-4th likeliest tokens)
@@ -200,8 +200,8 @@ class DraftSession:
             t0 = time.perf_counter()
             draft = self._next_token()
             self.steps += 1
-            if self.inject_every and self.steps % self.inject_every == 0:
-                time.sleep(self.inject_delay_ms / 1e3)
+            for hook in self.step_hooks:
+                hook(self)
             if draft is None:
                 self.exhausted = True
                 # an empty block tells the verifier not to wait for drafts at this position

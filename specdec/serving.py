@@ -1,10 +1,21 @@
-"""gRPC server bootstrap shared by the services: health, reflection, graceful stop."""
+"""gRPC server bootstrap shared by the services: health, reflection, graceful stop, plugins.
+
+Plugins: `SPECDEC_PLUGINS` (comma-separated `module:function`, unset by default, so a
+production service loads nothing) names hooks that `serve` imports and calls as
+`function(service_name, servicer)` once the servicer is built, before the server starts.
+A plugin may append to the servicers' documented hook lists (`TargetEngine.step_hooks`,
+`DrafterServicer.step_hooks`) or wrap the servicer's objects; the test suite's fault
+injection (tests/faultkit.py, docs/testing-faults.md) is the one user. Production code
+never imports a plugin.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
@@ -117,6 +128,29 @@ class SessionSlots:
         return len(left)
 
 
+PLUGINS_ENV = "SPECDEC_PLUGINS"
+
+
+def load_plugins(name: str, servicer: object, spec: str | None = None) -> list[str]:
+    """Import and call each `module:function` of `spec` (default: the `SPECDEC_PLUGINS`
+    environment variable; empty or unset: none) as `function(name, servicer)`; returns the
+    plugins called. A malformed entry raises ValueError naming it (the service then does not
+    start, rather than run without a hook it was asked to load)."""
+    spec = os.environ.get(PLUGINS_ENV, "") if spec is None else spec
+    loaded = []
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        module, _, function = entry.partition(":")
+        if not module or not function:
+            raise ValueError(f"{PLUGINS_ENV}: {entry!r} is not module:function")
+        hook = getattr(importlib.import_module(module), function)
+        hook(name, servicer)
+        log.warning("%s: loaded plugin %s", name, entry)
+        loaded.append(entry)
+    return loaded
+
+
 class Servicer(Protocol):
     """What `serve` needs of a service implementation besides its RPCs: `close()`, and the
     `slots` its calls are admitted through (drained at shutdown)."""
@@ -172,6 +206,7 @@ async def serve(
         await probes.start()  # answers NOT_FOUND until the servicer is built and the statuses are set
         log.info("%s health checks (plaintext) on %s:%d", name, cfg.host, cfg.health_port)
     servicer = build(registry)
+    load_plugins(name, servicer)
     add_to_server(servicer, server)
     reflection.enable_server_reflection([service, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     await server.start()

@@ -12,6 +12,12 @@ construction, scheduler hook) goes through verifier.vllm_hooks.
 Per step and request the engine thread emits a `Verdict` (the new tokens, how many
 drafts were checked and accepted, the tokens computed) to the session's callback.
 
+Hook point: `TargetEngine.step_hooks`, a list of `StepHook`s the engine thread calls in each
+engine step, twice: before vLLM's scheduler runs (`scheduled` None) and right after it decided
+(`scheduled`: what it scheduled). Empty in production; plugins (specdec.serving.load_plugins)
+append to it: the test suite's fault injection (tests/faultkit.py) sleeps there to make a step
+or a prefill slow. A hook runs on the engine's critical path and must not raise.
+
 No silent hang: any exception on the engine thread (a step, a command, emitting a verdict)
 fails the engine as a whole: `failed` says why, every session's callback gets an
 `EngineFailed` (the server ends those calls with UNAVAILABLE, so their gateways resume them on
@@ -43,6 +49,11 @@ if TYPE_CHECKING:  # importing this module starts no thread pools (numpy's): tes
     from verifier.proposer import DraftBoard
 
 log = logging.getLogger("specdec.verifier")
+
+
+StepHook = Callable[[int, "vllm_hooks.ScheduledStep | None"], None]
+"""A step hook: `hook(step, scheduled)`, `step` the 1-based number of the engine step under way,
+`scheduled` None before the scheduler runs and its decision after (module docstring)."""
 
 
 class EngineFailed(Exception):
@@ -137,6 +148,7 @@ class TargetEngine:
         self._early: dict[str, _Early] = {}
         self._early_lock = threading.Lock()
         self.steps = 0
+        self.step_hooks: list[StepHook] = []  # see the module docstring; empty in production
         self._thread = threading.Thread(target=self._run, name="target-engine", daemon=True)
         self._stopped = False
 
@@ -174,15 +186,13 @@ class TargetEngine:
 
     # ---- the scheduler hook (engine thread, inside engine.step) ---------------------
     def _before_schedule(self) -> None:
-        every = self.cfg.inject_every
-        if every and (self.steps + 1) % every == 0:
-            time.sleep(self.cfg.inject_delay_ms / 1e3)  # fault injection: a slow step
+        for hook in self.step_hooks:
+            hook(self.steps + 1, None)
 
     def _on_schedule(self, step: vllm_hooks.ScheduledStep) -> None:
         """Record how many tokens each request was scheduled (= computed) this step."""
-        prefill_delay_s = self.cfg.inject_prefill_delay_ms / 1e3
-        if prefill_delay_s and step.new_requests:
-            time.sleep(prefill_delay_s)  # fault injection: a slow prefill (a long prompt, a queue)
+        for hook in self.step_hooks:
+            hook(self.steps + 1, step)
         now = time.perf_counter()
         self._step_tokens = step.total_tokens
         # a decode/verify step: every request computes its next token and its drafts, no
