@@ -121,7 +121,7 @@ def forward_rows(model: torch.nn.Module, sessions: Sequence[ModelDraftSession]) 
         allowed[i, :, :cached] = True  # the row's own cache
         allowed[i, :, padded:] = causal
         allowed[i, pad:, padded : padded + pad] = False  # real queries never see the padding slots
-    dtype = next(model.parameters()).dtype if any(True for _ in model.parameters()) else torch.float32
+    dtype = getattr(model, "dtype", torch.float32)  # the activations' dtype (int8-quantised Linears keep float32)
     if not dtype.is_floating_point:
         dtype = torch.float32
     # additive mask [B, 1, T, Lp + T]: 0 where a query may attend, the dtype's min elsewhere
@@ -176,6 +176,13 @@ def draft_step(sessions: Sequence[DraftSession]) -> list[tuple[StepResult, BaseE
                 except Exception as exc:  # noqa: BLE001
                     results[i] = (None, exc)
         for members in rows.values():
+            if len(members) == 1:  # a batch of one: the serial step itself (no mask, no gather)
+                i = members[0]
+                try:
+                    results[i] = (sessions[i].step_draft_locked(time.perf_counter()), None)
+                except Exception as exc:  # noqa: BLE001
+                    results[i] = (None, exc)
+                continue
             batch = [sessions[i] for i in members]
             assert all(isinstance(s, ModelDraftSession) for s in batch)
             t0 = time.perf_counter()

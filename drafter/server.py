@@ -17,7 +17,6 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from drafter import batch
 from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Ready
 from specdec import serving, telemetry
 from specdec.config import MAX_GAMMA_LIMIT, DrafterConfig
@@ -116,6 +115,8 @@ class DraftWorker(threading.Thread):
         that draft a token share one forward (drafter.batch); else one `session.step` each."""
         steps = [session.steps for session, _ in active]
         if self.batch:
+            from drafter import batch  # imports transformers: only a batching worker needs it
+
             results = batch.draft_step([session for session, _ in active])
         else:
             results = [self._serial_step(session) for session, _ in active]
