@@ -43,7 +43,6 @@ import torch
 
 from specdec.acceptance import sparse_q, target_distribution
 
-
 # `DraftSession.step_begin_locked`'s answer when the step drafts a token.
 DRAFT_NEEDED = object()
 

@@ -94,10 +94,10 @@ def _run(model: torch.nn.Module, batched: bool, temperature: float, steps: int =
 def _same(serial: dict, batched: dict) -> None:
     for k in range(len(OPENS)):
         assert len(serial[k]) == len(batched[k]), k
-        for (kind_a, start_a, drafts_a), (kind_b, start_b, drafts_b) in zip(serial[k], batched[k]):
+        for (kind_a, start_a, drafts_a), (kind_b, start_b, drafts_b) in zip(serial[k], batched[k], strict=True):
             assert (kind_a, start_a) == (kind_b, start_b), k
             assert [d[0] for d in drafts_a] == [d[0] for d in drafts_b], (k, start_a)  # the same ids
-            for a, b in zip(drafts_a, drafts_b):
+            for a, b in zip(drafts_a, drafts_b, strict=True):
                 assert a[1] == pytest.approx(b[1], rel=1e-4, abs=1e-6)  # q(token)
                 assert a[3] == pytest.approx(b[3], rel=1e-4, abs=1e-6)  # conf
                 if a[2] is not None:  # sampled: the same support, the same q
@@ -126,15 +126,15 @@ def test_a_batched_row_equals_a_single_forward(model: torch.nn.Module) -> None:
 
     lengths = [(9, 1), (1, 3), (30, 5), (12, 2)]  # (cached, new)
     rows, twins = [session(c + n) for c, n in lengths], [session(c + n) for c, n in lengths]
-    for (cached, _), a, b in zip(lengths, rows, twins):
+    for (cached, _), a, b in zip(lengths, rows, twins, strict=True):
         if cached:
             a._forward(cached)
             b._forward(cached)
     logits = batch.forward_rows(model, rows)  # [B, vocab]
-    for i, (a, b) in enumerate(zip(rows, twins)):
+    for i, (a, b) in enumerate(zip(rows, twins, strict=True)):
         want = b._forward(len(b.context))  # [vocab]
         torch.testing.assert_close(logits[i], want, rtol=1e-4, atol=1e-4)
         assert a.cached == b.cached and a.cache.get_seq_length() == b.cache.get_seq_length() == len(a.context)
-        for la, lb in zip(a.cache.layers, b.cache.layers):
+        for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
             torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(la.values, lb.values, rtol=1e-4, atol=1e-4)
