@@ -117,9 +117,24 @@ def test_batched_drafts_equal_serial_drafts(model: torch.nn.Module, temperature:
     assert max(batched["batch sizes"]) >= 4  # rows were batched, with ragged lengths and rollbacks
 
 
-def test_a_batched_row_equals_a_single_forward(model: torch.nn.Module) -> None:
+def _qwen2_gqa() -> torch.nn.Module:
+    """A small random-init Qwen2 with grouped-query attention (4 heads, 2 KV heads), as the
+    qwen-coder draft has (14 and 2): the batched step's attention (drafter.batch._rows_sdpa)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["tiny-draft", "qwen2-gqa"])
+def test_a_batched_row_equals_a_single_forward(model: torch.nn.Module, kind: str) -> None:
     """forward_rows on rows of different cached lengths and new-token counts gives each row the
     logits of its own serial forward, and leaves each row's cache as the serial forward would."""
+    if kind == "qwen2-gqa":
+        model = _qwen2_gqa()
+        assert model.config._attn_implementation == "sdpa"
     def session(length: int) -> ModelDraftSession:
         return ModelDraftSession(model, [(5 * j + 3) % VOCAB for j in range(length)], 4, 0, temperature=0.0, top_k=0,
                                  top_p=1.0, seed=0, q_top_k=8)
@@ -131,6 +146,7 @@ def test_a_batched_row_equals_a_single_forward(model: torch.nn.Module) -> None:
             a._forward(cached)
             b._forward(cached)
     logits = batch.forward_rows(model, rows)  # [B, vocab]
+    assert model.config._attn_implementation in ("sdpa", "eager")  # restored after the batched forward
     for i, (a, b) in enumerate(zip(rows, twins, strict=True)):
         want = b._forward(len(b.context))  # [vocab]
         torch.testing.assert_close(logits[i], want, rtol=1e-4, atol=1e-4)
