@@ -89,23 +89,32 @@ class _GatheredLayer(CacheLayerMixin):
         return -1
 
 
-def _rows_sdpa(
+def _rows_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs: object
 ) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention for a batched step, with grouped-query attention done by
-    torch (enable_gqa) instead of repeating each KV head: transformers repeats them whenever a
-    mask is given on the CPU, which cost a batched step of the Qwen2.5-0.5B draft (2 KV heads
-    for 14) about a quarter of its time in copies (docs/batched-drafting.md)."""
-    # query [B, heads, T, dim]; key, value [B, kv heads, Lp + T, dim]; attention_mask [B, 1, T, Lp + T]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1])
+    """Attention for a batched step, in plain matrix products with the query heads grouped by
+    their KV head (grouped-query attention without repeating the keys). transformers' sdpa
+    repeats each KV head whenever a mask is given on the CPU, and torch's CPU flash kernel
+    with a mask and one query per row was about 2x slower than this at 16 rows (Qwen2.5-0.5B
+    shapes: 14 heads, 2 KV heads; docs/batched-drafting.md)."""
+    # query [B, heads, T, dim]; key, value [B, kv heads, S, dim]; attention_mask [B, 1, T, S] additive
+    b, heads, t, dim = query.shape
+    kv = key.shape[1]
+    group = heads // kv  # head h uses KV head h // group
+    scale = scaling if scaling is not None else dim**-0.5
+    q = query.reshape(b, kv, group * t, dim)  # [B, kv, group * T, dim]
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [B, kv, group * T, S]
+    if attention_mask is not None:
+        scores = (scores.view(b, kv, group, t, -1) + attention_mask[:, :, None].float()).view(b, kv, group * t, -1)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value).view(b, heads, t, dim)  # [B, heads, T, dim]
     return out.transpose(1, 2).contiguous(), None  # [B, T, heads, dim]
 
 
-ROWS_ATTENTION = "specdec_rows_sdpa"
-AttentionInterface.register(ROWS_ATTENTION, _rows_sdpa)
+ROWS_ATTENTION = "specdec_rows"
+PLAIN_ATTENTION_MODELS = ("llama", "qwen2", "mistral")
+AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
 
 
 def _layer_kv(session: ModelDraftSession, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -149,7 +158,9 @@ def forward_rows(model: torch.nn.Module, sessions: Sequence[ModelDraftSession]) 
     cache = Cache(layers=[_GatheredLayer([_layer_kv(s, layer) for s in sessions], padded) for layer in range(n_layers)])
     config = model.config
     attention = config._attn_implementation
-    if attention == "sdpa":  # the same attention, without repeating KV heads (_rows_sdpa)
+    # the same attention, faster for a batched step (_rows_attention), for the model types whose
+    # attention is plain scaled dot-product (no soft-capping, sinks or sliding window); others keep their own
+    if attention in ("sdpa", "eager") and getattr(config, "model_type", "") in PLAIN_ATTENTION_MODELS:
         config._attn_implementation = ROWS_ATTENTION
     try:
         out = model(

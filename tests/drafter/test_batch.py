@@ -119,7 +119,7 @@ def test_batched_drafts_equal_serial_drafts(model: torch.nn.Module, temperature:
 
 def _qwen2_gqa() -> torch.nn.Module:
     """A small random-init Qwen2 with grouped-query attention (4 heads, 2 KV heads), as the
-    qwen-coder draft has (14 and 2): the batched step's attention (drafter.batch._rows_sdpa)."""
+    qwen-coder draft has (14 and 2): the batched step's attention (drafter.batch._rows_attention)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
