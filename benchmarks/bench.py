@@ -229,19 +229,33 @@ def read_events(lines: Any, on_request: Any) -> list[dict[str, Any]]:
     return results
 
 
+def run_children(jobs: list[dict[str, Any]], on_request: Any, log: Path) -> list[list[dict[str, Any]]]:
+    """The baselines `jobs` (each with its `cores`) in as few children as vLLM allows
+    (benchmarks.systems.child_groups); each job's results (one per concurrency), in order."""
+    from benchmarks.systems import child_groups
+
+    out: list[list[dict[str, Any]]] = [[] for _ in jobs]
+    for group in child_groups(jobs):
+        cores = sorted({c for i in group for c in jobs[i]["cores"]})
+        with open(log, "ab") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.systems", json.dumps([jobs[i] for i in group])],
+                stdout=subprocess.PIPE, stderr=err, preexec_fn=lambda cores=cores: os.sched_setaffinity(0, set(cores)),
+                env={**os.environ, "OMP_NUM_THREADS": str(len(cores))},
+            )
+            assert proc.stdout is not None
+            results = read_events(proc.stdout, on_request)
+            if proc.wait() != 0:
+                kinds = ", ".join(sorted({jobs[i]["kind"] for i in group}))
+                raise RuntimeError(f"baseline run ({kinds}) failed (exit {proc.returncode}); see {log}")
+        for r in results:
+            out[group[r.pop("job")]].append(r)
+    return out
+
+
 def _run_child(job: dict[str, Any], cores: list[int], on_request: Any, log: Path) -> list[dict[str, Any]]:
     """One baseline in its own pinned process; its results (one per concurrency)."""
-    with open(log, "ab") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.systems", json.dumps(job)],
-            stdout=subprocess.PIPE, stderr=err, preexec_fn=lambda: os.sched_setaffinity(0, set(cores)),
-            env={**os.environ, "OMP_NUM_THREADS": str(len(cores))},
-        )
-        assert proc.stdout is not None
-        results = read_events(proc.stdout, on_request)
-        if proc.wait() != 0:
-            raise RuntimeError(f"{job['kind']} run failed (exit {proc.returncode}); see {log}")
-    return results
+    return run_children([{**job, "cores": cores}], on_request, log)[0]
 
 
 class SpecdecCluster:
@@ -532,6 +546,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+def baseline_job(run: dict[str, Any], common: dict[str, Any], draft: str) -> dict[str, Any]:
+    """The child's job for one baseline row of the plan (vLLM in-engine, or transformers)."""
+    if run["kind"] == "hf-assisted":
+        return {**common, "kind": "hf-assisted", "draft": draft, "gamma": run["gamma"]}
+    spec = None
+    if run.get("method") == "draft_model":
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": run["gamma"]}
+    elif run.get("method") == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": run["gamma"], "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    return {**common, "kind": "vllm", "speculative_config": spec, "kv_cache_gib": 1.0, "max_model_len": 2048,
+            "async_scheduling": run.get("async_scheduling")}
+
+
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -576,44 +603,39 @@ def main(args: argparse.Namespace) -> int:
     cluster = SpecdecCluster(args.models, out, args.dtype, QUICK_VERIFIER_ARGS if args.quick else (),
                              args.target, args.draft)
     bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
-    try:
-        for run in runs:
-            label = f"{run['workload']}: {run['system']} γ={run['gamma']} {len(run['cores'])} core"
-            bar.set_description(label)
-            workload_prompts_ = prompts[run["workload"]]
-            common = {"target": target, "threads": len(run["cores"]), "prompts": workload_prompts_, "max_tokens": args.max_tokens,
-                      "dtype": args.dtype, "warmup_prompt": warmup, "concurrency": run["concurrency"]}
-            if run["kind"] != "specdec":
-                cluster.stop()  # never a baseline's engine beside the services (memory)
-            if run["kind"] == "vllm":
-                spec = None
-                if run.get("method") == "draft_model":
-                    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": run["gamma"]}
-                elif run.get("method") == "ngram":
-                    spec = {"method": "ngram", "num_speculative_tokens": run["gamma"], "prompt_lookup_max": 4,
-                            "prompt_lookup_min": 2}
-                job = {**common, "kind": "vllm", "speculative_config": spec, "kv_cache_gib": 1.0, "max_model_len": 2048,
-                       "async_scheduling": run.get("async_scheduling")}
-                results = _run_child(job, run["cores"], lambda: bar.update(1), out / "logs" / "baselines.log")
-            elif run["kind"] == "hf-assisted":
-                job = {**common, "kind": "hf-assisted", "draft": draft, "gamma": run["gamma"]}
-                results = _run_child(job, run["cores"], lambda: bar.update(1), out / "logs" / "baselines.log")
-            else:
-                from benchmarks.systems import run_specdec
 
-                address = cluster.address(run.get("quantize", "int8"), run.get("branches"))
-                mine = os.sched_getaffinity(0)
-                os.sched_setaffinity(0, {cpus[-1]})  # the client lives on the drafter's host
-                try:
-                    run_specdec(address, [warmup], 8, run["gamma"], 1)
-                    results = [run_specdec(address, workload_prompts_, args.max_tokens, run["gamma"], c, lambda: bar.update(1))
-                               for c in run["concurrency"]]
-                finally:
-                    os.sched_setaffinity(0, mine)
-            rows.extend(summarise(run, r) for r in results)
+    def common(run: dict[str, Any]) -> dict[str, Any]:
+        return {"target": target, "threads": len(run["cores"]), "cores": run["cores"], "prompts": prompts[run["workload"]],
+                "max_tokens": args.max_tokens, "dtype": args.dtype, "warmup_prompt": warmup,
+                "concurrency": run["concurrency"]}
+
+    baselines = [i for i, r in enumerate(runs) if r["kind"] != "specdec"]
+    results_of: dict[int, list[dict[str, Any]]] = {}
+    try:
+        # the baselines first, in as few children as vLLM allows (never beside the services: memory)
+        bar.set_description("baselines")
+        jobs = [baseline_job(runs[i], common(runs[i]), draft) for i in baselines]
+        for i, results in zip(baselines, run_children(jobs, lambda: bar.update(1), out / "logs" / "baselines.log")):
+            results_of[i] = results
+        for i, run in enumerate(runs):
+            if run["kind"] != "specdec":
+                continue
+            bar.set_description(f"{run['workload']}: {run['system']} γ={run['gamma']} {len(run['cores'])} core")
+            from benchmarks.systems import run_specdec
+
+            address = cluster.address(run.get("quantize", "int8"), run.get("branches"))
+            mine = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {cpus[-1]})  # the client lives on the drafter's host
+            try:
+                run_specdec(address, [warmup], 8, run["gamma"], 1)
+                results_of[i] = [run_specdec(address, prompts[run["workload"]], args.max_tokens, run["gamma"], c,
+                                             lambda: bar.update(1)) for c in run["concurrency"]]
+            finally:
+                os.sched_setaffinity(0, mine)
     finally:
         bar.close()
         cluster.stop()
+    rows.extend(summarise(run, r) for i, run in enumerate(runs) for r in results_of.get(i, []))
     relate(rows, prompts)
     achieved = goals(rows)
     for r in rows:

@@ -36,9 +36,12 @@ def _drafts(reference: list[int], offset: int, gamma: int, block: int) -> list[i
 def custom_class_route(model: str, prompt: list[int], n_tokens: int, gamma: int) -> tuple[list[int], dict]:
     """Drive the served engine in-process: first plain greedy (the reference), then with
     drafts offered on each preview, as the gateway does. Returns (reference, result)."""
+    from specdec.wire import pb
+    from verifier.convert import engine_params
     from verifier.engine import GenerationRequest, TargetEngine
 
-    engine = TargetEngine(VerifierConfig(model=model, max_gamma=gamma, threads=0), model)
+    engine = TargetEngine.load(VerifierConfig(model=model, max_gamma=gamma, threads=0), model)
+    params = engine_params(pb.SamplingParams(max_tokens=n_tokens, ignore_eos=True))  # greedy
     reference: list[int] = []
     rounds = [0]
     done = threading.Event()
@@ -54,12 +57,12 @@ def custom_class_route(model: str, prompt: list[int], n_tokens: int, gamma: int)
                 done.set()
 
     collected: list[int] = []
-    engine.submit(GenerationRequest("plain", prompt, 0.0, 1.0, -1, None, n_tokens, True, 0), on_verdict)
+    engine.submit(GenerationRequest("plain", prompt, 0, params), on_verdict)
     done.wait()
     reference, collected = list(collected), []
     done.clear()
     t0 = time.perf_counter()
-    engine.submit(GenerationRequest("spec", prompt, 0.0, 1.0, -1, None, n_tokens, True, gamma), on_verdict)
+    engine.submit(GenerationRequest("spec", prompt, gamma, params), on_verdict)
     done.wait()
     elapsed = time.perf_counter() - t0
     engine.stop()

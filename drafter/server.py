@@ -172,49 +172,26 @@ class DrafterServicer(rpc.DrafterServiceServicer):
     """Serves a draft model (method "model") and the n-gram drafter (method "ngram"); its
     metrics (telemetry.DrafterMetrics) live on `registry`."""
 
-    def __init__(self, cfg: DrafterConfig, registry: CollectorRegistry) -> None:
-        from specdec.models import load_causal_lm, resolve
-
-        torch.set_num_threads(cfg.threads)
+    def __init__(self, cfg: DrafterConfig, model: torch.nn.Module, vocabulary: compat.Vocabulary,
+                 metrics: telemetry.DrafterMetrics, token_ms: float = 0.0) -> None:
+        """A servicer over a loaded draft `model` (a transformers causal LM; its `vocabulary` is
+        what the gateway checks against the target) and its draft worker (started here).
+        `token_ms`: the measured cost of one draft token (`calibrate`), the first `ready`'s
+        estimate. `build(cfg, registry)` loads all of them."""
         self.cfg = cfg
-        revision = cfg.revision or None
-        path = resolve(cfg.model, revision=revision)
-        self.vocabulary = compat.from_folder(path, cfg.model)
-        if cfg.target:  # refuse a draft that does not fit its target before loading any weights
-            compat.check(compat.from_folder(resolve(cfg.target), cfg.target), self.vocabulary)
-        self.placement = draft_placement(cfg.device, cfg.dtype, cfg.quantize)
-        self.model = load_causal_lm(cfg.model, self.placement.dtype, self.placement.quantize, revision,
-                                    self.placement.device)
+        self.model = model
         self.model_name = cfg.model
-        self.vocab_size = int(self.model.config.vocab_size)
+        self.vocabulary = vocabulary
+        self.vocab_size = int(model.config.vocab_size)
         self.tracer = telemetry.setup_tracing("drafter")
-        self.metrics = telemetry.DrafterMetrics(registry)
+        self.metrics = metrics
         self.slots = serving.SessionSlots("drafter", cfg.max_sessions)
-        token_ms = self._calibrate()
+        # Hook point: called as hook(session) after each draft step of every session, on the
+        # worker thread (DraftSession.step). Empty in production; plugins append to it
+        # (specdec.serving.load_plugins; the tests' fault injection, tests/faultkit.py).
+        self.step_hooks: list[Callable[[DraftSession], None]] = []
         self.worker = DraftWorker(token_ms, self.metrics, batch=cfg.batch_drafts)
         self.worker.start()
-        log.info("draft model %s loaded from %s (vocab %d, %s, %s, quantize %s, %.1f ms per draft token)", cfg.model,
-                 path, self.vocab_size, self.placement.device, self.placement.dtype, self.placement.quantize, token_ms)
-
-    def _calibrate(self, prompt_len: int = 32, tokens: int = 6) -> float:
-        """Warm the model up and measure its cost per draft token (median of a few greedy
-        steps after a short prefill): the first `ready`'s estimate, before any session ran."""
-        import statistics
-
-        prompt = [i % self.vocab_size for i in range(1, prompt_len + 1)]
-        session = ModelDraftSession(self.model, prompt, gamma=tokens, lookahead=0, temperature=0.0, top_k=0, top_p=1.0,
-                                    seed=0, q_top_k=self.cfg.q_top_k, prefill_chunk=prompt_len,
-                                    vocab_limit=self.vocabulary.tokenizer_size)
-        session.commit(prompt_len, [1])
-        costs = []
-        while len(costs) < tokens:
-            out = session.step()
-            if session.last_token_ms and not isinstance(out, Ready):
-                costs.append(session.last_token_ms)
-                session.last_token_ms = 0.0
-            if isinstance(out, BlockOut) and out.final:
-                break
-        return statistics.median(costs[1:] or costs) if costs else 0.0
 
     def _open(self, req: "pb.DraftOpen") -> DraftSession:
         if req.request_id:  # optional here (only logs and spans carry it), but never unbounded
@@ -237,7 +214,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         session.branches = self.cfg.branches
         session.flush_ms = self.cfg.flush_ms
         session.prefill_chunk = self.cfg.prefill_chunk
-        session.inject_delay_ms, session.inject_every = self.cfg.inject_delay_ms, self.cfg.inject_every
+        session.step_hooks = self.step_hooks  # shared: a hook appended later reaches running sessions
         return session
 
     def _model_session(self, req: "pb.DraftOpen", prompt: list[int], lookahead: int) -> ModelDraftSession:
@@ -253,6 +230,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             seed=sp.seed if sp.HasField("seed") else None,
             q_top_k=self.cfg.q_top_k,
             vocab_limit=self.vocabulary.tokenizer_size,
+            allowed_token_ids=sp.allowed_token_ids,
         )
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
@@ -353,8 +331,50 @@ def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":
     return msg
 
 
+def calibrate(model: torch.nn.Module, vocabulary: compat.Vocabulary, q_top_k: int = 0, prompt_len: int = 32,
+              tokens: int = 6) -> float:
+    """Warm the model up and measure its cost per draft token, milliseconds (median of a few
+    greedy steps after a short prefill): the first `ready`'s estimate, before any session ran."""
+    import statistics
+
+    vocab_size = int(model.config.vocab_size)
+    prompt = [i % vocab_size for i in range(1, prompt_len + 1)]
+    session = ModelDraftSession(model, prompt, gamma=tokens, lookahead=0, temperature=0.0, top_k=0, top_p=1.0,
+                                seed=0, q_top_k=q_top_k, prefill_chunk=prompt_len,
+                                vocab_limit=vocabulary.tokenizer_size)
+    session.commit(prompt_len, [1])
+    costs = []
+    while len(costs) < tokens:
+        out = session.step()
+        if session.last_token_ms and not isinstance(out, Ready):
+            costs.append(session.last_token_ms)
+            session.last_token_ms = 0.0
+        if isinstance(out, BlockOut) and out.final:
+            break
+    return statistics.median(costs[1:] or costs) if costs else 0.0
+
+
+def build(cfg: DrafterConfig, registry: CollectorRegistry) -> DrafterServicer:
+    """The factory: check the draft fits cfg.target (before loading any weights), load it where
+    cfg places it, calibrate it, and make the servicer, its metrics on `registry`."""
+    from specdec.models import load_causal_lm, resolve
+
+    torch.set_num_threads(cfg.threads)
+    revision = cfg.revision or None
+    path = resolve(cfg.model, revision=revision)
+    vocabulary = compat.from_folder(path, cfg.model)
+    if cfg.target:  # refuse a draft that does not fit its target before loading any weights
+        compat.check(compat.from_folder(resolve(cfg.target), cfg.target), vocabulary)
+    placement = draft_placement(cfg.device, cfg.dtype, cfg.quantize)
+    model = load_causal_lm(cfg.model, placement.dtype, placement.quantize, revision, placement.device)
+    token_ms = calibrate(model, vocabulary, cfg.q_top_k)
+    log.info("draft model %s loaded from %s (vocab %d, %s, %s, quantize %s, %.1f ms per draft token)", cfg.model,
+             path, int(model.config.vocab_size), placement.device, placement.dtype, placement.quantize, token_ms)
+    return DrafterServicer(cfg, model, vocabulary, telemetry.DrafterMetrics(registry), token_ms)
+
+
 async def main(cfg: DrafterConfig) -> None:
     await serving.serve(
-        "drafter", cfg, lambda registry: DrafterServicer(cfg, registry), rpc.add_DrafterServiceServicer_to_server,
+        "drafter", cfg, lambda registry: build(cfg, registry), rpc.add_DrafterServiceServicer_to_server,
         "specdec.v1.DrafterService"
     )

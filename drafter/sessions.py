@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -103,9 +104,9 @@ class DraftSession:
         self._pending_ms = 0.0
         self.steps = 0
         self.last_token_ms = 0.0  # compute time of the token the latest draft step drafted (0: none)
-        # fault injection (tests, drills): sleep inject_delay_ms in every inject_every-th step
-        self.inject_delay_ms = 0.0
-        self.inject_every = 0
+        # called as hook(self) after each draft step (the servicer's step_hooks list; empty in
+        # production, tests/faultkit.py's fault injection appends to it)
+        self.step_hooks: list[Callable[[DraftSession], None]] = []
         # pre-drafted branches (see the module's terms); branches = 0: none
         self.branches = 0  # most branches per committed context
         self.branch_alts = 3  # alternatives considered per position (the draft's 2nd-4th likeliest tokens)
@@ -220,8 +221,11 @@ class DraftSession:
             draft = self._next_token()
         assert draft is None or isinstance(draft, Draft)
         self.steps += 1
-        if self.inject_every and self.steps % self.inject_every == 0:
-            time.sleep(self.inject_delay_ms / 1e3)
+        hooks_start = time.perf_counter()
+        for hook in self.step_hooks:
+            hook(self)
+        if compute_ms is not None:  # a batched row: its share of the forward, and its own hooks' time
+            compute_ms += (time.perf_counter() - hooks_start) * 1e3
         if draft is None:
             self.exhausted = True
             # an empty block tells the verifier not to wait for drafts at this position
@@ -350,7 +354,10 @@ class ModelDraftSession(DraftSession):
     choice of a token is made from the logits on the CPU except for a greedy pick without
     alternatives (an argmax on the device). `vocab_limit` (> 0): drafts are chosen among the
     first vocab_limit ids only, the draft tokenizer's: padding rows of the embedding past
-    them are never proposed (specdec.models.compat).
+    them are never proposed (specdec.models.compat). `allowed_token_ids` (non-empty): drafts
+    are chosen among those ids only, as the target samples (SamplingParams.allowed_token_ids);
+    the output would be exact without it (the target rejects the others), this keeps the
+    drafts acceptable.
     """
 
     def __init__(
@@ -366,6 +373,7 @@ class ModelDraftSession(DraftSession):
         q_top_k: int,
         prefill_chunk: int = 128,
         vocab_limit: int = 0,
+        allowed_token_ids: Sequence[int] = (),
     ) -> None:
         super().__init__(prompt, gamma, lookahead, prefill_chunk=prefill_chunk)
         from transformers import DynamicCache
@@ -373,6 +381,8 @@ class ModelDraftSession(DraftSession):
         self.model = model
         self.device = getattr(model, "device", torch.device("cpu"))
         self.vocab_limit = vocab_limit
+        self.allowed_token_ids = list(allowed_token_ids)
+        self._disallowed: torch.Tensor | None = None  # [vocab] True where a token may not be drafted
         self.cache = DynamicCache()
         self.cached = 0
         self.temperature = temperature
@@ -420,6 +430,8 @@ class ModelDraftSession(DraftSession):
         branch_alts likeliest other tokens (temperature 0: the model's own softmax)."""
         if self.vocab_limit:
             logits = logits[: self.vocab_limit]  # [vocab_limit]: no padding row
+        if self.allowed_token_ids:
+            logits = logits.masked_fill(self._disallowed_mask(logits), float("-inf"))
         if self.temperature == 0 and not with_alts:
             return Draft(int(logits.argmax()), 1.0, None)  # on the model's device
         logits = logits.float().cpu()  # sampling and alternatives: on the CPU, with self.generator
@@ -435,6 +447,17 @@ class ModelDraftSession(DraftSession):
         token = int(ids[pick])
         alts = tuple((int(i), float(p)) for i, p in zip(ids.tolist(), q.tolist()) if int(i) != token and p > 0)
         return Draft(token, float(q[pick]), (ids.tolist(), q.tolist()), float(q[pick]), alts[: self.branch_alts])
+
+    def _disallowed_mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """[vocab] bool, True for the ids outside allowed_token_ids (made once, on the logits'
+        device); all False when none of the allowed ids is a row of these logits (nothing the
+        drafter could draft would be allowed: it drafts as if unconstrained, and the target rejects)."""
+        if self._disallowed is None or self._disallowed.shape != logits.shape:
+            inside = [t for t in self.allowed_token_ids if 0 <= t < logits.shape[-1]]
+            mask = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+            mask[torch.tensor(inside, dtype=torch.long, device=logits.device)] = False
+            self._disallowed = mask if inside else torch.zeros_like(mask)
+        return self._disallowed
 
     @torch.inference_mode()
     def _begin_branches(self, position: int, corrections: list[int]) -> object:

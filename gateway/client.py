@@ -21,41 +21,23 @@ DEFAULT_TIMEOUT_S = 3600.0
 def generation_spec(
     prompt: str | Sequence[int],
     *,
-    max_tokens: int | None = None,
     gamma: int | None = None,
     drafter: str = "",
     request_id: str = "",
-    temperature: float = 0.0,
-    top_p: float | None = None,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    ignore_eos: bool = False,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    repetition_penalty: float | None = None,
-    min_tokens: int = 0,
-    stop_token_ids: Sequence[int] = (),
-    logprobs: int | None = None,
-    include_stop_str_in_output: bool = False,
-    skip_special_tokens: bool | None = None,
+    **sampling: Any,
 ) -> "pb.GenerationSpec":
-    """A GenerationSpec: a text prompt or token ids; None / empty leaves a field to the
-    gateway's defaults (max_tokens, gamma, drafter) or to plain sampling (top_p, seed,
-    repetition_penalty, logprobs: none, skip_special_tokens: true). The fields mean what
-    vLLM's SamplingParams of the same names mean (protos/specdec/v1/common.proto).
-    `drafter` is a method name ("model", "ngram", "none"); ValueError names the known ones."""
-    sampling = pb.SamplingParams(
-        temperature=temperature, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos,
-        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, min_tokens=min_tokens,
-        stop_token_ids=list(stop_token_ids), include_stop_str_in_output=include_stop_str_in_output,
-    )
-    for name, value in (("max_tokens", max_tokens), ("top_p", top_p), ("seed", seed),
-                        ("repetition_penalty", repetition_penalty), ("logprobs", logprobs),
-                        ("skip_special_tokens", skip_special_tokens)):
-        if value is not None:
-            setattr(sampling, name, value)
-    spec = pb.GenerationSpec(sampling=sampling, drafter=draft_method(drafter), request_id=request_id)
+    """A GenerationSpec: a text prompt or token ids, and `sampling`, any specdec.v1.SamplingParams
+    fields by their proto names (temperature, top_p, max_tokens, stop, ...; they mean what vLLM's
+    SamplingParams of the same names mean: protos/specdec/v1/common.proto). None or a field left
+    out keeps it unset: the gateway's defaults (max_tokens, gamma, drafter) or plain sampling's
+    (greedy, top_p 1, no seed, logprobs none, skip_special_tokens true). A new proto field is
+    accepted here as it is. `drafter` is a method name ("model", "ngram", "none"); ValueError
+    names the known ones, and an unknown sampling field."""
+    try:
+        params = pb.SamplingParams(**{name: value for name, value in sampling.items() if value is not None})
+    except ValueError as err:  # protobuf: "Protocol message SamplingParams has no "x" field."
+        raise ValueError(f"generation_spec: {err}") from None
+    spec = pb.GenerationSpec(sampling=params, drafter=draft_method(drafter), request_id=request_id)
     if isinstance(prompt, str):
         spec.prompt_text = prompt
     else:

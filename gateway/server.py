@@ -1,23 +1,29 @@
-"""The gateway gRPC service (specdec.v1.GatewayService): validation, tokenisation, streaming."""
+"""The gateway: its core (GatewayCore: validation, tokenisation, the generation, streaming) and
+the gRPC service over it (GatewayServicer, specdec.v1.GatewayService).
+
+The core's API is typed (gateway.core): `GatewayCore.generate(spec, ...)` yields `Chunk`s and
+raises `GatewayError` (code, field, message). The gRPC servicer and the REST bridge
+(gateway.rest, served beside it by `rest_bridge`) are two thin adapters over one core, in
+one process and event loop: each maps a GatewayError in one place (`abort` here,
+gateway.rest.serving.api_error there)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import shutil
 import ssl
-import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Self
 
 import grpc
 from prometheus_client import CollectorRegistry
 
+from gateway.core import Chunk, ErrorCode, GatewayError
 from gateway.pool import NoReplica, Pool, Replica
 from gateway.rounds import Plan, Round, Stats, tenant_of
 from gateway.text import TextStream
@@ -70,6 +76,21 @@ def exposure_warnings(cfg: GatewayConfig, keys: security.KeyStore) -> list[str]:
     return out
 
 
+# Makes the (verifiers, drafters) replica pools of a gateway's config, not started yet.
+PoolFactory = Callable[[GatewayConfig], tuple[Pool, Pool]]
+
+
+def replica_pools(cfg: GatewayConfig) -> tuple[Pool, Pool]:
+    """The verifiers' and drafters' pools (gateway.pool) over gRPC channels, TLS when tls_ca is set."""
+
+    def connect(address: str, server_name: str) -> grpc.aio.Channel:
+        return security.client_channel(address, cfg, server_name)
+
+    every = {"health_every_s": cfg.health_every_s, "resolve_every_s": cfg.resolve_every_s}
+    return (Pool(cfg.verifier_address, connect, rpc.VerifierServiceStub, "specdec.v1.VerifierService", **every),
+            Pool(cfg.drafter_address, connect, rpc.DrafterServiceStub, "specdec.v1.DrafterService", **every))
+
+
 class VerifierUnavailable(Exception):
     """No verifier serves (or answers) within verifier_retry_s. Its message is for clients: it
     names no backend address (the log has them)."""
@@ -82,38 +103,36 @@ class TargetInfo:
     max_gamma: int
 
 
-@dataclass
-class Chunk:
-    """What one preview or verdict gives the client."""
-
-    text: str
-    token_ids: list[int]
-    drafted: int
-    accepted: int
-    finish_reason: int
-    logprobs: list["pb.TokenLogprobs"] = field(default_factory=list)  # [len(token_ids)] when asked for
-
-
 class ClientStalled(Exception):
     """A stream's client took no message for stream_write_timeout_s (see GenerateStream)."""
 
 
-class GatewayServicer(rpc.GatewayServiceServicer):
-    """The gateway; its metrics (telemetry.GatewayMetrics) live on `registry`, which the
-    REST bridge's /metrics serves too (`self.metrics.registry`)."""
+class _Refusals:
+    """What serving.SessionSlots.hold calls `context`: its refusals (draining, max_inflight)
+    and its shutdown notice become GatewayErrors, whichever adapter's call holds the slot."""
 
-    def __init__(self, cfg: GatewayConfig, registry: CollectorRegistry) -> None:
-        from transformers import AutoTokenizer
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: Any = ()) -> None:
+        retry = dict(trailing_metadata or ()).get("retry-after")
+        raise GatewayError(ErrorCode[code.name], details, retry_after_s=retry)
 
-        from specdec.models import resolve_tokenizer
 
+class GatewayCore:
+    """The gateway, whatever the transport: `generate()` runs one generation, `serving()` says
+    whether new ones are taken. Its `metrics` (telemetry.GatewayMetrics) live on a registry that
+    the REST bridge's /metrics serves too (`self.metrics.registry`)."""
+
+    def __init__(self, cfg: GatewayConfig, metrics: telemetry.GatewayMetrics, tokenizer: Any,
+                 pools: PoolFactory | None = None) -> None:
+        """A gateway with a loaded `tokenizer` (the target's); `pools(cfg)` makes the verifiers'
+        and drafters' replica pools, now and after each certificate rotation (default
+        `replica_pools`: gRPC channels). Call it in the event loop that serves it (the pools
+        start there). `build(cfg, registry)` loads the tokenizer and makes one."""
         self.cfg = cfg
         self.default_drafter = draft_method(cfg.default_drafter)  # a bad name stops the start-up, naming the known
         telemetry.setup_tracing("gateway")  # Round takes its tracer from the provider
-        self.metrics = telemetry.GatewayMetrics(registry)
+        self.metrics = metrics
         self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            resolve_tokenizer(cfg.tokenizer, revision=cfg.tokenizer_revision or None))
+        self.tokenizer = tokenizer
         self.vocabulary = compat.from_tokenizer(self.tokenizer, cfg.tokenizer)
         # drafter address -> its check: compat.mismatch's line, None when it fits (_fitting_drafter)
         self._drafter_checks: dict[str, asyncio.Future[str | None]] = {}
@@ -127,6 +146,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self.limits = security.RateLimiter.from_config(cfg, self.keys.enabled)
         self.slots = serving.SessionSlots("gateway", cfg.max_inflight, "max_inflight")
         self._client_files = security.CertFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+        self._make_pools = pools or replica_pools
         self._pools: list[Pool] = []
         self._connect()
         for role in ("drafter", "verifier"):  # read at scrape time: a certificate rotation remakes the pools
@@ -136,19 +156,11 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         self._target: TargetInfo | None = None
 
     def _connect(self) -> None:
-        """(Re)make the replica pools of verifiers and drafters (gateway.pool; TLS when tls_ca is
+        """(Re)make the replica pools of verifiers and drafters (`pools`; TLS when tls_ca is
         set). A certificate rotation makes new ones for new requests; calls on the old ones finish."""
         self._client_files.read()
-
-        def connect(address: str, server_name: str) -> grpc.aio.Channel:
-            return security.client_channel(address, self.cfg, server_name)
-
         old = self._pools
-        every = {"health_every_s": self.cfg.health_every_s, "resolve_every_s": self.cfg.resolve_every_s}
-        self.verifiers = Pool(self.cfg.verifier_address, connect, rpc.VerifierServiceStub, "specdec.v1.VerifierService",
-                              **every)
-        self.drafters = Pool(self.cfg.drafter_address, connect, rpc.DrafterServiceStub, "specdec.v1.DrafterService",
-                             **every)
+        self.verifiers, self.drafters = self._make_pools(self.cfg)
         self._pools = [self.verifiers, self.drafters]
         for pool in self._pools:  # both resolved and health-checked from now on, not only when picked
             pool.start()
@@ -159,22 +171,24 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         """The current pool of `role` (drafter | verifier)."""
         return self.drafters if role == "drafter" else self.verifiers
 
+    def serving(self) -> bool:
+        """False once the drain began (serving.serve, at SIGTERM): new generations are refused."""
+        return not self.slots.draining
+
     @contextlib.asynccontextmanager
-    async def admitted(self, context: grpc.aio.ServicerContext) -> AsyncIterator[str]:
-        """Authenticate and rate-limit one call: UNAUTHENTICATED without a known API key (when
-        keys are configured), RESOURCE_EXHAUSTED with `retry-after` (seconds, trailing metadata)
-        over the key's limits. Yields the key id (never the key)."""
-        metadata = dict(context.invocation_metadata() or ())
-        key = self.keys.identify(metadata.get("authorization")) if self.keys.enabled else "anonymous"
+    async def admitted(self, authorization: str | None) -> AsyncIterator[str]:
+        """Authenticate and rate-limit one call of a caller whose credentials are `authorization`
+        ("Bearer <key>"): UNAUTHENTICATED without a known API key (when keys are configured),
+        RESOURCE_EXHAUSTED with retry_after_s over the key's limits. Yields the key id (never the key)."""
+        key = self.keys.identify(authorization) if self.keys.enabled else "anonymous"
         if key is None:
             self.metrics.refused.labels("unauthenticated").inc()
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or unknown API key: send `authorization: Bearer <key>`")
+            raise GatewayError(ErrorCode.UNAUTHENTICATED, "missing or unknown API key: send `authorization: Bearer <key>`")
         admission = self.limits.acquire(key)
         if not admission.ok:
             self.metrics.refused.labels("rate_limited").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.reason,
-                                trailing_metadata=(("retry-after", self.limits.retry_after_header(admission)),))
+            raise GatewayError(ErrorCode.RESOURCE_EXHAUSTED, admission.reason,
+                               retry_after_s=self.limits.retry_after_header(admission))
         try:
             yield key
         finally:
@@ -243,17 +257,16 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         check_sampling("spec.sampling", sampling, len(prompt), target.max_model_len, target.vocab_size)
         return Plan(spec.request_id or uuid.uuid4().hex, prompt, sampling, gamma, drafter, tenant_of(key))
 
-    async def _round(self, plan: Plan, context: grpc.aio.ServicerContext, stats: Stats | None = None) -> Round:
-        """A Round on the least-loaded serving verifier and drafter (gateway.pool); with no
-        verifier serving within verifier_retry_s the call ends with UNAVAILABLE."""
-        parent = telemetry.extract_context(context.invocation_metadata())  # a caller's trace, if any
+    async def _round(self, plan: Plan, parent: Any, stats: Stats | None = None) -> Round:
+        """A Round on the least-loaded serving verifier and drafter (gateway.pool), traced under
+        `parent` (a caller's trace, or None); with no verifier serving within verifier_retry_s,
+        GatewayError UNAVAILABLE."""
         try:
             verifier = await self.verifiers.pick(self.cfg.verifier_retry_s)
         except NoReplica as err:
             log.warning("verifier: %s", err)  # the addresses go to the log, not to the client
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: none serves within verifier_retry_s "
-                                f"({self.cfg.verifier_retry_s:g} s); retry later")
-            raise  # unreachable: abort raises
+            raise GatewayError(ErrorCode.UNAVAILABLE, f"verifier: none serves within verifier_retry_s "
+                               f"({self.cfg.verifier_retry_s:g} s); retry later") from err
         drafter = None
         if plan.gamma > 0 and plan.drafter != pb.DRAFT_METHOD_NONE:
             await self.drafters.checked(DRAFTER_FIRST_CHECK_S)  # only the first requests after start wait
@@ -309,7 +322,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         return Plan(f"{plan.request_id}-m{migration}", plan.prompt_token_ids + streamed, sampling, plan.gamma, plan.drafter,
                     plan.tenant)
 
-    async def _chunks(self, round_: Round, context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
+    async def _chunks(self, round_: Round, parent: Any = None) -> AsyncIterator[Chunk]:
         """The round's tokens as text chunks, as early as they are certain; ends at the finish
         reason or a stop sequence.
 
@@ -321,8 +334,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         its keepalive, or is draining), the generation resumes on a serving verifier (another
         replica, or the same one once it serves again, within verifier_retry_s) from the prompt
         plus the tokens already streamed: the client's stream goes on with no gap and no
-        duplicate (stats.migrations counts it). Any other verifier error ends the call with its
-        status code ("verifier: ...").
+        duplicate (stats.migrations counts it; a resumed round is traced under `parent` too). Any
+        other verifier error is a GatewayError with its status code ("verifier: ...").
         """
         plan = round_.plan
         sampling = plan.sampling
@@ -373,7 +386,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                 except grpc.aio.AioRpcError as err:
                     migrations = round_.stats.migrations
                     if err.code() not in MIGRATE_ON or migrations >= MAX_MIGRATIONS:
-                        await context.abort(err.code(), f"verifier: {err.details()}")
+                        raise GatewayError(ErrorCode[err.code().name], f"verifier: {err.details()}") from err
                     self.verifiers.failed(verifier)
                     if len(streamed) >= sampling.max_tokens:  # the client has every token: nothing to resume
                         log.warning("request %s: verifier %s went away (%s) after the last token; ending the "
@@ -384,7 +397,7 @@ class GatewayServicer(rpc.GatewayServiceServicer):
                     log.warning("request %s: verifier %s went away (%s) after %d tokens; resuming elsewhere",
                                 plan.request_id, verifier.address, err.details(), len(streamed))
                     self.metrics.migrations.inc()
-                    round_ = await self._round(self._resumed(plan, streamed, migrations + 1), context, round_.stats)
+                    round_ = await self._round(self._resumed(plan, streamed, migrations + 1), parent, round_.stats)
                     round_.stats.migrations = migrations + 1
                 finally:
                     verifier.in_flight -= 1
@@ -394,25 +407,135 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             self.metrics.requests_running.dec()
             self.metrics.requests.labels(finish_reason_name(finish) or "unspecified").inc()
 
-    async def _checked_plan(self, spec: "pb.GenerationSpec", context: grpc.aio.ServicerContext, key: str) -> Plan:
+    async def _checked_plan(self, spec: "pb.GenerationSpec", key: str) -> Plan:
+        """`plan`, its failures as GatewayErrors: a bad field INVALID_ARGUMENT naming it, no
+        verifier UNAVAILABLE, a verifier whose model does not fit FAILED_PRECONDITION."""
         try:
             return await self.plan(spec, key)
         except InvalidField as err:
-            await serving.abort_invalid(context, err)
-            raise  # unreachable: abort raises
+            raise GatewayError(ErrorCode.INVALID_ARGUMENT, str(err).removeprefix(f"{err.field}: "), err.field) from err
         except VerifierUnavailable as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-            raise
+            raise GatewayError(ErrorCode.UNAVAILABLE, str(err)) from err
         except compat.IncompatibleModels as err:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-            raise
+            raise GatewayError(ErrorCode.FAILED_PRECONDITION, str(err)) from err
+
+    async def generate(self, spec: "pb.GenerationSpec", *, authorization: str | None = None, parent: Any = None,
+                       deadline_s: float | None = None, stream: bool = False) -> AsyncIterator[Chunk]:
+        """One generation (gateway.core.Core.generate): admitted (API key, rate limits, a
+        max_inflight slot), validated (`plan`), then its round's chunks, the final one with the
+        usage, stats and timings. Every failure is a GatewayError. Leaving the iteration early
+        (aclose, a cancelled task) ends the round, whose verifier and drafter calls are
+        cancelled, and frees the slot at once."""
+        started = time.perf_counter()
+        untimed = stream  # a stream's first token is observed as its time to first token
+        async with self.admitted(authorization) as key, self.slots.hold(_REFUSALS):
+            chunks = self._generate(spec, key, parent)
+            deadline = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
+            async with contextlib.aclosing(chunks):  # leaving early ends the round now, not at GC
+                while True:
+                    try:
+                        if deadline is None:
+                            chunk = await anext(chunks)
+                        else:
+                            timeout = asyncio.timeout_at(deadline)
+                            try:
+                                async with timeout:
+                                    chunk = await anext(chunks)
+                            except TimeoutError as err:
+                                if not timeout.expired():
+                                    raise
+                                raise GatewayError(ErrorCode.DEADLINE_EXCEEDED,
+                                                   f"the client's deadline ({deadline_s:g} s) passed") from err
+                    except StopAsyncIteration:
+                        break
+                    if untimed and chunk.token_ids:
+                        self.metrics.time_to_first_token.observe(time.perf_counter() - started)
+                        untimed = False
+                    yield chunk
+        self.metrics.e2e_latency.observe(time.perf_counter() - started)
+
+    async def _generate(self, spec: "pb.GenerationSpec", key: str, parent: Any) -> AsyncIterator[Chunk]:
+        """The chunks of one admitted generation of API key `key` (its id); the final chunk
+        (finish reason set) carries usage, stats and the timings from after validation."""
+        plan = await self._checked_plan(spec, key)
+        t0 = time.perf_counter()
+        first_ms = 0.0
+        round_ = await self._round(plan, parent)
+        n = 0
+        async for chunk in self._chunks(round_, parent):
+            if not first_ms:
+                first_ms = (time.perf_counter() - t0) * 1e3
+            n += len(chunk.token_ids)
+            chunk.request_id = plan.request_id
+            if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                chunk.usage = pb.Usage(prompt_tokens=len(plan.prompt_token_ids), completion_tokens=n)
+                chunk.stats = round_.stats.to_pb()
+                chunk.first_token_ms, chunk.total_ms = first_ms, (time.perf_counter() - t0) * 1e3
+            yield chunk
+
+    async def close(self) -> None:
+        await asyncio.gather(*(pool.close() for pool in self._pools))
+        self.tokenizer_executor.shutdown(wait=False)
+
+
+_REFUSALS = _Refusals()
+
+
+async def abort(context: grpc.aio.ServicerContext, err: GatewayError) -> None:
+    """End a gRPC call with `err`: its code as the status, "field: message" as the details, and
+    `retry-after` (seconds, trailing metadata) when it says when to retry. Raises, as abort does."""
+    trailing = (("retry-after", err.retry_after_s),) if err.retry_after_s else ()
+    await context.abort(grpc.StatusCode[err.code.name], str(err), trailing_metadata=trailing)
+
+
+def stream_response(chunk: Chunk) -> "pb.GenerateStreamResponse":
+    """A chunk as GenerateStream sends it (usage and stats on the final one only)."""
+    return pb.GenerateStreamResponse(
+        request_id=chunk.request_id, text=chunk.text, token_ids=chunk.token_ids, drafted=chunk.drafted,
+        accepted=chunk.accepted, finish_reason=chunk.finish_reason, usage=chunk.usage, stats=chunk.stats,
+        logprobs=chunk.logprobs,
+    )
+
+
+class GatewayServicer(rpc.GatewayServiceServicer):
+    """specdec.v1.GatewayService, a thin adapter over a GatewayCore: a call's `authorization`
+    metadata and trace context go to `GatewayCore.generate`, its chunks go out as messages, and a
+    GatewayError ends the call with its status (`abort`). serving.serve drains and closes it."""
+
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+
+    @property
+    def slots(self) -> serving.SessionSlots:
+        """The core's calls, drained at shutdown (serving.serve)."""
+        return self.core.slots
+
+    async def close(self) -> None:
+        await self.core.close()
+
+    @staticmethod
+    def _caller(context: grpc.aio.ServicerContext) -> dict[str, Any]:
+        """`generate`'s keywords from a call's metadata: its API key and its trace, if any."""
+        metadata = context.invocation_metadata()
+        return {"authorization": dict(metadata or ()).get("authorization"),
+                "parent": telemetry.extract_context(metadata)}
 
     async def Generate(self, request, context) -> "pb.GenerateResponse":  # noqa: N802
-        started = time.perf_counter()
-        async with self.admitted(context) as key, self.slots.hold(context):
-            response = await self._generate(request, context, key)
-        self.metrics.e2e_latency.observe(time.perf_counter() - started)
-        return response
+        text, ids, logprobs = [], [], []
+        last = Chunk("", [], 0, 0, pb.FINISH_REASON_UNSPECIFIED)
+        try:
+            async with contextlib.aclosing(self.core.generate(request.spec, **self._caller(context))) as chunks:
+                async for last in chunks:
+                    text.append(last.text)
+                    ids.extend(last.token_ids)
+                    logprobs.extend(last.logprobs)
+        except GatewayError as err:
+            await abort(context, err)
+        return pb.GenerateResponse(
+            request_id=last.request_id, text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
+            usage=last.usage, stats=last.stats, total_ms=last.total_ms, first_token_ms=last.first_token_ms,
+            logprobs=logprobs,
+        )
 
     async def GenerateStream(self, request, context) -> None:  # noqa: N802
         """Stream the generation's chunks. Each chunk must be taken by the transport within
@@ -421,24 +544,20 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         and drafter calls are cancelled) and the max_inflight slot is freed at once. The stream's
         status is then DEADLINE_EXCEEDED, which the client sees after what was sent, if it ever
         reads again (the HTTP/2 stream itself lasts until then or until its connection closes)."""
-        started, first = time.perf_counter(), True
         try:
-            async with self.admitted(context) as key, self.slots.hold(context):
-                chunks = self._generate_stream(request, context, key)
-                async with contextlib.aclosing(chunks):  # leaving early ends the round now, not at GC
-                    async for chunk in chunks:
-                        if first and chunk.token_ids:
-                            self.metrics.time_to_first_token.observe(time.perf_counter() - started)
-                            first = False
-                        await self._write(context, chunk)
-            self.metrics.e2e_latency.observe(time.perf_counter() - started)
+            chunks = self.core.generate(request.spec, stream=True, **self._caller(context))
+            async with contextlib.aclosing(chunks):  # leaving early ends the round now, not at GC
+                async for chunk in chunks:
+                    await self._write(context, stream_response(chunk))
         except ClientStalled as stalled:
             context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
             context.set_details(str(stalled))
+        except GatewayError as err:
+            await abort(context, err)
 
     async def _write(self, context: grpc.aio.ServicerContext, msg: "pb.GenerateStreamResponse") -> None:
         """One stream write within stream_write_timeout_s (0: no limit); past it, ClientStalled."""
-        timeout = self.cfg.stream_write_timeout_s
+        timeout = self.core.cfg.stream_write_timeout_s
         if timeout <= 0:
             await context.write(msg)
             return
@@ -450,76 +569,28 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             return
         write.cancel()
         write.add_done_callback(lambda task: task.cancelled() or task.exception())
-        self.metrics.stream_write_timeouts.inc()
+        self.core.metrics.stream_write_timeouts.inc()
         log.warning("request %s: the client took no message for stream_write_timeout_s (%g s); stream ended",
                     msg.request_id, timeout)
         raise ClientStalled(f"gateway: the client read nothing for stream_write_timeout_s ({timeout:g} s); the "
                             "stream was ended")
 
-    async def _generate(self, request, context, key: str) -> "pb.GenerateResponse":
-        plan = await self._checked_plan(request.spec, context, key)
-        t0 = time.perf_counter()
-        first_ms = 0.0
-        round_ = await self._round(plan, context)
-        text, ids, logprobs, finish = [], [], [], pb.FINISH_REASON_UNSPECIFIED
-        async for chunk in self._chunks(round_, context):
-            if not first_ms:
-                first_ms = (time.perf_counter() - t0) * 1e3
-            text.append(chunk.text)
-            ids.extend(chunk.token_ids)
-            logprobs.extend(chunk.logprobs)
-            finish = chunk.finish_reason
-        return pb.GenerateResponse(
-            request_id=plan.request_id,
-            text="".join(text),
-            token_ids=ids,
-            finish_reason=finish,
-            usage=pb.Usage(prompt_tokens=len(plan.prompt_token_ids), completion_tokens=len(ids)),
-            stats=round_.stats.to_pb(),
-            total_ms=(time.perf_counter() - t0) * 1e3,
-            first_token_ms=first_ms,
-            logprobs=logprobs,
-        )
 
-    async def _generate_stream(self, request, context, key: str) -> AsyncIterator["pb.GenerateStreamResponse"]:
-        plan = await self._checked_plan(request.spec, context, key)
-        round_ = await self._round(plan, context)
-        n = 0
-        async for chunk in self._chunks(round_, context):
-            n += len(chunk.token_ids)
-            last = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-            yield pb.GenerateStreamResponse(
-                request_id=plan.request_id,
-                text=chunk.text,
-                token_ids=chunk.token_ids,
-                drafted=chunk.drafted,
-                accepted=chunk.accepted,
-                finish_reason=chunk.finish_reason,
-                usage=pb.Usage(prompt_tokens=len(plan.prompt_token_ids), completion_tokens=n) if last else None,
-                stats=round_.stats.to_pb() if last else None,
-                logprobs=chunk.logprobs,
-            )
-
-    async def close(self) -> None:
-        await asyncio.gather(*(pool.close() for pool in self._pools))
-        self.tokenizer_executor.shutdown(wait=False)
-
-
-async def rest_bridge(cfg: GatewayConfig, servicer: GatewayServicer, stop: asyncio.Event, local: str) -> None:
+async def rest_bridge(cfg: GatewayConfig, core: GatewayCore, stop: asyncio.Event) -> None:
     """Serve the REST bridge beside the gRPC server until `stop` is set: HTTPS with the
-    gateway's certificate (re-read when it changes or on SIGHUP), calling the gateway on its
-    private `local` socket; the caller's API key travels with each call, so the gateway checks
-    it as it checks a gRPC client's."""
+    gateway's certificate (re-read when it changes or on SIGHUP), calling `core` in-process;
+    the caller's API key goes with each call, so the core checks it and applies its limits as
+    it does for a gRPC client."""
     import prometheus_client
     import uvicorn
 
-    from gateway.rest import build_app
+    from gateway.rest.routes import build_app
 
-    app = build_app(local, servicer.tokenizer, cfg.tokenizer, keys=servicer.keys, metrics_auth=cfg.metrics_auth,
-                    metrics_app=prometheus_client.make_asgi_app(servicer.metrics.registry),
-                    max_request_bytes=int(cfg.max_request_mb * (1 << 20)), tokenizer_executor=servicer.tokenizer_executor,
-                    refused=servicer.metrics.refused, stream_write_timeout_s=cfg.stream_write_timeout_s,
-                    stream_write_timeouts=servicer.metrics.stream_write_timeouts)
+    app = build_app(core, core.tokenizer, cfg.tokenizer, keys=core.keys, metrics_auth=cfg.metrics_auth,
+                    metrics_app=prometheus_client.make_asgi_app(core.metrics.registry),
+                    max_request_bytes=int(cfg.max_request_mb * (1 << 20)), tokenizer_executor=core.tokenizer_executor,
+                    refused=core.metrics.refused, stream_write_timeout_s=cfg.stream_write_timeout_s,
+                    stream_write_timeouts=core.metrics.stream_write_timeouts)
 
     class Server(uvicorn.Server):
         def capture_signals(self):  # type: ignore[override]  # a no-op context in place of uvicorn's
@@ -598,15 +669,21 @@ async def _reload_rest_certificates(context: ReloadingSSLContext, every_s: float
         context.reload()
 
 
+def build(cfg: GatewayConfig, registry: CollectorRegistry) -> GatewayCore:
+    """The factory: load the tokenizer (cfg.tokenizer) and make the core, its metrics on
+    `registry`, its replica pools over gRPC channels. Call it in the serving event loop. Both
+    adapters take the core: `GatewayServicer(core)` (gRPC) and `rest_bridge(cfg, core, stop)`."""
+    from transformers import AutoTokenizer
+
+    from specdec.models import resolve_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer(cfg.tokenizer, revision=cfg.tokenizer_revision or None))
+    return GatewayCore(cfg, telemetry.GatewayMetrics(registry), tokenizer)
+
+
 async def main(cfg: GatewayConfig) -> None:
-    local_dir = tempfile.mkdtemp(prefix="specdec-gateway-")  # 0700: only this user reaches the socket
-    local = f"unix:{local_dir}/grpc.sock"
-    try:
-        await serving.serve(
-            "gateway", cfg, lambda registry: GatewayServicer(cfg, registry), rpc.add_GatewayServiceServicer_to_server,
-            "specdec.v1.GatewayService",
-            also=(lambda servicer, stop: rest_bridge(cfg, servicer, stop, local)) if cfg.rest_port else None,
-            local_address=local if cfg.rest_port else "",
-        )
-    finally:
-        shutil.rmtree(local_dir, ignore_errors=True)
+    await serving.serve(
+        "gateway", cfg, lambda registry: GatewayServicer(build(cfg, registry)),
+        rpc.add_GatewayServiceServicer_to_server, "specdec.v1.GatewayService",
+        also=(lambda servicer, stop: rest_bridge(cfg, servicer.core, stop)) if cfg.rest_port else None,
+    )

@@ -187,9 +187,6 @@ class DrafterConfig(TransportConfig):
     ngram_max: int = setting(4, "n-gram drafter: longest suffix to look up in the context.")
     ngram_min: int = setting(1, "n-gram drafter: shortest suffix to look up in the context.")
     metrics_port: int = setting(9092, "Prometheus /metrics port (0: off).")
-    inject_delay_ms: float = setting(
-        0.0, "Fault injection (tests, drills): sleep this long (ms) in every inject_every-th draft step.")
-    inject_every: int = setting(0, "Fault injection: every how many draft steps inject_delay_ms is slept (0: never).")
     first_message_timeout_s: float = setting(
         10.0, "A Draft stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
         "frees its max_sessions slot (0: no limit).")
@@ -264,12 +261,6 @@ class VerifierConfig(TransportConfig):
         "most 10 times it) so a burst is prefilled in one step instead of one request ahead of the rest, "
         "whose prefill would then stall the first one's decoding.")
     metrics_port: int = setting(9093, "Prometheus /metrics port (0: off).")
-    inject_delay_ms: float = setting(
-        0.0, "Fault injection (tests, drills): sleep this long (ms) in every inject_every-th engine step.")
-    inject_every: int = setting(
-        0, "Fault injection: every how many engine steps inject_delay_ms is slept (0: never).")
-    inject_prefill_delay_ms: float = setting(
-        0.0, "Fault injection: sleep this long (ms) in every engine step that starts a new request's prefill.")
     first_message_timeout_s: float = setting(
         10.0, "A Verify stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
         "frees its max_sessions slot (0: no limit).")

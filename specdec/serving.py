@@ -1,10 +1,21 @@
-"""gRPC server bootstrap shared by the services: health, reflection, graceful stop."""
+"""gRPC server bootstrap shared by the services: health, reflection, graceful stop, plugins.
+
+Plugins: `SPECDEC_PLUGINS` (comma-separated `module:function`, unset by default, so a
+production service loads nothing) names hooks that `serve` imports and calls as
+`function(service_name, servicer)` once the servicer is built, before the server starts.
+A plugin may append to the servicers' documented hook lists (`TargetEngine.step_hooks`,
+`DrafterServicer.step_hooks`) or wrap the servicer's objects; the test suite's fault
+injection (tests/faultkit.py, docs/testing-faults.md) is the one user. Production code
+never imports a plugin.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
@@ -117,6 +128,29 @@ class SessionSlots:
         return len(left)
 
 
+PLUGINS_ENV = "SPECDEC_PLUGINS"
+
+
+def load_plugins(name: str, servicer: object, spec: str | None = None) -> list[str]:
+    """Import and call each `module:function` of `spec` (default: the `SPECDEC_PLUGINS`
+    environment variable; empty or unset: none) as `function(name, servicer)`; returns the
+    plugins called. A malformed entry raises ValueError naming it (the service then does not
+    start, rather than run without a hook it was asked to load)."""
+    spec = os.environ.get(PLUGINS_ENV, "") if spec is None else spec
+    loaded = []
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        module, _, function = entry.partition(":")
+        if not module or not function:
+            raise ValueError(f"{PLUGINS_ENV}: {entry!r} is not module:function")
+        hook = getattr(importlib.import_module(module), function)
+        hook(name, servicer)
+        log.warning("%s: loaded plugin %s", name, entry)
+        loaded.append(entry)
+    return loaded
+
+
 class Servicer(Protocol):
     """What `serve` needs of a service implementation besides its RPCs: `close()`, and the
     `slots` its calls are admitted through (drained at shutdown)."""
@@ -136,7 +170,6 @@ async def serve(
     add_to_server: Callable[[S, grpc.aio.Server], None],
     service: str,
     also: Callable[[S, asyncio.Event], Awaitable[None]] | None = None,
-    local_address: str = "",
 ) -> None:
     """Run one gRPC service until SIGINT/SIGTERM, then stop gracefully.
 
@@ -149,8 +182,7 @@ async def serve(
     `also(servicer, stop_event)` runs beside the server in the same loop (the gateway's REST
     bridge) and must return once the event is set.
     TLS, message sizes and keepalive come from cfg (specdec.security; a plaintext port other
-    hosts can reach is warned about). `local_address` (a `unix:` path in a private folder) is
-    served too, in plaintext: the REST bridge in the same process calls the gateway there.
+    hosts can reach is warned about).
     SIGHUP re-reads the TLS certificates.
     """
     security.check_tls_settings(cfg)
@@ -159,8 +191,6 @@ async def serve(
     bound = security.add_port(server, name, f"{cfg.host}:{cfg.port}", cfg)
     if bound == 0:
         raise OSError(f"{name}: cannot bind {cfg.host}:{cfg.port}")
-    if local_address and server.add_insecure_port(local_address) == 0:
-        raise OSError(f"{name}: cannot bind {local_address}")
     registry = service_registry(name)
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.host, registry=registry)
@@ -176,6 +206,7 @@ async def serve(
         await probes.start()  # answers NOT_FOUND until the servicer is built and the statuses are set
         log.info("%s health checks (plaintext) on %s:%d", name, cfg.host, cfg.health_port)
     servicer = build(registry)
+    load_plugins(name, servicer)
     add_to_server(servicer, server)
     reflection.enable_server_reflection([service, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     await server.start()

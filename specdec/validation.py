@@ -21,6 +21,9 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 # stop_token_ids per request (each is also checked against the vocabulary).
 MAX_STOP_TOKEN_IDS = 256
+# allowed_token_ids per request (each is also checked against the vocabulary): room for any
+# subset of a 150k-token vocabulary, about 1 MiB on the wire.
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # A client's request id: at most this many characters, each one of REQUEST_ID_CHARS (no spaces,
 # newlines or control characters: the id is written into logs and trace spans as it is).
 MAX_REQUEST_ID_CHARS = 128
@@ -66,7 +69,8 @@ def check_gamma(field: str, gamma: int, max_gamma: int) -> None:
 
 def check_sizes(field: str, sampling: Any) -> None:
     """The size bounds of a specdec.v1.SamplingParams, which need nothing of the model: stop
-    strings (count, each non-empty and at most MAX_STOP_STRING_CHARS) and stop_token_ids (count)."""
+    strings (count, each non-empty and at most MAX_STOP_STRING_CHARS), stop_token_ids and
+    allowed_token_ids (count)."""
     if len(sampling.stop) > MAX_STOP_STRINGS:
         raise InvalidField(f"{field}.stop", f"{len(sampling.stop)} stop strings, more than the {MAX_STOP_STRINGS} allowed")
     for i, s in enumerate(sampling.stop):
@@ -77,6 +81,9 @@ def check_sizes(field: str, sampling: Any) -> None:
     if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidField(f"{field}.stop_token_ids", f"{len(sampling.stop_token_ids)} ids, more than the "
                            f"{MAX_STOP_TOKEN_IDS} allowed")
+    if len(sampling.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidField(f"{field}.allowed_token_ids", f"{len(sampling.allowed_token_ids)} ids, more than the "
+                           f"{MAX_ALLOWED_TOKEN_IDS} allowed")
 
 
 def check_sampling(
@@ -87,7 +94,7 @@ def check_sampling(
     vocab_size: int | None = None,
 ) -> None:
     """Check a specdec.v1.SamplingParams; `max_tokens` must be set by the caller's defaults first.
-    `vocab_size` bounds stop_token_ids when given."""
+    `vocab_size` bounds stop_token_ids and allowed_token_ids when given."""
     if not 0.0 <= sampling.temperature <= 2.0:  # vLLM's range (and OpenAI's); NaN fails it too
         raise InvalidField(f"{field}.temperature", f"{sampling.temperature} must be in [0, 2]")
     if sampling.HasField("top_p") and not 0.0 < sampling.top_p <= 1.0:
@@ -116,6 +123,7 @@ def check_sampling(
                            f"{sampling.min_tokens} must be <= max_tokens ({sampling.max_tokens})")
     if vocab_size is not None:
         check_token_ids(f"{field}.stop_token_ids", sampling.stop_token_ids, vocab_size, allow_empty=True)
+        check_token_ids(f"{field}.allowed_token_ids", sampling.allowed_token_ids, vocab_size, allow_empty=True)
     if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
         raise InvalidField(f"{field}.logprobs", f"{sampling.logprobs} is more than the {MAX_LOGPROBS} allowed")
 

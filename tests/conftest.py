@@ -1,7 +1,8 @@
 """Shared fixtures: the tiny model pair, real services on loopback, a vLLM reference.
 
 The end-to-end tests run the real services (separate processes, real vLLM on CPU)
-on the tiny pair. One verifier serves all gateways; each drafter serves one draft
+on the tiny pair. One verifier serves all gateways (and the modules that need it slow or
+faulty: they switch its faults at run time, `injected`); each drafter serves one draft
 model and has its own gateway:
     "mid"   draft-mid (agrees often, not always)   "same" draft-same (agrees always)
     "far"   draft-far (agrees rarely)
@@ -19,6 +20,7 @@ a test that needs either cannot hide in the fast tier.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -26,7 +28,9 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import faultkit
 import grpc
 import pytest
 
@@ -45,7 +49,7 @@ E2E_MODULES = (
     "drafter/test_sessions.py",  # the tiny draft model, loaded with transformers
     "test_packaging.py",  # a fresh venv serving the drafter and the gateway
     "test_readme_commands.py",  # the README's commands, services included
-    "verifier/test_engine_failure.py",  # a verifier servicer on the tiny target: vLLM in-process
+    "verifier/test_engine_failure.py",  # a verifier servicer over a fake vLLM engine, vLLM's SamplingParams
 )
 # Fixtures that bring up services, build the tiny models, or run vLLM.
 E2E_FIXTURES = frozenset({"services", "default_services", "stack", "gateway_address", "tiny_target", "tiny_cache"})
@@ -105,7 +109,9 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Services:
-    """Handles to the running services of the session."""
+    """Handles to the running services of the session. Every verifier and drafter started here
+    loads the test-only fault plugin (tests/faultkit.py, docs/testing-faults.md) with all faults
+    off (or those of SPECDEC_FAULTS) and a control port: `injected(svc, ...)` switches them."""
 
     def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.log_dir = log_dir
@@ -117,7 +123,16 @@ class Services:
         self.defaults = False  # True: every service runs with its default settings (default_services)
 
     def _start(self, kind: str, args: list[str]) -> Service:
-        svc = start_service(kind, free_port(), args, self.log_dir, env=self.env, metrics_port=free_port())
+        env = dict(self.env)
+        port = free_port()
+        control = ""
+        if kind in ("verifier", "drafter"):  # the test-only fault plugin, all faults off (tests/faultkit.py)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            control = str(self.log_dir / f"{kind}-{port}.faults-port")
+            env.update({"SPECDEC_PLUGINS": faultkit.PLUGIN, faultkit.CONTROL_ENV: control,
+                        "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)})
+        svc = start_service(kind, port, args, self.log_dir, env=env, metrics_port=free_port())
+        svc.faults_control = control  # type: ignore[attr-defined]  # a test-side attribute: where `injected` finds the port
         self.started.append(svc)
         return svc
 
@@ -154,6 +169,19 @@ class Services:
     def stop(self) -> None:
         for svc in reversed(self.started):
             svc.stop()
+
+
+@contextlib.contextmanager
+def injected(svc: Service, **faults: Any) -> Iterator[dict[str, Any]]:
+    """Put `faults` (tests/faultkit.py's Faults fields) in force in `svc`, a verifier or drafter a
+    `Services` started, for the body of the `with`; then restore the set it had. Both switches
+    return once the service acknowledges them (no sleep)."""
+    port = faultkit.control_port(svc.faults_control)  # type: ignore[attr-defined]  # set by Services._start
+    before = faultkit.state(port)["faults"]
+    try:
+        yield faultkit.switch(port, **faults)
+    finally:
+        faultkit.switch(port, **before)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,12 @@ construction, scheduler hook) goes through verifier.vllm_hooks.
 Per step and request the engine thread emits a `Verdict` (the new tokens, how many
 drafts were checked and accepted, the tokens computed) to the session's callback.
 
+Hook point: `TargetEngine.step_hooks`, a list of `StepHook`s the engine thread calls in each
+engine step, twice: before vLLM's scheduler runs (`scheduled` None) and right after it decided
+(`scheduled`: what it scheduled). Empty in production; plugins (specdec.serving.load_plugins)
+append to it: the test suite's fault injection (tests/faultkit.py) sleeps there to make a step
+or a prefill slow. A hook runs on the engine's critical path and must not raise.
+
 No silent hang: any exception on the engine thread (a step, a command, emitting a verdict)
 fails the engine as a whole: `failed` says why, every session's callback gets an
 `EngineFailed` (the server ends those calls with UNAVAILABLE, so their gateways resume them on
@@ -29,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -39,7 +45,15 @@ from specdec.validation import max_blocks_per_commit
 from verifier import vllm_hooks
 from verifier.vllm_hooks import configure_vllm_env
 
+if TYPE_CHECKING:  # importing this module starts no thread pools (numpy's): tests/verifier/test_vllm_hooks.py
+    from verifier.proposer import DraftBoard
+
 log = logging.getLogger("specdec.verifier")
+
+
+StepHook = Callable[[int, "vllm_hooks.ScheduledStep | None"], None]
+"""A step hook: `hook(step, scheduled)`, `step` the 1-based number of the engine step under way,
+`scheduled` None before the scheduler runs and its decision after (module docstring)."""
 
 
 class EngineFailed(Exception):
@@ -81,62 +95,50 @@ class TokenLogprobs:
 
 @dataclass
 class GenerationRequest:
-    """What a session asks the engine for."""
+    """What a session asks the engine for: the prompt, the drafts per step, and the request as
+    vLLM takes it (`params`, a vllm.SamplingParams; verifier.convert builds it from the wire)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    max_tokens: int
-    ignore_eos: bool
     gamma: int
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
-    logprobs: int | None = None  # alternatives per position to report; None: no logprobs
+    params: Any  # vllm.SamplingParams, max_tokens set
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.params.max_tokens)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self.params.stop_token_ids or [])
+
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives per position to report; None: no logprobs."""
+        return self.params.logprobs
 
 
 class TargetEngine:
-    """Owns the vLLM engine and its stepping thread.
+    """Owns the vLLM engine and its stepping thread. `TargetEngine.load(cfg, model_path)` builds
+    one for a model; the constructor takes the parts ready-made (tests pass a fake of vLLM's
+    LLMEngine and a real DraftBoard)."""
 
-    `metrics`: the verifier's (engine steps, batch sizes, step cost; shared with the draft
-    board); None gives the engine a throwaway registry of its own (tools).
-    """
-
-    def __init__(self, cfg: VerifierConfig, model_path: str, metrics: telemetry.VerifierMetrics | None = None) -> None:
+    def __init__(self, cfg: VerifierConfig, engine: Any, board: DraftBoard, metrics: telemetry.VerifierMetrics,
+                 facts: vllm_hooks.ModelFacts) -> None:
+        """A TargetEngine over a built vLLM engine (`engine`, whose `custom_class` proposer reads
+        `board`) and the facts of its model; `start()` runs its thread. `load` builds all of them."""
         self.failed = ""  # why the engine died ("" while it runs)
         self._fail_lock = threading.Lock()  # orders a failure against submissions
-        configure_vllm_env(cfg)
-        vllm_hooks.check_vllm_version()
-        from verifier.proposer import DraftBoard
-
-        if cfg.cpu_sampler_fix and vllm_hooks.apply_cpu_sampler_fix():
-            log.info("installed the CPU rejection-sampler fix (vLLM issue #55005)")
         self.cfg = cfg
-        self.metrics = metrics if metrics is not None else telemetry.VerifierMetrics(CollectorRegistry())
-        self.board = DraftBoard(
-            max_model_len=cfg.max_model_len,
-            wait_s=cfg.draft_wait_ms / 1e3,
-            wait_slack=cfg.draft_wait_slack,
-            wait_margin_s=cfg.draft_wait_margin_ms / 1e3,
-            adaptive=cfg.adaptive_gamma,
-            metrics=self.metrics,
-        )
-        self.engine = vllm_hooks.build_engine(cfg, model_path, self.board)
-        engine = self.engine
+        self.metrics = metrics
+        self.board = board
+        self.engine = engine
         self.metrics.engine_running.set_function(lambda: vllm_hooks.request_counts(engine)[0])
         self.metrics.engine_waiting.set_function(lambda: vllm_hooks.request_counts(engine)[1])
         self._step_tokens = 0  # tokens the engine scheduled in the current step
         self._decode_step = False  # ... and whether they were all decode/verify tokens
-        facts = vllm_hooks.model_facts(self.engine)
         self.vocab_size = facts.vocab_size
         self.eos_token_ids = facts.eos_token_ids
         self._stop_ids = facts.stop_ids  # every id vLLM may stop at: previews stop before them
-        vllm_hooks.install_schedule_hook(self.engine, self._on_schedule, self._before_schedule)
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._live: dict[str, _Live] = {}  # by our request id
@@ -146,21 +148,51 @@ class TargetEngine:
         self._early: dict[str, _Early] = {}
         self._early_lock = threading.Lock()
         self.steps = 0
+        self.step_hooks: list[StepHook] = []  # see the module docstring; empty in production
         self._thread = threading.Thread(target=self._run, name="target-engine", daemon=True)
         self._stopped = False
+
+    @classmethod
+    def load(cls, cfg: VerifierConfig, model_path: str, metrics: telemetry.VerifierMetrics | None = None,
+             ) -> TargetEngine:
+        """The factory: vLLM's environment and version check, the CPU sampler fix, the draft board,
+        vLLM's engine for the model at `model_path` with the scheduler hook; started. `metrics`:
+        the verifier's (engine steps, batch sizes, step cost; shared with the draft board); None
+        gives the engine a throwaway registry of its own (tools)."""
+        configure_vllm_env(cfg)
+        vllm_hooks.check_vllm_version()
+        from verifier.proposer import DraftBoard
+
+        if cfg.cpu_sampler_fix and vllm_hooks.apply_cpu_sampler_fix():
+            log.info("installed the CPU rejection-sampler fix (vLLM issue #55005)")
+        metrics = metrics if metrics is not None else telemetry.VerifierMetrics(CollectorRegistry())
+        board = DraftBoard(
+            max_model_len=cfg.max_model_len,
+            wait_s=cfg.draft_wait_ms / 1e3,
+            wait_slack=cfg.draft_wait_slack,
+            wait_margin_s=cfg.draft_wait_margin_ms / 1e3,
+            adaptive=cfg.adaptive_gamma,
+            metrics=metrics,
+        )
+        engine = vllm_hooks.build_engine(cfg, model_path, board)
+        target = cls(cfg, engine, board, metrics, vllm_hooks.model_facts(engine))
+        vllm_hooks.install_schedule_hook(engine, target._on_schedule, target._before_schedule)
+        return target.start()
+
+    def start(self) -> TargetEngine:
+        """Start the engine thread (once)."""
         self._thread.start()
+        return self
 
     # ---- the scheduler hook (engine thread, inside engine.step) ---------------------
     def _before_schedule(self) -> None:
-        every = self.cfg.inject_every
-        if every and (self.steps + 1) % every == 0:
-            time.sleep(self.cfg.inject_delay_ms / 1e3)  # fault injection: a slow step
+        for hook in self.step_hooks:
+            hook(self.steps + 1, None)
 
     def _on_schedule(self, step: vllm_hooks.ScheduledStep) -> None:
         """Record how many tokens each request was scheduled (= computed) this step."""
-        prefill_delay_s = self.cfg.inject_prefill_delay_ms / 1e3
-        if prefill_delay_s and step.new_requests:
-            time.sleep(prefill_delay_s)  # fault injection: a slow prefill (a long prompt, a queue)
+        for hook in self.step_hooks:
+            hook(self.steps + 1, step)
         now = time.perf_counter()
         self._step_tokens = step.total_tokens
         # a decode/verify step: every request computes its next token and its drafts, no
@@ -269,30 +301,11 @@ class TargetEngine:
 
     def _add(self, req: GenerationRequest, cb: Callable[[Verdict], None]) -> None:
         """Add one request to the engine (vLLM validates its SamplingParams here)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=req.seed,
-            max_tokens=req.max_tokens,
-            ignore_eos=req.ignore_eos,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
-            min_tokens=req.min_tokens,
-            stop_token_ids=req.stop_token_ids or None,
-            logprobs=req.logprobs,
-            detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-        )
         live = _Live(req, cb, engine_id="", submitted=time.perf_counter())
         # the engine id gets a random suffix; register drafts under it before any step
         try:
             engine_id = self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids},
-                                                params)
+                                                req.params)
         except BaseException:
             with self._early_lock:
                 self._early.pop(req.request_id, None)

@@ -30,6 +30,7 @@ from specdec.validation import (
     reported_ms,
 )
 from specdec.wire import FINISH_REASONS, pb, rpc
+from verifier import convert
 from verifier.engine import EngineFailed, GenerationRequest, TargetEngine, Verdict
 
 log = logging.getLogger("specdec.verifier")
@@ -65,22 +66,18 @@ class VerifierServicer(rpc.VerifierServiceServicer):
     """The verifier; its metrics (telemetry.VerifierMetrics, shared with the engine and its
     draft board) live on `registry`."""
 
-    def __init__(self, cfg: VerifierConfig, registry: CollectorRegistry) -> None:
-        from specdec.models import resolve
-
+    def __init__(self, cfg: VerifierConfig, engine: TargetEngine, metrics: telemetry.VerifierMetrics,
+                 vocabulary: compat.Vocabulary) -> None:
+        """A servicer over a started engine; `vocabulary` is what gateways check their tokenizer
+        and drafters against (`build` loads all of them for cfg.model)."""
         self.cfg = cfg
         self.model_name = cfg.model
         self.tracer = telemetry.setup_tracing("verifier")
-        self.metrics = telemetry.VerifierMetrics(registry)
-        path = resolve(cfg.model, revision=cfg.revision or None)
-        self.engine = TargetEngine(cfg, str(path), self.metrics)
+        self.metrics = metrics
+        self.engine = engine
         # the engine's context length: max_model_len, or the model's own when left to vLLM (0 on CUDA)
-        self.max_model_len = self.engine.board.max_model_len
-        # what a gateway checks its tokenizer and drafters against (rows: the engine's)
-        # (the tokenizer as transformers loads it, as the gateway and the drafter load theirs)
-        self.vocabulary = replace(
-            compat.from_folder(path, cfg.model, with_rows=False), vocab_size=self.engine.vocab_size
-        )
+        self.max_model_len = engine.board.max_model_len
+        self.vocabulary = vocabulary
         self._ids: set[str] = set()
         self.slots = serving.SessionSlots("verifier", cfg.max_sessions)
 
@@ -90,25 +87,9 @@ class VerifierServicer(rpc.VerifierServiceServicer):
             raise InvalidField("open.request_id", f"{req.request_id!r} is already in use")
         check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.engine.vocab_size)
         check_gamma("open.gamma", req.gamma, self.cfg.max_gamma)
-        sp = req.sampling
-        check_sampling("open.sampling", sp, len(req.prompt_token_ids), self.max_model_len, self.engine.vocab_size)
-        return GenerationRequest(
-            request_id=req.request_id,
-            prompt_token_ids=list(req.prompt_token_ids),
-            temperature=sp.temperature,
-            top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-            top_k=sp.top_k if sp.top_k > 0 else -1,
-            seed=sp.seed if sp.HasField("seed") else None,
-            max_tokens=sp.max_tokens,
-            ignore_eos=sp.ignore_eos,
-            gamma=req.gamma,
-            presence_penalty=sp.presence_penalty,
-            frequency_penalty=sp.frequency_penalty,
-            repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
-            min_tokens=sp.min_tokens,
-            stop_token_ids=list(sp.stop_token_ids),
-            logprobs=sp.logprobs if sp.HasField("logprobs") else None,
-        )
+        check_sampling("open.sampling", req.sampling, len(req.prompt_token_ids), self.max_model_len,
+                       self.engine.vocab_size)
+        return convert.generation_request(req)
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         async with self.slots.hold(context):
@@ -239,8 +220,18 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         )
 
 
-def _build(cfg: VerifierConfig, registry: CollectorRegistry) -> VerifierServicer:
-    servicer = VerifierServicer(cfg, registry)  # starts the engine thread on the process's CPUs
+def build(cfg: VerifierConfig, registry: CollectorRegistry) -> VerifierServicer:
+    """The factory: resolve cfg.model, load it into a started TargetEngine (its thread runs on the
+    process's CPUs), read its vocabulary, and make the servicer; its metrics live on `registry`."""
+    from specdec.models import resolve
+
+    metrics = telemetry.VerifierMetrics(registry)
+    path = resolve(cfg.model, revision=cfg.revision or None)
+    engine = TargetEngine.load(cfg, str(path), metrics)
+    # what a gateway checks its tokenizer and drafters against (rows: the engine's)
+    # (the tokenizer as transformers loads it, as the gateway and the drafter load theirs)
+    vocabulary = replace(compat.from_folder(path, cfg.model, with_rows=False), vocab_size=engine.vocab_size)
+    servicer = VerifierServicer(cfg, engine, metrics, vocabulary)
     if cfg.io_cpus:
         # this thread (the asyncio loop) and the gRPC threads it starts move off the engine's
         # CPUs: on a CPU-only host the network I/O would otherwise steal the target's core
@@ -252,10 +243,11 @@ def _build(cfg: VerifierConfig, registry: CollectorRegistry) -> VerifierServicer
 async def main(cfg: VerifierConfig) -> None:
     built: list[VerifierServicer] = []
 
-    def build(registry: CollectorRegistry) -> VerifierServicer:
-        built.append(_build(cfg, registry))
+    def build_one(registry: CollectorRegistry) -> VerifierServicer:
+        built.append(build(cfg, registry))
         return built[-1]
 
-    await serving.serve("verifier", cfg, build, rpc.add_VerifierServiceServicer_to_server, "specdec.v1.VerifierService")
+    await serving.serve("verifier", cfg, build_one, rpc.add_VerifierServiceServicer_to_server,
+                        "specdec.v1.VerifierService")
     if built and built[0].engine.failed:  # stopped because the engine failed: a failure status for its supervisor
         raise SystemExit(f"verifier: {built[0].engine.failed}")

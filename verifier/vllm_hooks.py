@@ -1,7 +1,7 @@
 """The one seam between the verifier and vLLM's internals (written against vLLM 0.32.0).
 
 Everything the verifier does with vLLM beyond its public request API (`vllm.EngineArgs`,
-`vllm.SamplingParams`, `RequestOutputKind`, and the `LLMEngine` methods add_request, step,
+`vllm.SamplingParams` and `RequestOutputKind`, built in verifier.convert, and the `LLMEngine` methods add_request, step,
 abort_request, has_unfinished_requests) is here, so a vLLM upgrade is checked in one file.
 Each hook, why it is needed, and what it touches in vLLM:
 

@@ -11,7 +11,7 @@ import asyncio
 import grpc
 from prometheus_client import CollectorRegistry
 
-from drafter.server import DrafterServicer
+from drafter.server import build
 from specdec.config import DrafterConfig
 from specdec.wire import pb, rpc
 
@@ -29,7 +29,7 @@ def test_100_half_open_sessions_do_not_block_a_real_one() -> None:
     async def run() -> tuple[list[grpc.StatusCode], int, pb.DraftResponse]:
         cfg = DrafterConfig(model="tiny/draft-mid", quantize="none", max_sessions=SLOTS,
                             first_message_timeout_s=FIRST_MESSAGE_TIMEOUT_S)
-        servicer = DrafterServicer(cfg, CollectorRegistry())
+        servicer = build(cfg, CollectorRegistry())
         server = grpc.aio.server()
         rpc.add_DrafterServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")

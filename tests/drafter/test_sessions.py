@@ -92,6 +92,27 @@ def test_sampled_drafts_carry_q(model) -> None:
         assert d.prob == pytest.approx(q[ids.index(d.token_id)])
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafts_stay_in_allowed_token_ids(model, temperature: float) -> None:
+    """The target samples among allowed_token_ids only; so does the drafter (its greedy pick is
+    the best allowed token). Ids past the model's rows are ignored."""
+    prompt = [3, 14, 15, 92, 65]
+    free = _session(model, prompt, gamma=6)
+    free.commit(len(prompt), [35])
+    _, unconstrained = _drafted(free)
+    allowed = [t for t in range(0, 512, 3) if t not in unconstrained[:2]] + [10**6]
+    s = ModelDraftSession(model, prompt, 6, 0, temperature=temperature, top_k=0, top_p=1.0, seed=0, q_top_k=8,
+                          allowed_token_ids=allowed)
+    s.commit(len(prompt), [35])
+    _, drafts = _drafted(s)
+    assert len(drafts) == 6 and set(drafts) <= set(allowed)
+    if temperature == 0:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + [35]])).logits[0, -1]  # [vocab]
+        best = max(allowed[:-1], key=lambda t: float(logits[t]))
+        assert drafts[0] == best
+
+
 def test_ngram_lookup_and_empty_block() -> None:
     s = NgramDraftSession([1, 2, 3, 4, 1, 2], gamma=3, lookahead=0, ngram_max=3, ngram_min=1)
     s.commit(6, [3])

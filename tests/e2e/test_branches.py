@@ -1,7 +1,8 @@
 """Pre-drafted branches on the real services: exact output, with hits.
 
-The verifier here sleeps STEP_DELAY_MS in every engine step (its fault injection), so its
-steps take about as long as a real target's do next to this drafter: the drafter, its
+The session's verifier, while this module runs, sleeps STEP_DELAY_MS in every engine step
+(a fault switched on at run time, tests/faultkit.py), so its steps take about as long as a
+real target's do next to this drafter: the drafter, its
 window full, has time to pre-draft branches while a step runs (on the session's services
 the tiny target steps faster than the tiny drafter drafts, so branches rarely get a turn).
 With branches sent ahead and picked by the verifier in-step:
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Services, vllm_reference
+from conftest import Services, injected, vllm_reference
 from gen import generate_all, prompts, scrape, spec
 from test_sampling_lossless import P_MIN, PROMPT, joint_homogeneity_p
 from transformers import AutoTokenizer
@@ -30,21 +31,21 @@ SAMPLED_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
-    s = Services(tmp_path_factory.mktemp("branches"))
+def stack(services: Services) -> Iterator[Services]:
+    """A drafter with branches and its gateway, on the session's verifier with slow steps."""
+    own = Services(services.log_dir)
+    own.verifier = services.verifier
     try:
-        s.verifier = s._start("verifier", [
-            "--model", "tiny/target", "--threads", "1", "--max-num-seqs", "64", "--no-adaptive-gamma",
-            "--draft-wait-margin-ms", "2000", "--inject-delay-ms", str(STEP_DELAY_MS), "--inject-every", "1"])
-        drafter = s._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none",
-                                       "--branches", str(BRANCHES)])
-        s.drafters["mid"] = drafter
-        s.gateways["mid"] = s.start_gateway(drafter.address, s.verifier.address)
-        for svc in s.started:
+        drafter = own._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none",
+                                         "--branches", str(BRANCHES)])
+        own.drafters["mid"] = drafter
+        own.gateways["mid"] = own.start_gateway(drafter.address, own.verifier.address)
+        for svc in own.started:
             svc.wait_ready(300)
-        yield s
+        with injected(own.verifier, step_delay_ms=STEP_DELAY_MS, step_every=1):
+            yield own
     finally:
-        s.stop()
+        own.stop()
 
 
 def test_greedy_with_branches_is_exact_and_hits(stack: Services, tiny_target: Path) -> None:

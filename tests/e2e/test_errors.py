@@ -31,6 +31,7 @@ BAD_REQUESTS = {
     "negative temperature": (spec(GOOD, 4, temperature=-0.5), "spec.sampling.temperature"),
     "top_p zero": (spec(GOOD, 4, top_p=0.0), "spec.sampling.top_p"),
     "top_p above one": (spec(GOOD, 4, top_p=1.5), "spec.sampling.top_p"),
+    "allowed token id past vocab": (spec(GOOD, 4, allowed_token_ids=[5, 512]), "spec.sampling.allowed_token_ids"),
     "unknown drafter": (
         pb.GenerationSpec(prompt_token_ids=GOOD, sampling=pb.SamplingParams(max_tokens=4), drafter=99),
         "spec.drafter",
@@ -89,6 +90,8 @@ def _open(**kw) -> "pb.VerifyRequest":
         ([_open(request_id="")], "open.request_id"),
         ([_open(prompt_token_ids=[9999])], "open.prompt_token_ids"),
         ([_open(gamma=64)], "open.gamma"),
+        ([_open(sampling=pb.SamplingParams(max_tokens=8, allowed_token_ids=[5, 9999]))],
+         "open.sampling.allowed_token_ids"),
     ],
 )
 def test_verifier_rejects_bad_input(services, messages, field: str) -> None:

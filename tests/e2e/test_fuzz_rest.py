@@ -1,4 +1,4 @@
-"""Fuzzing the REST bridge (gateway/rest.py) in front of a real gateway, with a peer's tools.
+"""Fuzzing the REST bridge (gateway/rest/) in front of a real gateway, with a peer's tools.
 
 `schemathesis` reads the bridge's own OpenAPI document (FastAPI's /openapi.json, as the
 running bridge serves it) and sends requests generated from it:
@@ -26,8 +26,8 @@ and afterwards the bridge still serves a normal request.
 
 Completions go to `services.gateways["mid"]`'s own bridge. Its tokenizer (the tiny target's)
 has no chat template, so that bridge answers every chat request 400 before the gateway; chat
-requests go to a bridge built as tests/e2e/test_rest.py builds it (its chat template), in
-this process, in front of the same gateway.
+requests go to a bridge built as tests/e2e/test_rest.py builds it (its chat template), on a
+gateway core of its own in this process, on the same drafter and verifier.
 
 Not checked: conformance to the response schema FastAPI documents (it documents 422 for bad
 input where the bridge answers 400 as OpenAI does, and streams are text/event-stream).
@@ -62,9 +62,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode, HookContext
 from schemathesis.hooks import HookDispatcher, HookScope
-from test_rest import CHAT_TEMPLATE, serve, tokenizer
+from test_rest import CHAT_TEMPLATE, bridge, serve, tokenizer
 
-from gateway.rest import build_app
 from specdec.wire import pb, rpc
 
 MODEL = "tiny/target"
@@ -100,7 +99,7 @@ def bridges(services) -> Iterator[dict[str, str]]:
     """The base URL to send each path to (module docstring)."""
     STATE.update(verifier=services.verifier.address, verifier_log=services.verifier.log_path)
     gateway = f"http://127.0.0.1:{services.gateways['mid'].rest_port}"
-    with serve(build_app(services.gateways["mid"].address, tokenizer(CHAT_TEMPLATE), MODEL)) as chat:
+    with serve(bridge(services, tokenizer(CHAT_TEMPLATE))) as chat:
         yield {COMPLETIONS: gateway, CHAT: chat, "/v1/models": gateway, "/health": gateway}
 
 

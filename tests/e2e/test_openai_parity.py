@@ -1,4 +1,4 @@
-"""The REST bridge (gateway/rest.py) against vLLM's own OpenAI server, field by field.
+"""The REST bridge (gateway/rest/) against vLLM's own OpenAI server, field by field.
 
 Each honoured field goes, in the same request body, to vLLM's server (plain target, no
 speculation: tests/e2e/openai_reference.py) and to the bridge in front of the "mid"
@@ -7,7 +7,7 @@ completion_tokens), log-probabilities equal to 1e-4. Sampled requests are not ex
 to match across engines (different random streams): they are checked for shape only.
 Fields the bridge does not honour must be refused (400, OpenAI's error shape, `param`
 naming the field), never silently ignored; every field of vLLM's request models is either
-declared by the bridge or listed in gateway.rest.REFUSED.
+declared by the bridge or listed in gateway.convert.REFUSED.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from typing import Any
 import httpx
 import pytest
 from openai_reference import log_tail, vllm_openai_server
-from test_rest import CHAT_TEMPLATE, MESSAGES, MODEL, serve, tokenizer
+from test_rest import CHAT_TEMPLATE, MESSAGES, MODEL, bridge, serve, tokenizer
 
-from gateway.rest import build_app
 from specdec.models import resolve
 
 PROMPT = "def add(a, b):\n    return"
@@ -71,7 +70,7 @@ def vllm_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 @pytest.fixture(scope="module")
 def servers(vllm_url: str, services) -> Iterator[Servers]:
-    with serve(build_app(services.gateways["mid"].address, tokenizer(CHAT_TEMPLATE), MODEL)) as url:
+    with serve(bridge(services, tokenizer(CHAT_TEMPLATE))) as url:
         yield Servers(vllm_url, url, services)
 
 
@@ -359,7 +358,8 @@ def _reason(entry: Any) -> Any:
 
 @pytest.mark.parametrize("which", ["completions", "chat"])
 def test_every_vllm_field_is_declared_or_refused(which: str) -> None:
-    from gateway import rest
+    from gateway import convert
+    from gateway.rest import protocol as rest
 
     if which == "completions":
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest as Theirs
@@ -367,9 +367,9 @@ def test_every_vllm_field_is_declared_or_refused(which: str) -> None:
     else:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Theirs
         ours = rest.ChatRequest
-    refused: dict[str, Any] = getattr(rest, "REFUSED", {})
+    refused: dict[str, Any] = convert.REFUSED
     missing = sorted(set(Theirs.model_fields) - set(ours.model_fields) - set(refused))
-    assert not missing, f"vLLM {which} fields neither declared by the bridge nor in gateway.rest.REFUSED: {missing}"
+    assert not missing, f"vLLM {which} fields neither declared by the bridge nor in gateway.convert.REFUSED: {missing}"
     for name in set(Theirs.model_fields) & set(refused):
         assert isinstance(_reason(refused[name]), str) and _reason(refused[name]), f"REFUSED[{name!r}] has no reason"
     both_ways = sorted(set(ours.model_fields) & set(refused))

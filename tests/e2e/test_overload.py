@@ -5,10 +5,20 @@ gateways and a drafter of this module's own.
   at once with RESOURCE_EXHAUSTED (REST: 429 + Retry-After); none hangs or fails otherwise,
   and the gateway's memory stays bounded.
 - 1,000 client cancellations at random points: the verifier's sessions, the drafter's
-  sessions and the gateway's requests in flight all return to 0, memory growth stays under a
-  bound, and the next request is exact.
-- A client deadline reaches the engine: a request past its deadline is aborted there.
+  sessions and the gateway's requests in flight all return to 0, and so do the requests in
+  vLLM's own scheduler (running and waiting); memory growth stays under a bound, and the next
+  request is exact.
+- A client deadline reaches the engine: a request past its deadline is aborted there (vLLM's
+  scheduler holds no request afterwards, and ran few steps before it did).
 - A drafter that hangs (SIGSTOP: alive, silent) makes its requests fall back, exact.
+
+The engine checks read specdec:verifier_engine_running / _waiting, which the verifier reads
+from vLLM's scheduler itself (Scheduler.get_request_counts), not from its gRPC sessions: a
+session ends with its call whether or not the engine request was aborted. A request left
+running could still end on its own within the time bound (a single one on a fast machine), so
+the tests also bound the engine steps run after the calls ended. These tests fail
+when the verifier does not abort (docs/testing-faults.md shows it: the run with
+SPECDEC_FAULTS='{"abort_disabled": true}', tests/faultkit.py).
 """
 
 from __future__ import annotations
@@ -16,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +33,7 @@ import grpc
 import httpx
 import pytest
 from conftest import vllm_reference
-from gen import prompts, scrape, spec
+from gen import prompts, scrape, spec, wait_for
 from transformers import AutoTokenizer
 
 from gateway.client import AsyncGatewayClient, GatewayClient
@@ -36,6 +45,15 @@ N_OVERLOAD = 300
 N_CANCEL = 1000
 MAX_TOKENS = 12
 CANCEL_TOKENS = 1800  # a cancelled stream's length: long enough that none finishes before its cancel
+# How long the engine may take to hold no request once the calls ended: aborts reach it within
+# a step or two (milliseconds); this bound is far above that, and far below what the aborted
+# requests would take to run to their ends (so a missing abort fails the test)
+ENGINE_IDLE_BOUND_S = 60.0
+# Most engine steps the verifier may run between the calls' end and holding no request: an
+# abort reaches the engine within a few steps; a request left running would need a step per
+# token it has left (more than 1,000 of a CANCEL_TOKENS request after its 0.5 s deadline). A
+# count of steps, not a duration, so it holds on a machine of any speed.
+STEPS_AFTER_END_BOUND = CANCEL_TOKENS // 4
 
 
 def rss_mib(svc: Service) -> float:
@@ -65,12 +83,28 @@ def cases(tiny_target: Path) -> tuple[list[list[int]], list[list[int]]]:
     return ps, vllm_reference(tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS} for p in ps])
 
 
-def settle(check, timeout_s: float = 60) -> None:
-    """Wait (bounded) until `check()` holds: counters of other processes catch up asynchronously."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "did not settle"
-        time.sleep(0.2)
+def engine_requests(verifier: Service) -> tuple[float, float]:
+    """(running, waiting) requests in the verifier's vLLM scheduler (-1: not exported)."""
+    m = scrape(verifier.metrics_port)
+    return m.get("specdec:verifier_engine_running", -1.0), m.get("specdec:verifier_engine_waiting", -1.0)
+
+
+def wait_engine_idle(verifier: Service, what: str) -> None:
+    """Wait (bounded by ENGINE_IDLE_BOUND_S) until vLLM's scheduler holds no request."""
+    wait_for(lambda: engine_requests(verifier) == (0, 0), ENGINE_IDLE_BOUND_S,
+             f"{what}: the engine holds no request (running, waiting now: {engine_requests(verifier)})")
+
+
+def engine_steps(verifier: Service) -> float:
+    """Engine steps the verifier has run (each one a step of vLLM's engine with work in it)."""
+    return scrape(verifier.metrics_port)["specdec:verifier_engine_steps_total"]
+
+
+def settle(service: Service, gauge: str, timeout_s: float = 60) -> None:
+    """Wait (bounded) until `service`'s `gauge` reads 0: counters of other processes catch up
+    asynchronously."""
+    wait_for(lambda: scrape(service.metrics_port).get(gauge) == 0, timeout_s,
+             f"{gauge} back to 0 (now {scrape(service.metrics_port).get(gauge)})")
 
 
 def test_overload_is_refused_at_once_never_queued(own, cases) -> None:
@@ -117,6 +151,7 @@ def test_overload_is_refused_at_once_never_queued(own, cases) -> None:
 def test_cancellations_free_everything(own, services, cases) -> None:
     ps, ref = cases
     gw = own["gateway"]
+    wait_engine_idle(services.verifier, "before the cancellations")
     rng = random.Random(5)
     delays = [rng.uniform(0, 0.25) for _ in range(N_CANCEL)]
     before = {k: rss_mib(v) for k, v in (("gateway", gw), ("verifier", services.verifier), ("drafter", own["drafter"]))}
@@ -133,12 +168,18 @@ def test_cancellations_free_everything(own, services, cases) -> None:
             return sum(await asyncio.gather(*(one(i) for i in range(N_CANCEL))))
 
     cancelled = asyncio.run(run())
+    steps_at_end = engine_steps(services.verifier)
     # a call that finished before its cancel is not cancelled: with CANCEL_TOKENS each, finishing
     # inside the 0.25 s window would take a machine over 100x this one's decode speed
     assert cancelled >= N_CANCEL // 2, cancelled
-    settle(lambda: scrape(gw.metrics_port).get("specdec:requests_running") == 0)
-    settle(lambda: scrape(own["drafter"].metrics_port).get("specdec:drafter_sessions") == 0)
-    settle(lambda: scrape(services.verifier.metrics_port).get("specdec:verifier_sessions") == 0)
+    # the engine first: every cancelled request aborted in vLLM's scheduler, within a few steps
+    wait_engine_idle(services.verifier, f"after {cancelled} cancellations")
+    ran_on = engine_steps(services.verifier) - steps_at_end
+    print(f"engine steps after the last cancel: {ran_on:.0f}")
+    assert ran_on < STEPS_AFTER_END_BOUND, f"the engine ran {ran_on:.0f} steps after the cancellations"
+    settle(gw, "specdec:requests_running")
+    settle(own["drafter"], "specdec:drafter_sessions")
+    settle(services.verifier, "specdec:verifier_sessions")
     with grpc.insecure_channel(services.verifier.address) as channel:
         from specdec.wire import rpc
 
@@ -154,11 +195,17 @@ def test_cancellations_free_everything(own, services, cases) -> None:
 
 def test_a_deadline_reaches_the_engine(own, services, cases) -> None:
     ps, _ = cases
+    wait_engine_idle(services.verifier, "before the request")
     with GatewayClient(own["gateway"].address, timeout_s=0.5) as client:
         with pytest.raises(grpc.RpcError) as info:
-            client.generate(spec(ps[1], 1800, gamma=4, ignore_eos=True))
+            client.generate(spec(ps[1], CANCEL_TOKENS, gamma=4, ignore_eos=True))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    settle(lambda: scrape(services.verifier.metrics_port).get("specdec:verifier_sessions") == 0, 30)
+    steps_at_deadline = engine_steps(services.verifier)
+    settle(services.verifier, "specdec:verifier_sessions", 30)
+    wait_engine_idle(services.verifier, "after the deadline")
+    ran_on = engine_steps(services.verifier) - steps_at_deadline
+    print(f"engine steps after the deadline: {ran_on:.0f}")
+    assert ran_on < STEPS_AFTER_END_BOUND, f"the engine ran {ran_on:.0f} steps after the deadline: not aborted"
 
 
 def test_a_hung_drafter_falls_back(own, cases) -> None:

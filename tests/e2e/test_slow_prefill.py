@@ -1,9 +1,10 @@
 """A slow target prefill or a queue never turns speculation off (issue: the first-block
 deadline used to count the target's prefill and queueing against the drafter).
 
-Own services: the verifier sleeps PREFILL_DELAY_MS in every engine step that starts a
-prompt (a long prompt or a queue, made deterministic), and the gateway's drafter deadline
-is much shorter than that. The drafter owes nothing until the target's first token, so
+The session's verifier, while this module runs, sleeps PREFILL_DELAY_MS in every engine step
+that starts a prompt (a long prompt or a queue, made deterministic; a fault switched on at run
+time, tests/faultkit.py); this module's own gateway has a drafter deadline much shorter than
+that. The drafter owes nothing until the target's first token, so
 every request still speculates, and stays exact.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import Services, vllm_reference
+from conftest import Services, injected, vllm_reference
 from gen import generate_all, prompts, spec
 from transformers import AutoTokenizer
 
@@ -22,18 +23,18 @@ MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def slow_prefill(tmp_path_factory, tiny_target):
-    s = Services(tmp_path_factory.mktemp("slow-prefill"))
+def slow_prefill(services):
+    own = Services(services.log_dir)
     try:
-        verifier = s._start("verifier", ["--model", "tiny/target", "--threads", "1", "--no-adaptive-gamma",
-                                         "--max-gamma", "8", "--inject-prefill-delay-ms", str(PREFILL_DELAY_MS)])
-        drafter = s._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none"])
-        gateway = s.start_gateway(drafter.address, verifier.address, ("--drafter-timeout-s", str(DRAFTER_TIMEOUT_S)))
-        for svc in s.started:
+        drafter = own._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none"])
+        gateway = own.start_gateway(drafter.address, services.verifier.address,
+                                    ("--drafter-timeout-s", str(DRAFTER_TIMEOUT_S)))
+        for svc in own.started:
             svc.wait_ready(300)
-        yield gateway
+        with injected(services.verifier, prefill_delay_ms=PREFILL_DELAY_MS):
+            yield gateway
     finally:
-        s.stop()
+        own.stop()
 
 
 def _check(responses, reference) -> None:

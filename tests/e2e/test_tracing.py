@@ -1,14 +1,16 @@
 """Round tracing across the three services, with latency spikes on the right stage.
 
-Own services (so the delays injected here touch no other test), with a fault schedule
-that does not depend on the machine's speed: the verifier sleeps in every 10th engine
-step; one drafter ("clean") never sleeps, another ("slow") sleeps in every 15th draft
-step. Requests through the clean drafter's gateway run first, then those through the slow
+The session's verifier, and drafters and gateways of this module's own, with a fault
+schedule that does not depend on the machine's speed (switched on at run time for this
+module only, tests/faultkit.py): the verifier sleeps in every 10th engine step; one
+drafter ("clean") never sleeps, another ("slow") sleeps in every 15th draft step.
+Requests through the clean drafter's gateway run first, then those through the slow
 one's, one at a time, so a verify spike of the first phase can never coincide with a draft
 delay (it used to depend on how the two delays interleaved). The delays are too frequent
 for a relative threshold (they make up the rolling p95 themselves), so the gateways use
 the absolute threshold (`--spike-ms`); the relative one is unit-tested. Spans from all
-services go to one JSON-lines file (SPECDEC_TRACE_FILE).
+services go to one JSON-lines file: the module's drafters and gateways write it from the
+start (SPECDEC_TRACE_FILE), the shared verifier while this module runs (faultkit's trace_file).
 
 Counts that hold on any machine (greedy, gamma 4, 120 tokens, full gamma verified):
 each request takes >= 1 + ceil(119 / 5) = 25 engine steps, so 3 requests take >= 75 steps
@@ -22,7 +24,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import Services
+from conftest import Services, injected
 from gen import generate_all, prompts, spec
 from transformers import AutoTokenizer
 
@@ -34,34 +36,36 @@ PER_PHASE = 3
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory, tiny_target):
+def traced(tmp_path_factory, tiny_target, services):
     root = tmp_path_factory.mktemp("traced")
     path = root / "spans.jsonl"
     s = Services(root, env={"SPECDEC_TRACE_FILE": str(path)})
+    # the session's verifier verifies full gamma every step (no adaptive back-off), and a step
+    # waits out a draft delay (its draft-wait margin is longer than it), so the counts above hold
+    verifier = services.verifier
     try:
-        # full gamma every step (no adaptive back-off), and a step waits out a draft delay (the
-        # margin over the drafter's expected pace is longer than it), so the counts above hold
-        verifier = s._start("verifier", ["--model", "tiny/target", "--threads", "1", "--no-adaptive-gamma",
-                                         "--draft-wait-margin-ms", str(4 * DELAY_MS),
-                                         "--inject-delay-ms", str(DELAY_MS), "--inject-every", "10"])
         drafter_args = ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none"]
         clean = s._start("drafter", drafter_args)
-        slow = s._start("drafter", [*drafter_args, "--inject-delay-ms", str(DELAY_MS), "--inject-every", "15"])
+        slow = s._start("drafter", drafter_args)
         gateways = [s.start_gateway(d.address, verifier.address, ("--spike-ms", str(SPIKE_MS))) for d in (clean, slow)]
         for svc in s.started:
             svc.wait_ready(300)
         tok = AutoTokenizer.from_pretrained(tiny_target)
-        phases = []
-        for gateway, batch in zip(
-            gateways, (prompts(tok, 2 * PER_PHASE)[:PER_PHASE], prompts(tok, 2 * PER_PHASE)[PER_PHASE:]), strict=True
-        ):
-            phases.append(generate_all(gateway.address, [spec(p, 120, gamma=4, ignore_eos=True) for p in batch], 1))
-        # spans of a session are exported when it ends (each service in its own process): wait,
-        # bounded, until every request's rounds and the three services' session spans are in
-        responses = [r for phase in phases for r in phase]
-        deadline = time.monotonic() + 60
-        while not _complete(traces.load([path]), responses) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        with (injected(verifier, step_delay_ms=DELAY_MS, step_every=10, trace_file=str(path)),
+              injected(slow, draft_delay_ms=DELAY_MS, draft_every=15)):
+            phases = []
+            for gateway, batch in zip(
+                gateways, (prompts(tok, 2 * PER_PHASE)[:PER_PHASE], prompts(tok, 2 * PER_PHASE)[PER_PHASE:]),
+                strict=True,
+            ):
+                phases.append(generate_all(gateway.address, [spec(p, 120, gamma=4, ignore_eos=True) for p in batch],
+                                           1))
+            # spans of a session are exported when it ends (each service in its own process): wait,
+            # bounded, until every request's rounds and the three services' session spans are in
+            responses = [r for phase in phases for r in phase]
+            deadline = time.monotonic() + 60
+            while not _complete(traces.load([path]), responses) and time.monotonic() < deadline:
+                time.sleep(0.2)
         yield traces.load([path]), phases
     finally:
         s.stop()

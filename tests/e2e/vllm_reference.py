@@ -2,7 +2,8 @@
 
 Run as a script, it serves one model for a whole test session (tests/conftest.py
 `vllm_reference` starts it once per model, on first use): each line on stdin is a JSON list of
-requests ({"prompt_token_ids", "max_tokens", "temperature", "top_p", "seed", "ignore_eos"}),
+requests ({"prompt_token_ids", "max_tokens"} and any other vllm.SamplingParams fields by name;
+temperature defaults to 0, greedy),
 answered by one line on stdout, the JSON list of generated token-id lists, in order. One
 engine start per session instead of one per call (a cold vLLM start costs 15-20 s here).
 Prefix caching is off, so an answer never depends on what earlier calls left in the cache.
@@ -30,14 +31,8 @@ def main() -> None:
     for line in sys.stdin:
         requests = json.loads(line)
         params = [
-            SamplingParams(
-                temperature=r.get("temperature", 0.0),
-                top_p=r.get("top_p", 1.0),
-                seed=r.get("seed"),
-                max_tokens=r["max_tokens"],
-                ignore_eos=r.get("ignore_eos", False),
-                detokenize=False,
-            )
+            SamplingParams(**{"temperature": 0.0, **{k: v for k, v in r.items() if k != "prompt_token_ids"}},
+                           detokenize=False)
             for r in requests
         ]
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]

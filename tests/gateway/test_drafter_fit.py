@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from gateway.rounds import Plan
-from gateway.server import GatewayServicer
+from gateway.server import GatewayCore
 from specdec import telemetry
 from specdec.config import GatewayConfig
 from specdec.models import compat
@@ -38,10 +38,19 @@ class FakeStub:
 
 
 class FakePool:
-    """Replicas by address, chosen in order (the first not excluded)."""
+    """Replicas by address, chosen in order (the first not excluded); all serving."""
 
     def __init__(self, replicas: list[SimpleNamespace]) -> None:
         self.replicas = replicas
+
+    def start(self) -> None:
+        pass
+
+    def serving(self) -> int:
+        return len(self.replicas)
+
+    async def close(self, grace_s: float = 0.0) -> None:
+        pass
 
     def choose(self, exclude=frozenset()):
         return next((r for r in self.replicas if r.address not in exclude), None)
@@ -62,19 +71,13 @@ def target(tiny_target) -> compat.Vocabulary:
     return compat.from_folder(tiny_target, "tiny/target")
 
 
-def servicer(tiny_target, verifier_vocab: compat.Vocabulary, drafters: list[SimpleNamespace]) -> GatewayServicer:
-    s = GatewayServicer.__new__(GatewayServicer)  # no channels: the pools are fakes
-    s.cfg = GatewayConfig(tokenizer="tiny/target")
-    s.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    s.vocabulary = compat.from_tokenizer(s.tokenizer, "tiny/target")
-    s.metrics = telemetry.GatewayMetrics(CollectorRegistry())
-    s.spikes = telemetry.SpikeDetector()
-    s._target, s._target_vocabulary, s._drafter_checks = None, None, {}
+def servicer(tiny_target, verifier_vocab: compat.Vocabulary, drafters: list[SimpleNamespace]) -> GatewayCore:
+    """A real GatewayCore whose pools are fakes (no channels)."""
     info = pb.GetVerifierInfoResponse(model="tiny/target", vocab_size=verifier_vocab.vocab_size, max_model_len=2048,
                                       max_gamma=8, vocabulary=compat.to_pb(verifier_vocab))
-    s.verifiers = FakePool([replica("verifier", info)])
-    s.drafters = FakePool(drafters)
-    return s
+    pools = (FakePool([replica("verifier", info)]), FakePool(drafters))
+    return GatewayCore(GatewayConfig(tokenizer="tiny/target"), telemetry.GatewayMetrics(CollectorRegistry()),
+                       AutoTokenizer.from_pretrained(tiny_target), pools=lambda cfg: pools)
 
 
 def drafter_info(vocab: compat.Vocabulary) -> "pb.GetDrafterInfoResponse":
@@ -112,8 +115,7 @@ def test_with_no_drafter_that_fits_a_model_request_decodes_plainly_and_ngram_sti
 
     async def run():
         await s.target_info()
-        return (await s._round(plan(pb.DRAFT_METHOD_MODEL), SimpleNamespace(invocation_metadata=lambda: ())),
-                await s._round(plan(pb.DRAFT_METHOD_NGRAM), SimpleNamespace(invocation_metadata=lambda: ())))
+        return (await s._round(plan(pb.DRAFT_METHOD_MODEL), None), await s._round(plan(pb.DRAFT_METHOD_NGRAM), None))
 
     model_round, ngram_round = asyncio.run(run())
     assert model_round.drafter_stub is None  # the round decodes plainly

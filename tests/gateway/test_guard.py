@@ -1,4 +1,4 @@
-"""The gateway's guards, on a real in-process gateway (gRPC and its REST bridge) with no verifier
+"""The gateway's guards, on a real in-process gateway (its core, with the gRPC and REST adapters) with no verifier
 behind it: what is refused before any work (bounds, API keys, body size), what a client hears
 when no verifier serves, and the warnings of an exposed set-up.
 
@@ -24,10 +24,12 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from gateway.client import generation_spec
-from gateway.rest import build_app
-from gateway.server import GatewayServicer
+from gateway.core import Chunk
+from gateway.rest.routes import build_app
+from gateway.server import GatewayCore, GatewayServicer, build
 from specdec.config import GatewayConfig
 from specdec.launch import free_port
+from specdec.serving import SessionSlots
 from specdec.validation import (
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRING_CHARS,
@@ -60,10 +62,10 @@ class CountingTokenizer:
 
 
 class Gateway:
-    """A GatewayServicer on a loopback port, its REST app (in-process, over httpx's ASGI transport)."""
+    """A GatewayCore, its gRPC servicer on a loopback port, its REST app (over httpx's ASGI transport)."""
 
-    def __init__(self, servicer: GatewayServicer, address: str, app: Any, tokenizer: CountingTokenizer) -> None:
-        self.servicer, self.address, self.app, self.tokenizer = servicer, address, app, tokenizer
+    def __init__(self, core: GatewayCore, address: str, app: Any, tokenizer: CountingTokenizer) -> None:
+        self.core, self.address, self.app, self.tokenizer = core, address, app, tokenizer
         self.rest = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rest")
 
 
@@ -74,24 +76,23 @@ async def gateway(tiny_target: Path, keys: str = "", max_request_mb: float = 8.0
     cfg = GatewayConfig(**{"tokenizer": str(tiny_target), "verifier_address": nowhere, "drafter_address": nowhere,
                            "verifier_retry_s": RETRY_S, "rest_port": 0, "metrics_port": 0, "api_keys": keys,
                            "max_request_mb": max_request_mb, **overrides})
-    servicer = GatewayServicer(cfg, CollectorRegistry())
+    core = build(cfg, CollectorRegistry())
     server = grpc.aio.server()
-    rpc.add_GatewayServiceServicer_to_server(servicer, server)
+    rpc.add_GatewayServiceServicer_to_server(GatewayServicer(core), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    tokenizer = CountingTokenizer(servicer.tokenizer)
-    app = build_app(f"127.0.0.1:{port}", tokenizer, cfg.tokenizer, keys=servicer.keys,
-                    max_request_bytes=int(max_request_mb * (1 << 20)), tokenizer_executor=servicer.tokenizer_executor,
-                    refused=servicer.metrics.refused, stream_write_timeout_s=cfg.stream_write_timeout_s,
-                    stream_write_timeouts=servicer.metrics.stream_write_timeouts)
+    tokenizer = CountingTokenizer(core.tokenizer)
+    app = build_app(core, tokenizer, cfg.tokenizer, keys=core.keys,
+                    max_request_bytes=int(max_request_mb * (1 << 20)), tokenizer_executor=core.tokenizer_executor,
+                    refused=core.metrics.refused, stream_write_timeout_s=cfg.stream_write_timeout_s,
+                    stream_write_timeouts=core.metrics.stream_write_timeouts)
     try:
-        async with app.router.lifespan_context(app):
-            gw = Gateway(servicer, f"127.0.0.1:{port}", app, tokenizer)
-            async with gw.rest:
-                yield gw
+        gw = Gateway(core, f"127.0.0.1:{port}", app, tokenizer)
+        async with gw.rest:
+            yield gw
     finally:
         await server.stop(0)
-        await servicer.close()
+        await core.close()
 
 
 async def grpc_error(address: str, spec: pb.GenerationSpec, metadata: tuple = ()) -> grpc.aio.AioRpcError:
@@ -181,13 +182,30 @@ def test_no_verifier_is_unavailable_within_verifier_retry_s_naming_no_address(ti
         async with gateway(tiny_target) as gw:
             t0 = time.monotonic()
             err = await grpc_error(gw.address, generation_spec([1, 2, 3], max_tokens=4))
-            return err, time.monotonic() - t0, gw.servicer.cfg.verifier_address
+            return err, time.monotonic() - t0, gw.core.cfg.verifier_address
 
     err, took, address = asyncio.run(run())
     assert err.code() == grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
     assert "verifier_retry_s" in err.details()
     assert address not in err.details() and address.rsplit(":", 1)[1] not in err.details()
     assert took < 10 * max(RETRY_S, 1.0)  # within verifier_retry_s (the bound: 10x, for a loaded host)
+
+
+def test_a_draining_gateway_refuses_both_adapters_and_its_health_says_so(tiny_target: Path) -> None:
+    """Once the drain began (serving.serve at SIGTERM), the one core refuses new generations from
+    both adapters: gRPC UNAVAILABLE, REST 503 with the same message, and REST /health is 503."""
+    async def run() -> tuple[grpc.aio.AioRpcError, httpx.Response, int, int]:
+        async with gateway(tiny_target) as gw:
+            up = (await gw.rest.get("/health")).status_code
+            gw.core.slots.draining = True  # what SessionSlots.drain sets first
+            err = await grpc_error(gw.address, generation_spec([1, 2, 3], max_tokens=4))
+            r = await gw.rest.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+            return err, r, up, (await gw.rest.get("/health")).status_code
+
+    err, r, up, down = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.details()
+    assert r.status_code == 503 and r.json()["error"]["message"] == err.details()
+    assert (up, down) == (200, 503)
 
 
 # ---------------------------------------------------------------------------- exposure warnings
@@ -197,7 +215,7 @@ def test_an_exposed_gateway_is_warned_about(tiny_target: Path, caplog: pytest.Lo
     """Off loopback without API keys; plaintext to a verifier and drafters on other hosts."""
     async def run(**overrides: Any) -> None:
         cfg = GatewayConfig(tokenizer=str(tiny_target), rest_port=0, metrics_port=0, **overrides)
-        await GatewayServicer(cfg, CollectorRegistry()).close()
+        await build(cfg, CollectorRegistry()).close()
 
     with caplog.at_level("WARNING", logger="specdec.gateway"):
         asyncio.run(run(host="0.0.0.0", verifier_address="10.9.8.7:50053",
@@ -255,7 +273,7 @@ def test_rest_answers_401_before_reading_the_body_and_never_tokenises(tiny_targe
                     assert response_headers["www-authenticate"] == "Bearer"
             r = await gw.rest.get("/v1/models")
             assert r.status_code == 401
-            refused = gw.servicer.metrics.registry.get_sample_value("specdec:gateway_refused_total",
+            refused = gw.core.metrics.registry.get_sample_value("specdec:gateway_refused_total",
                                                                      {"reason": "unauthenticated"})
             assert refused == 5  # counted where the gateway counts its own refusals
             return gw.tokenizer
@@ -301,7 +319,7 @@ def test_a_non_streaming_rest_request_is_cancelled_when_its_client_disconnects(t
     verifier, verifier_retry_s 60 s): the gateway call is cancelled and its slot freed at once."""
     async def run() -> tuple[int, int]:
         async with gateway(tiny_target, verifier_retry_s=60.0) as gw:
-            slots = gw.servicer.slots = WatchedSlots("gateway", 256, "max_inflight")
+            slots = gw.core.slots = WatchedSlots("gateway", 256, "max_inflight")
             body = b'{"prompt": [1, 2, 3], "max_tokens": 4}'
             sent = False
 
@@ -334,28 +352,22 @@ def test_a_non_streaming_rest_request_is_cancelled_when_its_client_disconnects(t
 # ---------------------------------------------------------------------------- slots held by clients that stop reading
 
 
-class WatchedSlots:
+class WatchedSlots(SessionSlots):
     """The gateway's SessionSlots, with events set when a call enters (`entered`) and leaves
     (`left`) its slot."""
 
-    def __new__(cls, *args: Any) -> Any:
-        from specdec.serving import SessionSlots
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.entered, self.left = asyncio.Event(), asyncio.Event()
 
-        class _Watched(SessionSlots):
-            def __init__(self, *a: Any) -> None:
-                super().__init__(*a)
-                self.entered, self.left = asyncio.Event(), asyncio.Event()
-
-            @contextlib.asynccontextmanager
-            async def hold(self, context: Any) -> AsyncIterator[None]:
-                async with super().hold(context):
-                    self.entered.set()
-                    try:
-                        yield
-                    finally:
-                        self.left.set()
-
-        return _Watched(*args)
+    @contextlib.asynccontextmanager
+    async def hold(self, context: Any) -> AsyncIterator[None]:
+        async with super().hold(context):
+            self.entered.set()
+            try:
+                yield
+            finally:
+                self.left.set()
 
 
 def test_a_grpc_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(tiny_target: Path) -> None:
@@ -366,20 +378,20 @@ def test_a_grpc_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(ti
 
     async def run() -> tuple[int, int, int, grpc.StatusCode]:
         async with gateway(tiny_target, stream_write_timeout_s=timeout_s) as gw:
-            slots = gw.servicer.slots = WatchedSlots("gateway", 256, "max_inflight")
+            slots = gw.core.slots = WatchedSlots("gateway", 256, "max_inflight")
             closed = asyncio.Event()
             produced = 0
 
-            async def endless(request: Any, context: Any, key: str) -> AsyncIterator[pb.GenerateStreamResponse]:
+            async def endless(spec: Any, key: str, parent: Any) -> AsyncIterator[Chunk]:
                 nonlocal produced
                 try:
                     while True:
                         produced += 1
-                        yield pb.GenerateStreamResponse(request_id="r", text="x" * 1000, token_ids=[1] * 100)
+                        yield Chunk("x" * 1000, [1] * 100, 0, 0, pb.FINISH_REASON_UNSPECIFIED, request_id="r")
                 finally:
                     closed.set()  # the round's finally: its verifier and drafter calls are cancelled there
 
-            gw.servicer._generate_stream = endless  # type: ignore[method-assign]
+            gw.core._generate = endless  # type: ignore[method-assign]
             # a small stream window and no BDP growth: the window fills after a few messages
             options = [("grpc.http2.lookahead_bytes", 4096), ("grpc.http2.bdp_probe", 0)]
             async with grpc.aio.insecure_channel(gw.address, options=options) as channel:
@@ -396,7 +408,7 @@ def test_a_grpc_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(ti
                     async for _ in call:  # what arrived before the end, then the status
                         pass
                 code = await call.code()
-            timeouts = gw.servicer.metrics.registry.get_sample_value("specdec:gateway_stream_write_timeouts_total")
+            timeouts = gw.core.metrics.registry.get_sample_value("specdec:gateway_stream_write_timeouts_total")
             print(f"\nended after {ended_after:.2f} s ({produced} messages produced); status {code.name}")
             return active, produced, int(timeouts), code
 
@@ -414,17 +426,17 @@ def test_a_rest_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(ti
 
     async def run() -> tuple[int, int, int]:
         async with gateway(tiny_target, stream_write_timeout_s=timeout_s) as gw:
-            slots = gw.servicer.slots = WatchedSlots("gateway", 256, "max_inflight")
+            slots = gw.core.slots = WatchedSlots("gateway", 256, "max_inflight")
             closed = asyncio.Event()
 
-            async def endless(request: Any, context: Any, key: str) -> AsyncIterator[pb.GenerateStreamResponse]:
+            async def endless(spec: Any, key: str, parent: Any) -> AsyncIterator[Chunk]:
                 try:
                     while True:
-                        yield pb.GenerateStreamResponse(request_id="r", text="x", token_ids=[1])
+                        yield Chunk("x", [1], 0, 0, pb.FINISH_REASON_UNSPECIFIED, request_id="r")
                 finally:
                     closed.set()
 
-            gw.servicer._generate_stream = endless  # type: ignore[method-assign]
+            gw.core._generate = endless  # type: ignore[method-assign]
             body = b'{"prompt": [1, 2, 3], "max_tokens": 4, "stream": true}'
             sent_body = False
             bodies = 0
@@ -451,7 +463,7 @@ def test_a_rest_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(ti
             await asyncio.wait_for(gw.app(scope, receive, send), 100 * timeout_s)  # never without the timeout
             await asyncio.wait_for(closed.wait(), 20)
             await asyncio.wait_for(slots.left.wait(), 20)
-            timeouts = gw.servicer.metrics.registry.get_sample_value("specdec:gateway_stream_write_timeouts_total")
+            timeouts = gw.core.metrics.registry.get_sample_value("specdec:gateway_stream_write_timeouts_total")
             return slots.active, bodies, int(timeouts)
 
     active, bodies, timeouts = asyncio.run(run())
@@ -466,7 +478,7 @@ def test_rest_passes_its_clients_deadline_to_the_gateway_call(tiny_target: Path)
 
     async def run() -> list[tuple[int, Any, int]]:
         async with gateway(tiny_target, verifier_retry_s=60.0) as gw:
-            slots = gw.servicer.slots = WatchedSlots("gateway", 256, "max_inflight")
+            slots = gw.core.slots = WatchedSlots("gateway", 256, "max_inflight")
             out = []
             for header, value in (("X-Request-Timeout", "0.5"), ("X-Stainless-Timeout", "0.5"),
                                   ("X-Request-Timeout", "soon"), ("X-Stainless-Timeout", "-1")):

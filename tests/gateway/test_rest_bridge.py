@@ -1,4 +1,4 @@
-"""The REST bridge's request and response shaping (gateway/rest.py), without services."""
+"""The REST bridge's request and response shaping (gateway/rest/), without services."""
 
 from __future__ import annotations
 
@@ -7,17 +7,11 @@ from typing import Any
 import pytest
 
 from gateway.client import vllm_spec_metrics
-from gateway.rest import (
-    CHAT,
-    COMPLETION,
-    REFUSED,
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    LogprobsShaper,
-    build_spec,
-    refuse_extras,
-)
+from gateway.convert import REFUSED, refuse_extras
+from gateway.convert import generation_spec as build_spec
+from gateway.rest.protocol import ChatRequest, CompletionRequest
+from gateway.rest.serving import CHAT, COMPLETION, LogprobsShaper
+from specdec.validation import InvalidField
 from specdec.wire import pb
 
 
@@ -75,18 +69,18 @@ def test_vllm_metrics_histogram_from_per_position_counts() -> None:
 ])
 def test_unsupported_fields_are_refused_by_name(extra: dict[str, Any], param: str) -> None:
     req = CompletionRequest(prompt="x", **extra)
-    with pytest.raises(APIError) as info:
+    with pytest.raises(InvalidField) as info:
         refuse_extras(req)
-    assert info.value.status == 400 and info.value.param == param
+    assert info.value.field == param  # the bridge answers 400 with this `param`
     if param in REFUSED:
-        assert REFUSED[param][1] in info.value.message  # with the reason
+        assert REFUSED[param][1] in str(info.value)  # with the reason
 
 
 def test_defaults_of_refused_fields_pass() -> None:
     """Clients that send vLLM's defaults explicitly (vllm bench serve, SDKs) are served."""
     refuse_extras(CompletionRequest(prompt="x", min_p=0.0, priority=0, use_beam_search=False, logit_bias=None,
                                     length_penalty=1.0, tools=None, spaces_between_special_tokens=True))
-    with pytest.raises(APIError):  # False is not the default 0 of priority
+    with pytest.raises(InvalidField):  # False is not the default 0 of priority
         refuse_extras(CompletionRequest(prompt="x", priority=False))
 
 
@@ -94,25 +88,34 @@ def test_spec_carries_every_honoured_field() -> None:
     req = CompletionRequest(prompt="x", max_tokens=9, temperature=0, top_k=5, seed=3, stop="\n", stop_token_ids=[7],
                             ignore_eos=True, min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5,
                             repetition_penalty=1.2, logprobs=3, include_stop_str_in_output=True,
-                            skip_special_tokens=False)
+                            skip_special_tokens=False, allowed_token_ids=[4, 5])
     s = build_spec(req, [1, 2], "r").sampling
     assert (s.max_tokens, s.top_k, s.seed, list(s.stop), list(s.stop_token_ids)) == (9, 5, 3, ["\n"], [7])
     assert s.ignore_eos and s.min_tokens == 2 and s.logprobs == 3 and s.include_stop_str_in_output
     assert (s.presence_penalty, s.frequency_penalty) == (0.5, -0.5) and s.repetition_penalty == pytest.approx(1.2)
     assert s.HasField("skip_special_tokens") and not s.skip_special_tokens
+    assert list(s.allowed_token_ids) == [4, 5]
     assert not build_spec(CompletionRequest(prompt="x"), [1], "r").sampling.HasField("logprobs")
+
+
+def test_an_empty_allowed_token_ids_is_refused_by_name() -> None:
+    """The wire's empty list means no constraint, so an explicit [] is a 400 (vLLM refuses it too)."""
+    assert not build_spec(CompletionRequest(prompt="x"), [1], "r").sampling.allowed_token_ids
+    with pytest.raises(InvalidField) as info:
+        build_spec(CompletionRequest(prompt="x", allowed_token_ids=[]), [1], "r")
+    assert info.value.field == "allowed_token_ids"
 
 
 def test_chat_logprobs_fields() -> None:
     chat = dict(messages=[{"role": "user", "content": "hi"}])
     assert build_spec(ChatRequest(**chat, logprobs=True, top_logprobs=2), [1], "r").sampling.logprobs == 2
     assert build_spec(ChatRequest(**chat, logprobs=True), [1], "r").sampling.logprobs == 0
-    with pytest.raises(APIError) as info:
+    with pytest.raises(InvalidField) as info:
         build_spec(ChatRequest(**chat, top_logprobs=2), [1], "r")
-    assert info.value.param == "top_logprobs"
-    with pytest.raises(APIError) as info:
+    assert info.value.field == "top_logprobs"
+    with pytest.raises(InvalidField) as info:
         build_spec(ChatRequest(**chat, response_format={"type": "json_object"}), [1], "r")
-    assert info.value.param == "response_format"
+    assert info.value.field == "response_format"
     assert build_spec(ChatRequest(**chat, max_completion_tokens=5, response_format={"type": "text"}),
                       [1], "r").sampling.max_tokens == 5
 

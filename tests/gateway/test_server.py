@@ -9,8 +9,9 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from gateway.rounds import Plan
-from gateway.server import GatewayServicer
+from gateway.server import GatewayCore
 from specdec import telemetry
+from specdec.config import GatewayConfig
 from specdec.wire import pb
 
 
@@ -20,10 +21,35 @@ def fake_round(plan: Plan, verdicts, stats=None) -> SimpleNamespace:
                            stats=stats or SimpleNamespace(migrations=0))
 
 
+class NoPool:
+    """A replica pool with no replica (the calls GatewayCore makes of gateway.pool.Pool);
+    `failed_replicas`: those reported failed."""
+
+    def __init__(self) -> None:
+        self.replicas: list = []
+        self.failed_replicas: list = []
+
+    def start(self) -> None:
+        pass
+
+    def serving(self) -> int:
+        return 0
+
+    def failed(self, replica) -> None:
+        self.failed_replicas.append(replica)
+
+    async def close(self, grace_s: float = 0.0) -> None:
+        pass
+
+
+def gateway_core(tiny_target) -> GatewayCore:
+    """A real GatewayCore over the tiny target's tokenizer, with no channels (only _chunks is exercised)."""
+    return GatewayCore(GatewayConfig(tokenizer=str(tiny_target)), telemetry.GatewayMetrics(CollectorRegistry()),
+                       AutoTokenizer.from_pretrained(tiny_target), pools=lambda cfg: (NoPool(), NoPool()))
+
+
 def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list:
-    servicer = GatewayServicer.__new__(GatewayServicer)  # no channels: only _chunks is exercised
-    servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    servicer.metrics = telemetry.GatewayMetrics(CollectorRegistry())
+    core = gateway_core(tiny_target)
 
     async def verdicts():
         for m in messages:
@@ -33,7 +59,7 @@ def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list
     round_ = fake_round(plan, verdicts)
 
     async def run() -> list:
-        return [c async for c in servicer._chunks(round_, None)]
+        return [c async for c in core._chunks(round_, None)]
 
     return asyncio.run(run())
 
@@ -69,11 +95,8 @@ def test_a_verifier_that_goes_away_is_resumed_elsewhere_without_gap_or_duplicate
     got (preview tokens included), with the budgets that are left."""
     import grpc
 
-    servicer = GatewayServicer.__new__(GatewayServicer)
-    servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    servicer.metrics = telemetry.GatewayMetrics(CollectorRegistry())
-    failed = []
-    servicer.verifiers = SimpleNamespace(failed=failed.append)
+    core = gateway_core(tiny_target)
+    failed = core.verifiers.failed_replicas
     plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=6, min_tokens=4), 4, pb.DRAFT_METHOD_MODEL)
 
     async def first():
@@ -88,15 +111,15 @@ def test_a_verifier_that_goes_away_is_resumed_elsewhere_without_gap_or_duplicate
 
     resumed = []
 
-    async def next_round(p, context, stats):
+    async def next_round(p, parent, stats):
         resumed.append(p)
         return fake_round(p, second, stats)
 
-    servicer._round = next_round
+    core._round = next_round
     round_ = fake_round(plan, first)
 
     async def run() -> list:
-        return [c async for c in servicer._chunks(round_, None)]
+        return [c async for c in core._chunks(round_, None)]
 
     chunks = asyncio.run(run())
     assert [t for c in chunks for t in c.token_ids] == [10, 11, 12, 13, 14, 15]  # no gap, no duplicate
@@ -111,10 +134,7 @@ def test_a_verifier_that_goes_away_after_the_last_token_ends_the_stream_normally
     (which the verifier refuses), the stream ends with finish reason length."""
     import grpc
 
-    servicer = GatewayServicer.__new__(GatewayServicer)
-    servicer.tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    servicer.metrics = telemetry.GatewayMetrics(CollectorRegistry())
-    servicer.verifiers = SimpleNamespace(failed=lambda replica: None)
+    core = gateway_core(tiny_target)
     plan = Plan("r", [1, 2, 3], pb.SamplingParams(max_tokens=3), 4, pb.DRAFT_METHOD_MODEL)
 
     async def verdicts():
@@ -125,14 +145,14 @@ def test_a_verifier_that_goes_away_after_the_last_token_ends_the_stream_normally
 
     resumed = []
 
-    async def next_round(p, context, stats):
+    async def next_round(p, parent, stats):
         resumed.append(p)
         raise AssertionError("nothing is left to resume")
 
-    servicer._round = next_round
+    core._round = next_round
 
     async def run() -> list:
-        return [c async for c in servicer._chunks(fake_round(plan, verdicts), None)]
+        return [c async for c in core._chunks(fake_round(plan, verdicts), None)]
 
     chunks = asyncio.run(run())
     assert [t for c in chunks for t in c.token_ids] == [10, 11, 12] and not resumed

@@ -26,11 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Flags that tests, `specdec up`, `specdec demo`, the benchmarks and deployments pass today.
 EXISTING_FLAGS = {
-    "drafter": "--host --port --metrics-port --inject-delay-ms --inject-every --model --threads --dtype --quantize "
+    "drafter": "--host --port --metrics-port --model --threads --dtype --quantize "
                "--sample-drafts --no-sample-drafts --lookahead --prefill-chunk",
-    "verifier": "--host --port --metrics-port --inject-delay-ms --inject-every --model --threads --io-cpus "
+    "verifier": "--host --port --metrics-port --model --threads --io-cpus "
                 "--max-gamma --max-model-len --max-num-seqs --dtype --kv-cache-gib --draft-wait-ms "
-                "--draft-wait-slack --draft-wait-margin-ms --inject-prefill-delay-ms --prefix-caching "
+                "--draft-wait-slack --draft-wait-margin-ms --prefix-caching "
                 "--no-prefix-caching --adaptive-gamma --no-adaptive-gamma",
     "gateway": "--host --port --metrics-port --drafter-address --verifier-address --tokenizer --default-gamma "
                "--default-drafter --drafter-timeout-s --rest-port --spike-factor --spike-min-ms --spike-ms",

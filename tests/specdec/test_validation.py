@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.validation import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -50,6 +51,20 @@ def test_sampling(kwargs: dict, field: str) -> None:
     with pytest.raises(InvalidField) as info:
         check_sampling("s", pb.SamplingParams(**kwargs))
     assert info.value.field == field
+
+
+def test_allowed_token_ids() -> None:
+    """Ids in the vocabulary (when it is known), at most MAX_ALLOWED_TOKEN_IDS; empty: no constraint."""
+    check_sampling("s", pb.SamplingParams(max_tokens=3), vocab_size=10)
+    check_sampling("s", pb.SamplingParams(max_tokens=3, allowed_token_ids=[0, 9]), vocab_size=10)
+    for ids in ([3, 10], [-1]):
+        with pytest.raises(InvalidField, match=r"^s.allowed_token_ids: token id -?\d+ at index \d is outside"):
+            check_sampling("s", pb.SamplingParams(max_tokens=3, allowed_token_ids=ids), vocab_size=10)
+    many = pb.SamplingParams(max_tokens=3, allowed_token_ids=[0] * (MAX_ALLOWED_TOKEN_IDS + 1))
+    for check in (lambda: check_sizes("s", many), lambda: check_sampling("s", many, vocab_size=10)):
+        with pytest.raises(InvalidField) as info:
+            check()
+        assert info.value.field == "s.allowed_token_ids"
 
 
 def test_sampling_context_limit() -> None:

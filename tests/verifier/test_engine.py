@@ -34,29 +34,31 @@ def test_logprobs_follow_the_tokens_kept() -> None:
 
 
 def _bare_engine():
-    """A TargetEngine without vLLM or its thread: the session-facing calls and the draft board."""
-    import queue
-    import threading
+    """A TargetEngine, not started, over no vLLM engine: the session-facing calls and the draft board."""
+    from prometheus_client import CollectorRegistry
 
+    from specdec import telemetry
+    from specdec.config import VerifierConfig
     from verifier.engine import TargetEngine
     from verifier.proposer import DraftBoard
+    from verifier.vllm_hooks import ModelFacts
 
-    eng = object.__new__(TargetEngine)
-    eng.board = DraftBoard()
-    eng._live, eng._early, eng._early_lock = {}, {}, threading.Lock()
-    eng._commands, eng._wake = queue.SimpleQueue(), threading.Event()
-    eng.failed, eng._fail_lock = "", threading.Lock()
-    return eng
+    metrics = telemetry.VerifierMetrics(CollectorRegistry())
+    return TargetEngine(VerifierConfig(), None, DraftBoard(metrics=metrics), metrics, ModelFacts(100, [0], {0}))
 
 
 def test_drafts_ready_and_end_before_the_request_is_added_are_kept_bounded_and_applied() -> None:
     """A session's `end` (say its drafter failed at once) can come before the engine thread has
     added the request: it must not be lost, or every step would wait for drafts that never come."""
+    from types import SimpleNamespace
+
     from specdec.validation import max_blocks_per_commit
     from verifier.engine import GenerationRequest, _Live
 
     eng = _bare_engine()
-    req = GenerationRequest("a", [1, 2, 3], 0.0, 1.0, -1, None, 10, False, gamma=2)
+    # vllm.SamplingParams's fields the engine reads (verifier.convert makes the real one; this tier imports no vLLM)
+    params = SimpleNamespace(max_tokens=10, stop_token_ids=None, logprobs=None)
+    req = GenerationRequest("a", [1, 2, 3], gamma=2, params=params)
     eng.submit(req, lambda v: None)
     eng.drafter_ready("a", 5.0)
     eng.offer("a", 3, [7, 8], True, 3)

@@ -22,11 +22,13 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from specdec import telemetry
 from specdec.config import VerifierConfig
+from specdec.models import compat
 from specdec.wire import pb, rpc
-from verifier import engine as engine_module
-from verifier import vllm_hooks
+from verifier import convert, vllm_hooks
 from verifier.engine import EngineFailed, GenerationRequest, TargetEngine, Verdict
+from verifier.proposer import DraftBoard
 
 BOUND_S = 30.0  # generous: a failure is seen within milliseconds
 
@@ -61,24 +63,27 @@ class FakeVLLM:
 def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeVLLM, list[tuple[int, int]]]]:
     fake = FakeVLLM()
     kills: list[tuple[int, int]] = []
-    monkeypatch.setattr(engine_module, "configure_vllm_env", lambda cfg: None)
-    monkeypatch.setattr(vllm_hooks, "check_vllm_version", lambda: "fake")
-    monkeypatch.setattr(vllm_hooks, "apply_cpu_sampler_fix", lambda: False)
-
-    def build_engine(cfg: Any, path: str, board: Any) -> FakeVLLM:
-        board.max_model_len = 2048  # as build_engine does: the engine's context length
-        return fake
-
-    monkeypatch.setattr(vllm_hooks, "build_engine", build_engine)
-    monkeypatch.setattr(vllm_hooks, "model_facts", lambda engine: vllm_hooks.ModelFacts(100, [0], {0}))
-    monkeypatch.setattr(vllm_hooks, "install_schedule_hook", lambda engine, after, before=None: None)
     monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append((pid, sig)))
     yield fake, kills
 
 
+def started_engine(fake: FakeVLLM, cfg: VerifierConfig) -> TargetEngine:
+    """The real TargetEngine, its thread and a real DraftBoard, over the fake of vLLM's engine."""
+    metrics = telemetry.VerifierMetrics(CollectorRegistry())
+    board = DraftBoard(max_model_len=2048, metrics=metrics)  # build_engine sets the engine's context length
+    return TargetEngine(cfg, fake, board, metrics, vllm_hooks.ModelFacts(100, [0], {0})).start()
+
+
+def started_servicer(fake: FakeVLLM, cfg: VerifierConfig) -> Any:  # -> VerifierServicer
+    from verifier.server import VerifierServicer
+
+    engine = started_engine(fake, cfg)
+    return VerifierServicer(cfg, engine, engine.metrics, compat.Vocabulary(cfg.model, 100, 100, "", None, None, None))
+
+
 def _request(rid: str) -> GenerationRequest:
-    return GenerationRequest(request_id=rid, prompt_token_ids=[5, 6, 7], temperature=0.0, top_p=1.0, top_k=-1,
-                             seed=None, max_tokens=10**6, ignore_eos=True, gamma=0)
+    return convert.generation_request(pb.VerifyOpen(request_id=rid, prompt_token_ids=[5, 6, 7], gamma=0,
+                                                    sampling=pb.SamplingParams(max_tokens=10**6, ignore_eos=True)))
 
 
 class Session:
@@ -106,7 +111,7 @@ def test_an_exception_in_emit_fails_every_session_and_stops_the_process(fake_vll
         raise RuntimeError("injected: emit failed")
 
     monkeypatch.setattr(TargetEngine, "_emit", broken_emit)
-    eng = TargetEngine(VerifierConfig(batch_window_ms=0), "unused")
+    eng = started_engine(fake_vllm[0], VerifierConfig(batch_window_ms=0))
     a, b = Session(), Session()
     eng.submit(_request("a"), a)
     eng.submit(_request("b"), b)
@@ -123,7 +128,7 @@ def test_an_exception_in_emit_fails_every_session_and_stops_the_process(fake_vll
 
 def test_an_exception_in_command_handling_fails_every_session(fake_vllm) -> None:
     fake, kills = fake_vllm
-    eng = TargetEngine(VerifierConfig(batch_window_ms=0), "unused")
+    eng = started_engine(fake_vllm[0], VerifierConfig(batch_window_ms=0))
     a, b = Session(), Session()
     eng.submit(_request("a"), a)
     eng.submit(_request("b"), b)
@@ -140,8 +145,6 @@ def test_an_exception_in_command_handling_fails_every_session(fake_vllm) -> None
 def test_the_client_of_a_failed_engine_sees_unavailable(fake_vllm, monkeypatch) -> None:
     """Through the real VerifierServicer: a session whose engine fails ends with UNAVAILABLE
     (which the gateway migrates on), never a hang; a new session is refused the same way."""
-    from verifier.server import VerifierServicer
-
     _, kills = fake_vllm
     emitted = threading.Event()
     real_emit = TargetEngine._emit
@@ -155,7 +158,7 @@ def test_the_client_of_a_failed_engine_sees_unavailable(fake_vllm, monkeypatch) 
     monkeypatch.setattr(TargetEngine, "_emit", emit_then_fail)
 
     async def run() -> tuple[grpc.aio.AioRpcError, grpc.aio.AioRpcError]:
-        servicer = VerifierServicer(VerifierConfig(model="tiny/target", batch_window_ms=0), CollectorRegistry())
+        servicer = started_servicer(fake_vllm[0], VerifierConfig(model="tiny/target", batch_window_ms=0))
         server = grpc.aio.server()
         rpc.add_VerifierServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -188,11 +191,9 @@ def test_half_open_verify_sessions_free_their_slots(fake_vllm) -> None:
     """A Verify stream that never sends `open` ends with DEADLINE_EXCEEDED after
     first_message_timeout_s, freeing its max_sessions slot (as on the drafter:
     tests/drafter/test_half_open.py)."""
-    from verifier.server import VerifierServicer
-
     async def run() -> tuple[list[grpc.StatusCode], int]:
         cfg = VerifierConfig(model="tiny/target", max_sessions=20, first_message_timeout_s=0.5)
-        servicer = VerifierServicer(cfg, CollectorRegistry())
+        servicer = started_servicer(fake_vllm[0], cfg)
         server = grpc.aio.server()
         rpc.add_VerifierServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")

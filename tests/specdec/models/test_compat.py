@@ -77,11 +77,11 @@ def test_the_wire_form_round_trips_and_an_older_peer_is_not_checked(variants) ->
 
 
 def test_a_drafter_given_its_target_refuses_a_draft_that_does_not_fit(variants) -> None:
-    from drafter.server import DrafterServicer
+    from drafter.server import build
 
     cfg = DrafterConfig(model=str(variants["other-vocab"]), target="tiny/target", metrics_port=0)
     with pytest.raises(compat.IncompatibleModels, match="does not fit target 'tiny/target': different vocabularies"):
-        DrafterServicer(cfg, CollectorRegistry())
+        build(cfg, CollectorRegistry())
 
 
 def test_up_refuses_a_pair_that_does_not_fit_before_starting_anything(
