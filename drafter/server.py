@@ -1,8 +1,9 @@
 """The drafter gRPC service (specdec.v1.DrafterService).
 
 One `Draft` stream per generation. A single worker thread advances all sessions
-round-robin, one token at a time, so concurrent generations share the draft
-model fairly; blocks go out as soon as they are due (see drafter.sessions).
+round-robin, one token each per step (all of a step's tokens in one batched forward,
+drafter.batch), so concurrent generations share the draft model fairly; blocks go
+out as soon as they are due (see drafter.sessions).
 """
 
 from __future__ import annotations
@@ -46,15 +47,22 @@ class DraftWorker(threading.Thread):
     """Runs draft steps for every session that wants work; sleeps when none does.
 
     Order: drafts a verifier is waiting for (urgent) first; then, round-robin, prefill
-    chunks of new sessions and drafting ahead. `token_ms` is the running compute cost of
-    one draft token (seeded by the servicer's calibration); a session's wall-clock cost
-    per token is about token_ms times the sessions drafting at once. Each drafted token's
+    chunks of new sessions and drafting ahead. With `batch` (DrafterConfig.batch_drafts),
+    each round's draft tokens are made in one batched forward (drafter.batch); without,
+    one session at a time. `token_ms` is the running compute cost of one draft token
+    (seeded by the servicer's calibration; a batched token costs its share of the
+    forward); a session's wall-clock cost per token is about token_ms times the sessions
+    drafting at once. Each drafted token's
     compute goes to `metrics.step_seconds` (none when metrics is None).
     """
 
-    def __init__(self, token_ms: float = 0.0, metrics: telemetry.DrafterMetrics | None = None) -> None:
+    def __init__(
+        self, token_ms: float = 0.0, metrics: telemetry.DrafterMetrics | None = None, batch: bool = True
+    ) -> None:
         super().__init__(name="draft-worker", daemon=True)
         self.metrics = metrics
+        self.batch = batch  # one forward for every model session that drafts a token (drafter.batch)
+        self.last_batch = 0  # tokens the latest step drafted (the batch size, when batched)
         self._cond = threading.Condition()
         self._sessions: dict[int, tuple[DraftSession, Emit]] = {}
         self._stopped = False
@@ -100,17 +108,40 @@ class DraftWorker(threading.Thread):
             if not active:  # idle otherwise: one batched step of each session's branches
                 self._branch_steps(branchy)
                 continue
-            for session, emit in active:
-                steps = session.steps
-                failed, out = self._guarded(session, emit, session.step)
-                if failed:
-                    continue
-                if session.steps > steps and session.last_token_ms > 0:  # the step drafted a token
-                    self.token_ms += PACE_EWMA * (session.last_token_ms - self.token_ms) if self.token_ms else session.last_token_ms
-                    if self.metrics is not None:
-                        self.metrics.step_seconds.observe(session.last_token_ms / 1e3)
-                if out is not None:
-                    emit(out)
+            self.advance(active)
+
+    def advance(self, active: list[tuple[DraftSession, Emit]]) -> None:
+        """One step of each session in `active`, in order: with `batch`, the model sessions
+        that draft a token share one forward (drafter.batch); else one `session.step` each."""
+        steps = [session.steps for session, _ in active]
+        if self.batch:
+            from drafter import batch  # imports transformers: only a batching worker needs it
+
+            results = batch.draft_step([session for session, _ in active])
+        else:
+            results = [self._serial_step(session) for session, _ in active]
+        drafted = 0
+        for (session, emit), before, (out, exc) in zip(active, steps, results, strict=True):
+            if exc is not None:
+                log.error("draft step failed", exc_info=exc)
+                self.remove(session)
+                emit(exc)
+                continue
+            if session.steps > before and session.last_token_ms > 0:  # the step drafted a token
+                drafted += 1
+                self.token_ms += PACE_EWMA * (session.last_token_ms - self.token_ms) if self.token_ms else session.last_token_ms
+                if self.metrics is not None:
+                    self.metrics.step_seconds.observe(session.last_token_ms / 1e3)
+            if out is not None:
+                emit(out)
+        self.last_batch = drafted
+
+    @staticmethod
+    def _serial_step(session: DraftSession) -> tuple[BlockOut | Ready | None, BaseException | None]:
+        try:
+            return session.step(), None
+        except Exception as exc:  # noqa: BLE001 - handed back: the worker removes the session
+            return None, exc
 
     def _guarded(self, session: DraftSession, emit: Emit, work: Callable[[], object]) -> tuple[bool, object]:
         """(failed, result) of one unit of a session's work; a failing session is removed and
@@ -159,7 +190,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         # worker thread (DraftSession.step). Empty in production; plugins append to it
         # (specdec.serving.load_plugins; the tests' fault injection, tests/faultkit.py).
         self.step_hooks: list[Callable[[DraftSession], None]] = []
-        self.worker = DraftWorker(token_ms, self.metrics)
+        self.worker = DraftWorker(token_ms, self.metrics, batch=cfg.batch_drafts)
         self.worker.start()
 
     def _open(self, req: "pb.DraftOpen") -> DraftSession:

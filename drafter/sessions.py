@@ -44,6 +44,9 @@ import torch
 
 from specdec.acceptance import sparse_q, target_distribution
 
+# `DraftSession.step_begin_locked`'s answer when the step drafts a token.
+DRAFT_NEEDED = object()
+
 
 @dataclass
 class Draft:
@@ -182,40 +185,61 @@ class DraftSession:
         """One unit of work: a prefill chunk (a `Ready` after the last one), or one draft token
         (if the window allows) with a block when one is due."""
         with self.lock:
-            if not self.ready:
-                t0 = time.perf_counter()
-                if self._needs_warmup():
-                    self._warmup(self.prefill_chunk)
-                self.prefill_ms += (time.perf_counter() - t0) * 1e3
-                if self._needs_warmup():
-                    return None
-                self.ready = True
-                return Ready(len(self.context), self.prefill_ms)
-            if self._resend:  # an adopted branch's drafts, before anything else
-                self._resend = False
-                return self._flush(force=not self.wants_work(), now=True)
-            if not self.wants_work():
-                return self._flush(force=True)
-            self.last_token_ms = 0.0
+            first = self.step_begin_locked()
+            if first is not DRAFT_NEEDED:
+                return first
+            return self.step_draft_locked(time.perf_counter())
+
+    def step_begin_locked(self) -> BlockOut | Ready | None | object:
+        """The part of `step` before drafting a token: the step's result, or DRAFT_NEEDED when
+        the step drafts one (then `step_draft_locked` finishes it). Called with the lock held;
+        drafter.batch calls the two halves itself, to draft many sessions' tokens in one forward."""
+        if not self.ready:
             t0 = time.perf_counter()
+            if self._needs_warmup():
+                self._warmup(self.prefill_chunk)
+            self.prefill_ms += (time.perf_counter() - t0) * 1e3
+            if self._needs_warmup():
+                return None
+            self.ready = True
+            return Ready(len(self.context), self.prefill_ms)
+        if self._resend:  # an adopted branch's drafts, before anything else
+            self._resend = False
+            return self._flush(force=not self.wants_work(), now=True)
+        if not self.wants_work():
+            return self._flush(force=True)
+        self.last_token_ms = 0.0
+        return DRAFT_NEEDED
+
+    def step_draft_locked(
+        self, t0: float, draft: Draft | None | object = DRAFT_NEEDED, compute_ms: float | None = None
+    ) -> BlockOut | None:
+        """The rest of a step that drafts a token (started at perf_counter `t0`): `draft`, or
+        the session's own `_next_token()` when not given. `compute_ms`: the token's compute
+        (a batched step's share of its forward); default: the time since t0."""
+        if draft is DRAFT_NEEDED:
             draft = self._next_token()
-            self.steps += 1
-            for hook in self.step_hooks:
-                hook(self)
-            if draft is None:
-                self.exhausted = True
-                # an empty block tells the verifier not to wait for drafts at this position
-                return self._flush(force=True) or BlockOut(self.sent, [], 0.0, True, self.committed)
-            if not self._pending:
-                self._pending_since = t0
-                self._pending_ms = 0.0
-            self._drafted[len(self.context)] = draft
-            self.context.append(draft.token_id)
-            self._pending.append(draft)
-            step_s = time.perf_counter() - t0
-            self.last_token_ms = step_s * 1e3
-            self._pending_ms += step_s * 1e3
-            return self._flush(force=not self.wants_work())
+        assert draft is None or isinstance(draft, Draft)
+        self.steps += 1
+        hooks_start = time.perf_counter()
+        for hook in self.step_hooks:
+            hook(self)
+        if compute_ms is not None:  # a batched row: its share of the forward, and its own hooks' time
+            compute_ms += (time.perf_counter() - hooks_start) * 1e3
+        if draft is None:
+            self.exhausted = True
+            # an empty block tells the verifier not to wait for drafts at this position
+            return self._flush(force=True) or BlockOut(self.sent, [], 0.0, True, self.committed)
+        if not self._pending:
+            self._pending_since = t0
+            self._pending_ms = 0.0
+        self._drafted[len(self.context)] = draft
+        self.context.append(draft.token_id)
+        self._pending.append(draft)
+        step_ms = (time.perf_counter() - t0) * 1e3 if compute_ms is None else compute_ms
+        self.last_token_ms = step_ms
+        self._pending_ms += step_ms
+        return self._flush(force=not self.wants_work())
 
     def _flush(self, force: bool, now: bool = False) -> BlockOut | None:
         """Send pending drafts when forced (nothing more to draft; the block is `final`), at
@@ -394,6 +418,11 @@ class ModelDraftSession(DraftSession):
     @torch.inference_mode()
     def _next_token(self) -> Draft | None:
         logits = self._forward(len(self.context))  # [vocab]
+        return self.pick_locked(logits)
+
+    def pick_locked(self, logits: torch.Tensor) -> Draft:
+        """The step's draft from the logits [vocab] after the context's last token (drafter.batch
+        hands it a row of a batched forward): greedy or sampled with the session's generator."""
         return self._pick(logits, with_alts=self.branches > 0)
 
     def _pick(self, logits: torch.Tensor, with_alts: bool) -> Draft:

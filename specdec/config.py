@@ -171,6 +171,10 @@ class DrafterConfig(TransportConfig):
         "Prompt tokens per prefill step of the draft model. A session prefills its prompt from `open` on, "
         "while the target is queued and prefills; chunks let other sessions' drafts (which come first) "
         "interleave with a long prompt's prefill.")
+    batch_drafts: bool = setting(
+        True,
+        "Draft every session's next token in one batched forward of the draft model per step (ragged "
+        "lengths, each session's own KV cache; docs/batched-drafting.md); off: one forward per session.")
     sample_drafts: bool = setting(
         False,
         "Sampled requests: draft by sampling the draft's q (its top q_top_k tokens, on) or by taking q's "

@@ -1,0 +1,272 @@
+"""Drafter capacity: draft tokens per second and per-session pace against the number of
+sessions, the batched worker (drafter.batch) against the serial loop, in one run.
+
+    python -m benchmarks.drafter_capacity [--model tiny/draft-mid] [--quantize none]
+        [--sessions 1,2,4,8,16,32] [--out bench-drafter]
+
+Terms:
+    sessions    draft sessions the worker serves at once, all drafting (none held)
+    round       one `DraftWorker.advance` over every session: each drafts one token
+    tok/s       draft tokens made per second of wall clock, all sessions together
+    pace        ms between two draft tokens of one session (a round's duration): what a
+                verifier waiting for that session's drafts sees
+
+Each session has its own prompt (`--prompt` tokens plus 8 per session index, so rows are
+ragged), is prefilled (not timed) and gets its first commit; then the worker drafts round
+after round. Every `--gamma` tokens a session gets a verdict that accepts `--accept` of its
+drafts and corrects the next, so its cache rolls back and the next step feeds the
+correction, as under a verifier. A mode runs at least `--min-rounds` rounds and `--seconds`
+seconds after `--warmup` rounds. One core, one torch thread (the drafter's default
+`--threads 1`); pin the process too: `taskset -c 0 python -m benchmarks.drafter_capacity`.
+
+Time is the CPU time of the worker's thread (time.thread_time), so tok/s is per CPU-second of
+one core: on a core shared with other work, wall-clock rates fall with the share the process
+gets, CPU-time rates much less (the wall-clock rate is in the CSV and JSON too). On a core of
+its own the two agree.
+
+`--shape qwen2.5-0.5b`: a random-init Qwen2 with the Qwen2.5-Coder-0.5B draft's shapes (24
+layers, hidden 896, 14 heads, 2 KV heads, vocab 151,936) instead of `--model`'s weights: the
+same cost per forward, without the weights (its drafts are meaningless; their speed is not).
+
+`--copies N`: instead, time one batched step of N sessions and, apart, the cache copies it
+makes (gathering each row's cache into the padded batch, appending the new token to it):
+what a single batched cache, which copies nothing, could save (docs/batched-drafting.md).
+
+Writes OUT/drafter-capacity.csv and OUT/drafter-capacity.json, OUT/drafter-capacity.png when
+matplotlib is installed, and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from drafter.server import DraftWorker
+from drafter.sessions import DraftSession, ModelDraftSession, Ready
+from specdec.models import load_causal_lm
+
+# Qwen2.5-Coder-0.5B-Instruct's shapes (its config.json), for `--shape qwen2.5-0.5b`.
+QWEN_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+@dataclass
+class Row:
+    """One (sessions, mode) measurement."""
+
+    sessions: int
+    mode: str  # "batched" or "serial"
+    rounds: int
+    tokens: int
+    seconds: float  # CPU time of the worker's thread (see the module's docstring)
+    wall_seconds: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def pace_ms(self) -> float:
+        return self.seconds * 1e3 / self.rounds
+
+    @property
+    def wall_tok_s(self) -> float:
+        return self.tokens / self.wall_seconds
+
+
+def load(args: argparse.Namespace) -> torch.nn.Module:
+    """The draft model: `--model` (with `--quantize`) or a random-init `--shape`."""
+    if args.shape == "qwen2.5-0.5b":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B)).eval()
+        if args.quantize == "int8":  # as specdec.models.load_causal_lm quantises
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        return model
+    return load_causal_lm(args.model, "float32", args.quantize)
+
+
+def make_sessions(model: torch.nn.Module, n: int, args: argparse.Namespace) -> list[ModelDraftSession]:
+    """n sessions with ragged prompts, prefilled and started (their first commit given)."""
+    vocab = min(int(model.config.vocab_size), 30000)
+    out = []
+    for i in range(n):
+        prompt = [(7 * j + 13 * i + 11) % (vocab - 200) + 100 for j in range(args.prompt + 8 * i)]
+        s = ModelDraftSession(model, prompt, args.gamma, 1 << 20, temperature=0.0, top_k=0, top_p=1.0, seed=i,
+                              q_top_k=8, prefill_chunk=1 << 20)
+        s.flush_ms = 1e9  # blocks at gamma drafts: no timer in the measurement
+        while not isinstance(s.step(), Ready):
+            pass
+        s.commit(len(prompt), [(31 * i + 5) % vocab])
+        out.append(s)
+    return out
+
+
+def verdicts(sessions: list[DraftSession], gamma: int, accept: int, vocab: int) -> None:
+    """A verdict for each session with gamma drafts past its committed context: accept
+    `accept` of them, correct the next (a rollback of gamma - accept tokens)."""
+    for s in sessions:
+        if len(s.context) - s.committed >= gamma:
+            c = s.committed
+            s.commit(c, s.context[c : c + accept] + [(s.context[c + accept] + 1) % vocab])
+
+
+def _fail(item: object) -> None:
+    """The benchmark's emit: blocks are dropped; a failed step ends the run."""
+    if isinstance(item, BaseException):
+        raise RuntimeError("a draft step failed") from item
+
+
+def measure(model: torch.nn.Module, n: int, batched: bool, args: argparse.Namespace) -> Row:
+    sessions = make_sessions(model, n, args)
+    worker = DraftWorker(batch=batched)
+    active = [(s, _fail) for s in sessions]
+    vocab = min(int(model.config.vocab_size), 30000)
+    for _ in range(args.warmup):
+        worker.advance(active)
+        verdicts(sessions, args.gamma, args.accept, vocab)
+    before = sum(s.steps for s in sessions)
+    rounds, t0, c0 = 0, time.perf_counter(), time.thread_time()
+    while rounds < args.min_rounds or time.thread_time() - c0 < args.seconds:
+        worker.advance(active)
+        rounds += 1
+        verdicts(sessions, args.gamma, args.accept, vocab)
+    cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+    return Row(n, "batched" if batched else "serial", rounds, sum(s.steps for s in sessions) - before, cpu, wall)
+
+
+def copy_share(model: torch.nn.Module, n: int, args: argparse.Namespace, repeats: int = 5) -> tuple[float, float]:
+    """(ms of one batched step of n one-token rows, ms of its cache copies alone): the same
+    gathers into [n, heads, Lp + 1, dim] and appends of one token per row and layer, timed
+    apart from the forward (medians of `repeats`; CPU time). What one batched cache would save."""
+    import statistics
+
+    from drafter import batch
+
+    sessions = make_sessions(model, n, args)
+    steps, copies = [], []
+    for _ in range(repeats):
+        for s in sessions:
+            s.context.append(101)
+        c0 = time.thread_time()
+        batch.forward_rows(model, sessions)
+        steps.append(time.thread_time() - c0)
+        c0 = time.thread_time()
+        padded = max(s.cached for s in sessions)
+        for layer in range(len(sessions[0].cache.layers)):
+            k0 = sessions[0].cache.layers[layer].keys  # [1, heads, L, dim]
+            keys = k0.new_zeros(n, k0.shape[1], padded + 1, k0.shape[3])
+            values = torch.zeros_like(keys)
+            for i, s in enumerate(sessions):
+                own = s.cache.layers[layer]
+                keys[i, :, : own.keys.shape[-2]] = own.keys[0]
+                values[i, :, : own.values.shape[-2]] = own.values[0]
+            for i, s in enumerate(sessions):
+                own = s.cache.layers[layer]
+                torch.cat([own.keys, keys[i : i + 1, :, -1:]], dim=-2)
+                torch.cat([own.values, values[i : i + 1, :, -1:]], dim=-2)
+        copies.append(time.thread_time() - c0)
+    return statistics.median(steps) * 1e3, statistics.median(copies) * 1e3
+
+
+def table(rows: list[Row]) -> str:
+    by = {(r.sessions, r.mode): r for r in rows}
+    lines = ["| sessions | serial tok/s | batched tok/s | batched / serial | serial pace ms | batched pace ms |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for n in sorted({r.sessions for r in rows}):
+        s, b = by[(n, "serial")], by[(n, "batched")]
+        lines.append(f"| {n} | {s.tok_s:.0f} | {b.tok_s:.0f} | {b.tok_s / s.tok_s:.2f}x | {s.pace_ms:.1f} | "
+                     f"{b.pace_ms:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], title: str, path: Path) -> bool:
+    """tok/s and pace against sessions, both modes; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in ("serial", "batched"):
+        pts = sorted((r.sessions, r.tok_s, r.pace_ms) for r in rows if r.mode == mode)
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        ax2.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=mode)
+    for ax, label in ((ax1, "draft tokens / s (all sessions)"), (ax2, "pace: ms per token of one session")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sessions")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny/draft-mid", help="draft model reference (specdec.models)")
+    ap.add_argument("--shape", default="", choices=("", "qwen2.5-0.5b"), help="random-init model of these shapes")
+    ap.add_argument("--quantize", default="none", choices=("none", "int8"))
+    ap.add_argument("--sessions", default="1,2,4,8,16,32")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens of session 0 (session i: + 8 i)")
+    ap.add_argument("--gamma", type=int, default=8)
+    ap.add_argument("--accept", type=int, default=4, help="drafts each verdict accepts (of gamma)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--min-rounds", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=2.0, help="least CPU time measured per (sessions, mode)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="bench-drafter")
+    ap.add_argument("--copies", type=int, default=0,
+                    help="instead: time one batched step of this many sessions and its cache copies alone")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load(args)
+    name = args.shape or args.model
+    if args.copies:
+        step_ms, copy_ms = copy_share(model, args.copies, args)
+        print(f"{name} ({args.quantize}), {args.copies} sessions, prompts {args.prompt}+: batched step "
+              f"{step_ms:.1f} ms CPU, of which cache copies {copy_ms:.1f} ms ({100 * copy_ms / step_ms:.0f} %)")
+        return
+    title = f"{name} ({args.quantize}), {args.threads} thread(s), gamma {args.gamma}, accept {args.accept}"
+    rows = []
+    for n in [int(x) for x in args.sessions.split(",")]:
+        for batched in (False, True):
+            rows.append(measure(model, n, batched, args))
+            r = rows[-1]
+            print(f"{n:3d} sessions {r.mode:8s} {r.tok_s:8.1f} tok/s  pace {r.pace_ms:7.1f} ms  ({r.rounds} rounds; "
+                  f"wall clock {r.wall_tok_s:.1f} tok/s)", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "drafter-capacity.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["sessions", "mode", "rounds", "tokens", "cpu_seconds", "wall_seconds", "tok_s", "pace_ms",
+                    "wall_tok_s"])
+        for r in rows:
+            w.writerow([r.sessions, r.mode, r.rounds, r.tokens, f"{r.seconds:.4f}", f"{r.wall_seconds:.4f}",
+                        f"{r.tok_s:.2f}", f"{r.pace_ms:.3f}", f"{r.wall_tok_s:.2f}"])
+    rates = [asdict(r) | {"tok_s": r.tok_s, "pace_ms": r.pace_ms, "wall_tok_s": r.wall_tok_s} for r in rows]
+    summary = {"title": title, "args": vars(args), "rows": rates}
+    (out / "drafter-capacity.json").write_text(json.dumps(summary, indent=1))
+    plotted = plot(rows, title, out / "drafter-capacity.png")
+    print(f"\n{title}\n\n{table(rows)}\n\nwrote {out}/drafter-capacity.csv, .json" + (", .png" if plotted else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Batched drafting (drafter.batch) drafts exactly what the serial loop drafts.
+
+Both runs drive a real DraftWorker (its `advance`, as its thread does) through one script:
+sessions with prompts of different lengths open at different steps, commits accept and
+reject different amounts per row (so each row's cache rolls back by its own amount), a
+session is held for a while, and sessions close mid-run. Greedy: the same ids; sampled:
+the same tokens from the same seeds, and the same q up to float tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from drafter import batch
+from drafter.server import DraftWorker
+from drafter.sessions import BlockOut, ModelDraftSession, Ready
+from specdec.models import resolve
+
+pytestmark = pytest.mark.e2e  # the tiny draft model, loaded with transformers (tests/conftest.py tiers)
+
+VOCAB = 512  # ids drawn by the script stay in the tiny tokenizer's range
+# (open step, prompt length, seed, branches)
+OPENS = [(0, 1, 11, 0), (0, 7, 12, 3), (0, 40, 13, 0), (2, 17, 14, 0), (5, 3, 15, 3), (9, 58, 16, 0)]
+CLOSES = {1: 14, 3: 30}  # session index -> the step it closes at
+HOLDS = {2: (6, 10)}  # session index -> (held from, released at)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(resolve("tiny/draft-mid")).eval()
+
+
+def _run(model: torch.nn.Module, batched: bool, temperature: float, steps: int = 48) -> dict[int, list]:
+    """Run the script; per session, what it emitted: (kind, start, [(id, prob, support, conf, alts)])."""
+    worker = DraftWorker(batch=batched)
+    sessions: dict[int, ModelDraftSession] = {}
+    emitted: dict[int, list] = {}
+    batch_sizes = []
+
+    def emit_to(k: int):
+        def emit(item: object) -> None:
+            assert not isinstance(item, BaseException), item
+            if isinstance(item, Ready):
+                emitted[k].append(("ready", item.prefilled_tokens, []))
+            elif isinstance(item, BlockOut):
+                emitted[k].append(("block", item.start_position,
+                                   [(d.token_id, d.prob, d.support, d.conf, d.alts) for d in item.drafts]))
+        return emit
+
+    for step in range(steps):
+        for k, (at, length, seed, branches) in enumerate(OPENS):
+            if at == step:
+                prompt = [(seed * 31 + 7 * j) % VOCAB for j in range(length)]
+                s = ModelDraftSession(model, prompt, 4, 5, temperature=temperature, top_k=0, top_p=1.0, seed=seed,
+                                      q_top_k=8, prefill_chunk=16)
+                s.branches = branches
+                s.flush_ms = 1e9  # blocks end at gamma drafts or when final, never on a timer: comparable runs
+                sessions[k], emitted[k] = s, []
+                worker.add(s, emit_to(k))
+                # the target's first token came before the prefill ended: urgent, it joins at once
+                s.commit(length, [(seed * 5) % VOCAB])
+        for k, s in list(sessions.items()):
+            if CLOSES.get(k) == step:
+                worker.remove(s)
+                del sessions[k]
+                continue
+            if not s.ready or (step + k) % 4:  # a verdict every fourth step, staggered per row
+                continue
+            held = HOLDS.get(k, (-1, -1))
+            hold = held[0] <= step < held[1]
+            drafted = s.sent - s.committed  # the verifier saw these drafts
+            if s.started and not drafted and not hold and not s.held:
+                continue
+            accept = (step + 2 * k) % 5  # 0..4 drafts accepted: each row rolls back its own amount
+            if drafted > accept:  # reject the next draft: the correction differs from it
+                tokens = s.context[s.committed : s.committed + accept] + [(s.context[s.committed + accept] + 1) % VOCAB]
+            else:  # every draft accepted, then a bonus token
+                tokens = s.context[s.committed : s.sent] + [(step * 13 + k) % VOCAB]
+            s.commit(s.committed, tokens, hold=hold)
+        live = [(s, e) for s, e in worker._sessions.values()]
+        active = [(s, e) for s, e in live if s.wants_work()]
+        active = [(s, e) for s, e in active if s.urgent()] or active
+        if active:
+            worker.advance(active)
+            batch_sizes.append(worker.last_batch)
+        else:
+            worker._branch_steps([(s, e) for s, e in live if s.wants_branch()])
+    emitted["batch sizes"] = batch_sizes
+    return emitted
+
+
+def _same(serial: dict, batched: dict) -> None:
+    for k in range(len(OPENS)):
+        assert len(serial[k]) == len(batched[k]), k
+        for (kind_a, start_a, drafts_a), (kind_b, start_b, drafts_b) in zip(serial[k], batched[k], strict=True):
+            assert (kind_a, start_a) == (kind_b, start_b), k
+            assert [d[0] for d in drafts_a] == [d[0] for d in drafts_b], (k, start_a)  # the same ids
+            for a, b in zip(drafts_a, drafts_b, strict=True):
+                assert a[1] == pytest.approx(b[1], rel=1e-4, abs=1e-6)  # q(token)
+                assert a[3] == pytest.approx(b[3], rel=1e-4, abs=1e-6)  # conf
+                if a[2] is not None:  # sampled: the same support, the same q
+                    assert a[2][0] == b[2][0]
+                    assert a[2][1] == pytest.approx(b[2][1], rel=1e-4, abs=1e-6)
+                assert [t for t, _ in a[4]] == [t for t, _ in b[4]]  # branch alternatives
+                assert [q for _, q in a[4]] == pytest.approx([q for _, q in b[4]], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_batched_drafts_equal_serial_drafts(model: torch.nn.Module, temperature: float) -> None:
+    serial = _run(model, batched=False, temperature=temperature)
+    batched = _run(model, batched=True, temperature=temperature)
+    _same(serial, batched)
+    drafted = sum(len(d) for k in range(len(OPENS)) for kind, _, d in batched[k] if kind == "block")
+    assert drafted > 100  # the script drafts: the comparison is not vacuous
+    assert max(batched["batch sizes"]) >= 4  # rows were batched, with ragged lengths and rollbacks
+
+
+def _qwen2_gqa() -> torch.nn.Module:
+    """A small random-init Qwen2 with grouped-query attention (4 heads, 2 KV heads), as the
+    qwen-coder draft has (14 and 2): the batched step's attention (drafter.batch._rows_attention)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["tiny-draft", "qwen2-gqa"])
+def test_a_batched_row_equals_a_single_forward(model: torch.nn.Module, kind: str) -> None:
+    """forward_rows on rows of different cached lengths and new-token counts gives each row the
+    logits of its own serial forward, and leaves each row's cache as the serial forward would."""
+    if kind == "qwen2-gqa":
+        model = _qwen2_gqa()
+        assert model.config._attn_implementation == "sdpa"
+    def session(length: int) -> ModelDraftSession:
+        return ModelDraftSession(model, [(5 * j + 3) % VOCAB for j in range(length)], 4, 0, temperature=0.0, top_k=0,
+                                 top_p=1.0, seed=0, q_top_k=8)
+
+    lengths = [(9, 1), (1, 3), (30, 5), (12, 2)]  # (cached, new)
+    rows, twins = [session(c + n) for c, n in lengths], [session(c + n) for c, n in lengths]
+    for (cached, _), a, b in zip(lengths, rows, twins, strict=True):
+        if cached:
+            a._forward(cached)
+            b._forward(cached)
+    logits = batch.forward_rows(model, rows)  # [B, vocab]
+    assert model.config._attn_implementation in ("sdpa", "eager")  # restored after the batched forward
+    for i, (a, b) in enumerate(zip(rows, twins, strict=True)):
+        want = b._forward(len(b.context))  # [vocab]
+        torch.testing.assert_close(logits[i], want, rtol=1e-4, atol=1e-4)
+        assert a.cached == b.cached and a.cache.get_seq_length() == b.cache.get_seq_length() == len(a.context)
+        for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+            torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(la.values, lb.values, rtol=1e-4, atol=1e-4)
