@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -120,9 +121,13 @@ AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
 def _layer_kv(session: ModelDraftSession, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A session's cached (keys, values) [1, heads, cached, dim] at `layer`; None when empty."""
     layers = session.cache.layers
-    if layer >= len(layers) or not layers[layer].is_initialized or layers[layer].get_seq_length() == 0:
+    if layer >= len(layers):
         return None
-    return layers[layer].keys, layers[layer].values
+    found = layers[layer]
+    assert isinstance(found, CacheLayerMixin)  # a DynamicCache's layers (no linear-attention ones)
+    if not found.is_initialized or found.get_seq_length() == 0 or found.keys is None or found.values is None:
+        return None
+    return found.keys, found.values
 
 
 @torch.inference_mode()
@@ -137,7 +142,8 @@ def forward_rows(model: torch.nn.Module, sessions: Sequence[ModelDraftSession]) 
         raise ValueError("forward_rows: a row has no new token to feed")
     t = max(len(n) for n in news)
     padded = max(lengths)
-    n_layers = int(model.config.num_hidden_layers)
+    config: Any = model.config  # a transformers PretrainedConfig
+    n_layers = int(config.num_hidden_layers)
     ids = torch.zeros(len(sessions), t, dtype=torch.long)  # [B, T], left-padded
     positions = torch.zeros(len(sessions), t, dtype=torch.long)  # [B, T]
     allowed = torch.zeros(len(sessions), t, padded + t, dtype=torch.bool)  # [B, T, Lp + T]
@@ -156,7 +162,6 @@ def forward_rows(model: torch.nn.Module, sessions: Sequence[ModelDraftSession]) 
     # additive mask [B, 1, T, Lp + T]: 0 where a query may attend, the dtype's min elsewhere
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
     cache = Cache(layers=[_GatheredLayer([_layer_kv(s, layer) for s in sessions], padded) for layer in range(n_layers)])
-    config = model.config
     attention = config._attn_implementation
     # the same attention, faster for a batched step (_rows_attention), for the model types whose
     # attention is plain scaled dot-product (no soft-capping, sinks or sliding window); others keep their own
@@ -221,12 +226,12 @@ def draft_step(sessions: Sequence[DraftSession]) -> list[tuple[StepResult, BaseE
                 except Exception as exc:  # noqa: BLE001
                     results[i] = (None, exc)
                 continue
-            batch = [sessions[i] for i in members]
-            assert all(isinstance(s, ModelDraftSession) for s in batch)
+            batch = [s for i in members if isinstance(s := sessions[i], ModelDraftSession)]
+            assert len(batch) == len(members)
             t0 = time.perf_counter()
             done: set[int] = set()
             try:
-                logits = forward_rows(batch[0].model, batch)  # type: ignore[arg-type]
+                logits = forward_rows(batch[0].model, batch)
                 share_ms = (time.perf_counter() - t0) * 1e3 / len(batch)  # each row's share of the forward
                 for row, (i, s) in enumerate(zip(members, batch)):
                     assert isinstance(s, ModelDraftSession)

@@ -35,17 +35,24 @@ branch by then: the block changes nothing there), with no draft step spent on th
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Final, Literal
 
 import torch
 
 from specdec.acceptance import sparse_q, target_distribution
 
+
 # `DraftSession.step_begin_locked`'s answer when the step drafts a token.
-DRAFT_NEEDED = object()
+class _Step(enum.Enum):
+    DRAFT_NEEDED = 0
+
+
+DRAFT_NEEDED: Final = _Step.DRAFT_NEEDED  # step_begin_locked: the step goes on to draft a token
 
 
 @dataclass
@@ -190,7 +197,7 @@ class DraftSession:
                 return first
             return self.step_draft_locked(time.perf_counter())
 
-    def step_begin_locked(self) -> BlockOut | Ready | None | object:
+    def step_begin_locked(self) -> BlockOut | Ready | None | Literal[_Step.DRAFT_NEEDED]:
         """The part of `step` before drafting a token: the step's result, or DRAFT_NEEDED when
         the step drafts one (then `step_draft_locked` finishes it). Called with the lock held;
         drafter.batch calls the two halves itself, to draft many sessions' tokens in one forward."""
@@ -212,7 +219,7 @@ class DraftSession:
         return DRAFT_NEEDED
 
     def step_draft_locked(
-        self, t0: float, draft: Draft | None | object = DRAFT_NEEDED, compute_ms: float | None = None
+        self, t0: float, draft: Draft | None | Literal[_Step.DRAFT_NEEDED] = DRAFT_NEEDED, compute_ms: float | None = None
     ) -> BlockOut | None:
         """The rest of a step that drafts a token (started at perf_counter `t0`): `draft`, or
         the session's own `_next_token()` when not given. `compute_ms`: the token's compute
