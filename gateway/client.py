@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from specdec.stats import SpecStats
 from specdec.wire import draft_method, draft_method_name, pb, rpc
 
 DEFAULT_TIMEOUT_S = 3600.0
@@ -59,7 +60,8 @@ def stats_dict(stats: "pb.SpeculationStats") -> dict[str, Any]:
 
 def vllm_spec_metrics(stats: "pb.SpeculationStats") -> dict[str, Any]:
     """A request's speculation under vLLM's per-request names (vLLM's SpeculativeDecodingMetrics,
-    `metrics.speculative_decoding` of its OpenAI responses):
+    `metrics.speculative_decoding` of its OpenAI responses), read from the one accumulator
+    (specdec.stats.SpecStats.vllm_metrics, which defines each figure):
 
         num_spec_steps            target steps that verified drafts (our speculative_steps)
         num_draft_tokens          draft tokens verified (drafted_tokens)
@@ -68,24 +70,8 @@ def vllm_spec_metrics(stats: "pb.SpeculationStats") -> dict[str, Any]:
         mean_acceptance_length    1 + accepted / spec steps (the bonus token counted)
         draft_acceptance_rate     accepted / drafted
         num_spec_tokens           the request's gamma
-
-    The histogram comes from accepted_per_position: a step accepts a prefix of its drafts, so
-    steps accepting >= i drafts is accepted_per_position[i - 1] (all steps for i = 0).
     """
-    at_least = [stats.speculative_steps, *stats.accepted_per_position]  # [i]: steps accepting >= i
-    size = max(stats.gamma, len(stats.accepted_per_position)) + 1
-    at_least += [0] * (size + 1 - len(at_least))
-    histogram = [at_least[j] - at_least[j + 1] for j in range(size)]
-    steps, accepted, drafted = stats.speculative_steps, stats.accepted_tokens, stats.drafted_tokens
-    return {
-        "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
-        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-        "acceptance_histogram": histogram,
-        "num_spec_steps": steps,
-        "num_accepted_draft_tokens": accepted,
-        "num_draft_tokens": drafted,
-        "num_spec_tokens": stats.gamma,
-    }
+    return SpecStats.from_pb(stats).vllm_metrics()
 
 
 def _channel_options() -> list[tuple[str, Any]]:

@@ -24,12 +24,15 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from gateway.core import Chunk, ErrorCode, GatewayError
+from gateway.generation import Generation
+from gateway.migration import migrates, resumed_plan
+from gateway.plan import Plan, tenant_of
 from gateway.pool import NoReplica, Pool, Replica
-from gateway.rounds import Plan, Round, Stats, tenant_of
 from gateway.text import TextStream
 from specdec import security, serving, telemetry
 from specdec.config import GatewayConfig
 from specdec.models import compat
+from specdec.stats import SpecStats
 from specdec.validation import InvalidField, check_gamma, check_request_id, check_sampling, check_sizes, check_token_ids
 from specdec.wire import DRAFT_METHOD_NAMES, draft_method, finish_reason_name, pb, rpc
 
@@ -42,11 +45,6 @@ DRAFTER_FIRST_CHECK_S = 5.0
 INFO_TIMEOUT_S = 30.0
 # After a certificate rotation, how long calls on the old channels may take to finish.
 CHANNEL_DRAIN_S = 3600.0
-# The most times one generation moves to another verifier, and the verifier errors that move it:
-# UNAVAILABLE (it died, hung past keepalive, or drains) and INTERNAL (its process went away with
-# the stream open: RST_STREAM).
-MAX_MIGRATIONS = 3
-MIGRATE_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
 
 
 def _hosts(addresses: str) -> list[str]:
@@ -129,7 +127,7 @@ class GatewayCore:
         start there). `build(cfg, registry)` loads the tokenizer and makes one."""
         self.cfg = cfg
         self.default_drafter = draft_method(cfg.default_drafter)  # a bad name stops the start-up, naming the known
-        telemetry.setup_tracing("gateway")  # Round takes its tracer from the provider
+        telemetry.setup_tracing("gateway")  # a Generation takes its tracer from the provider
         self.metrics = metrics
         self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
         self.tokenizer = tokenizer
@@ -257,8 +255,8 @@ class GatewayCore:
         check_sampling("spec.sampling", sampling, len(prompt), target.max_model_len, target.vocab_size)
         return Plan(spec.request_id or uuid.uuid4().hex, prompt, sampling, gamma, drafter, tenant_of(key))
 
-    async def _round(self, plan: Plan, parent: Any, stats: Stats | None = None) -> Round:
-        """A Round on the least-loaded serving verifier and drafter (gateway.pool), traced under
+    async def _generation(self, plan: Plan, parent: Any, stats: SpecStats | None = None) -> Generation:
+        """A Generation on the least-loaded serving verifier and drafter (gateway.pool), traced under
         `parent` (a caller's trace, or None); with no verifier serving within verifier_retry_s,
         GatewayError UNAVAILABLE."""
         try:
@@ -272,13 +270,12 @@ class GatewayCore:
             await self.drafters.checked(DRAFTER_FIRST_CHECK_S)  # only the first requests after start wait
             drafter = await self._fitting_drafter() if plan.drafter == pb.DRAFT_METHOD_MODEL else self.drafters.choose()
         vocab = self._target.vocab_size if self._target is not None else None
-        round_ = Round(plan, verifier.stub, drafter.stub if drafter is not None else None, self.cfg.drafter_timeout_s,
-                       self.spikes, self.metrics, model=self.cfg.tokenizer, parent=parent, vocab_size=vocab,
-                       stats=stats, verdict_timeout_s=self.cfg.verdict_timeout_s,
-                       max_idle_commits=self.cfg.max_idle_commits,
-                       on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None)
-        round_.replicas = (verifier, drafter)  # type: ignore[attr-defined]  # the servicer's tag on its Round
-        return round_
+        return Generation(plan, verifier.stub, drafter.stub if drafter is not None else None,
+                          self.cfg.drafter_timeout_s, self.spikes, self.metrics, model=self.cfg.tokenizer, parent=parent,
+                          vocab_size=vocab, stats=stats, verdict_timeout_s=self.cfg.verdict_timeout_s,
+                          max_idle_commits=self.cfg.max_idle_commits,
+                          on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None,
+                          replicas=(verifier, drafter))
 
     async def _fitting_drafter(self) -> Replica | None:
         """A serving drafter replica whose draft model fits the target (specdec.models.compat), asked
@@ -312,18 +309,8 @@ class GatewayCore:
             tried.add(drafter.address)
         return None
 
-    def _resumed(self, plan: Plan, streamed: list[int], migration: int) -> Plan:
-        """The plan that resumes `plan` after `streamed` tokens reached the client: the prompt
-        and those tokens as the new prompt, the budgets (max_tokens, min_tokens) what is left."""
-        sampling = pb.SamplingParams()
-        sampling.CopyFrom(plan.sampling)
-        sampling.max_tokens = plan.sampling.max_tokens - len(streamed)
-        sampling.min_tokens = max(0, plan.sampling.min_tokens - len(streamed))
-        return Plan(f"{plan.request_id}-m{migration}", plan.prompt_token_ids + streamed, sampling, plan.gamma, plan.drafter,
-                    plan.tenant)
-
-    async def _chunks(self, round_: Round, parent: Any = None) -> AsyncIterator[Chunk]:
-        """The round's tokens as text chunks, as early as they are certain; ends at the finish
+    async def _chunks(self, generation: Generation, parent: Any = None) -> AsyncIterator[Chunk]:
+        """The generation's tokens as text chunks, as early as they are certain; ends at the finish
         reason or a stop sequence.
 
         A preview's tokens are streamed at once; its verdict then adds only what the preview
@@ -337,7 +324,7 @@ class GatewayCore:
         duplicate (stats.migrations counts it; a resumed round is traced under `parent` too). Any
         other verifier error is a GatewayError with its status code ("verifier: ...").
         """
-        plan = round_.plan
+        plan = generation.plan
         sampling = plan.sampling
         text = TextStream(self.tokenizer, list(sampling.stop), include_stop=sampling.include_stop_str_in_output,
                           skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True)
@@ -348,19 +335,20 @@ class GatewayCore:
         self.metrics.prompt_tokens.inc(len(plan.prompt_token_ids))
         try:
             while True:
-                sent = len(round_.plan.prompt_token_ids)  # position up to which tokens reached the client
-                verifier, drafter = round_.replicas  # type: ignore[attr-defined]  # (set in _round)
+                sent = len(generation.plan.prompt_token_ids)  # position up to which tokens reached the client
+                verifier, drafter = generation.replicas
                 verifier.in_flight += 1
                 if drafter is not None:
                     drafter.in_flight += 1
                 try:
-                    async for v in round_.verdicts():
-                        if v.preview and with_logprobs:
+                    async for v in generation.steps():
+                        preview = isinstance(v, pb.Preview)
+                        if preview and with_logprobs:
                             continue  # the verdict brings these tokens with their logprobs
                         skip = max(0, sent - v.start_position)
                         new = list(v.token_ids[skip:])
                         sent = max(sent, v.start_position + len(v.token_ids))
-                        if v.preview:
+                        if preview:
                             if new:
                                 delta = text.add(new, final=False)
                                 new = new[: text.kept]  # a stop sequence: the tokens up to the one completing it
@@ -384,8 +372,8 @@ class GatewayCore:
                             return  # leaving the loop cancels the verifier's request
                     return
                 except grpc.aio.AioRpcError as err:
-                    migrations = round_.stats.migrations
-                    if err.code() not in MIGRATE_ON or migrations >= MAX_MIGRATIONS:
+                    migrations = generation.stats.migrations
+                    if not migrates(err.code(), migrations):
                         raise GatewayError(ErrorCode[err.code().name], f"verifier: {err.details()}") from err
                     self.verifiers.failed(verifier)
                     if len(streamed) >= sampling.max_tokens:  # the client has every token: nothing to resume
@@ -397,8 +385,8 @@ class GatewayCore:
                     log.warning("request %s: verifier %s went away (%s) after %d tokens; resuming elsewhere",
                                 plan.request_id, verifier.address, err.details(), len(streamed))
                     self.metrics.migrations.inc()
-                    round_ = await self._round(self._resumed(plan, streamed, migrations + 1), parent, round_.stats)
-                    round_.stats.migrations = migrations + 1
+                    stats = generation.stats
+                    generation = await self._generation(resumed_plan(plan, streamed, stats.migrated()), parent, stats)
                 finally:
                     verifier.in_flight -= 1
                     if drafter is not None:
@@ -460,16 +448,16 @@ class GatewayCore:
         plan = await self._checked_plan(spec, key)
         t0 = time.perf_counter()
         first_ms = 0.0
-        round_ = await self._round(plan, parent)
+        generation = await self._generation(plan, parent)
         n = 0
-        async for chunk in self._chunks(round_, parent):
+        async for chunk in self._chunks(generation, parent):
             if not first_ms:
                 first_ms = (time.perf_counter() - t0) * 1e3
             n += len(chunk.token_ids)
             chunk.request_id = plan.request_id
             if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 chunk.usage = pb.Usage(prompt_tokens=len(plan.prompt_token_ids), completion_tokens=n)
-                chunk.stats = round_.stats.to_pb()
+                chunk.stats = generation.stats.to_pb()
                 chunk.first_token_ms, chunk.total_ms = first_ms, (time.perf_counter() - t0) * 1e3
             yield chunk
 

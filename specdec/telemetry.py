@@ -43,7 +43,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -60,6 +60,9 @@ from prometheus_client import (
 )
 
 from specdec import __version__
+
+if TYPE_CHECKING:
+    from specdec.stats import SpecStep
 
 log = logging.getLogger("specdec.telemetry")
 
@@ -320,6 +323,21 @@ class GatewayMetrics:
             for state in ("serving", "not_serving"):
                 self.replicas.labels(pool, state).set(0)
 
+    def observe(self, step: SpecStep, stages_ms: Mapping[str, float]) -> None:
+        """One target step of a generation, as its SpecStats read it (SpecStats.observe), and
+        the step's latency by stage (milliseconds)."""
+        self.rounds.inc()
+        self.generation_tokens.inc(step.num_tokens)
+        for stage, ms in stages_ms.items():
+            self.round_stage.labels(stage).observe(ms / 1e3)
+        if step.is_draft:
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(step.num_draft_tokens)
+            self.num_accepted_tokens.inc(step.num_accepted_tokens)
+            self.accepted_length.observe(step.num_accepted_tokens + 1)
+            for i in range(step.num_accepted_tokens):
+                self.accepted_per_pos.labels(str(i)).inc()
+
 
 class DrafterMetrics:
     """The drafter's metrics, on `registry`.
@@ -370,6 +388,10 @@ class VerifierMetrics:
         specdec:verifier_branches_total                 pre-drafted branches received
         specdec:verifier_branch_hits_total              steps whose drafts came from a branch
         specdec:verifier_branch_misses_total            steps after a rejection that found no branch
+        vllm:spec_decode_num_drafts_total               vLLM's own spec-decode counts (its scheduler's
+        vllm:spec_decode_num_draft_tokens_total         SpecDecodingStats, under its names); over the same
+        vllm:spec_decode_num_accepted_tokens_total      requests they equal the gateway's specdec:spec_decode_*
+        vllm:spec_decode_num_accepted_tokens_per_pos_total{position}
 
     PromQL:
         Queue depth:                specdec:verifier_sessions
@@ -429,3 +451,29 @@ class VerifierMetrics:
             "specdec:verifier_branch_misses", "Steps after a rejection whose drafts were in no branch",
             registry=registry,
         )
+        # vLLM's own spec-decode counters (its scheduler's SpecDecodingStats, per engine step), under
+        # vLLM's names: they must agree with the gateway's specdec:spec_decode_* over the same requests
+        self.vllm_num_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "vLLM's count: engine rows that verified drafts", registry=registry
+        )
+        self.vllm_num_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "vLLM's count: draft tokens verified", registry=registry
+        )
+        self.vllm_num_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "vLLM's count: draft tokens accepted", registry=registry
+        )
+        self.vllm_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "vLLM's count: accepted draft tokens by position",
+            ["position"], registry=registry,
+        )
+
+    def observe_vllm_spec(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+                          num_accepted_tokens_per_pos: Sequence[int]) -> None:
+        """One engine step's SpecDecodingStats, as vLLM's scheduler counted them
+        (verifier.vllm_hooks.SpecStatsLogger calls it)."""
+        self.vllm_num_drafts.inc(num_drafts)
+        self.vllm_num_draft_tokens.inc(num_draft_tokens)
+        self.vllm_num_accepted_tokens.inc(num_accepted_tokens)
+        for position, n in enumerate(num_accepted_tokens_per_pos):
+            if n:
+                self.vllm_accepted_per_pos.labels(str(position)).inc(n)

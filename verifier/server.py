@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from specdec import serving, telemetry
 from specdec.config import VerifierConfig
 from specdec.models import compat
+from specdec.steps import Step, verify_response
 from specdec.validation import (
     BACKEND_REQUEST_ID_EXTRA,
     MAX_REQUEST_ID_CHARS,
@@ -39,8 +40,11 @@ log = logging.getLogger("specdec.verifier")
 CLOSE_GRACE_S = 10.0
 
 
-def verdict_pb(v: Verdict) -> "pb.VerifyResponse":
-    return pb.VerifyResponse(
+def step_pb(v: Verdict) -> Step:
+    """The engine's verdict (or preview, `v.preview`) as the wire's step message."""
+    if v.preview:
+        return pb.Preview(start_position=v.start_position, token_ids=v.token_ids)
+    return pb.Verdict(
         start_position=v.start_position,
         token_ids=v.token_ids,
         drafted=v.drafted,
@@ -51,7 +55,6 @@ def verdict_pb(v: Verdict) -> "pb.VerifyResponse":
         step_ms=v.step_ms,
         draft_wait_ms=v.draft_wait_ms,
         queue_ms=v.queue_ms,
-        preview=v.preview,
         logprobs=[pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
                                    top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
                   for lp in v.logprobs],
@@ -175,7 +178,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                     await serving.abort_invalid(context, item)
                 if isinstance(item, EngineFailed):  # UNAVAILABLE: the gateway resumes it on another verifier
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: {item}")
-                await context.write(verdict_pb(item))
+                await context.write(verify_response(step_pb(item), typed=opened.typed_steps))
                 if not item.preview:
                     span.add_event(
                         "step",

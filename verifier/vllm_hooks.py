@@ -283,7 +283,7 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device
             "model": PROPOSER_CLASS,
             "num_speculative_tokens": cfg.max_gamma,
         },
-        disable_log_stats=True,
+        disable_log_stats=False,  # vLLM's own stats stay on: its log lines, and SpecStatsLogger below
     )
     from vllm.usage.usage_lib import UsageContext
 
@@ -291,9 +291,34 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device
     # on the CPU, the engine's own (every CPU setting above is explicit)
     usage = UsageContext.OPENAI_API_SERVER if settings.device != "cpu" else UsageContext.ENGINE_CONTEXT
     with _proposer_board(board):
-        engine = LLMEngine.from_engine_args(args, usage_context=usage)
+        engine = LLMEngine.from_engine_args(args, usage_context=usage, stat_loggers=[spec_stats_logger(board.metrics)])
     board.max_model_len = int(engine.model_config.max_model_len)
     return engine
+
+
+def spec_stats_logger(metrics: Any) -> Callable[[Any, int], Any]:
+    """A vLLM stat-logger factory (`LLMEngine.from_engine_args(stat_loggers=...)`) whose logger
+    adds each engine step's SpecDecodingStats (vLLM's scheduler counts them when log stats are
+    on) to `metrics` (telemetry.VerifierMetrics.observe_vllm_spec): the verifier's /metrics then
+    carries vLLM's own spec-decode counters, under vLLM's names, beside specdec's. vLLM's default
+    loggers (its periodic log line, its Prometheus logger on the default registry) run too."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SpecStatsLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if spec is not None:
+                metrics.observe_vllm_spec(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                                          spec.num_accepted_tokens_per_pos)
+
+        def log_engine_initialized(self) -> None:
+            """Nothing to log: vLLM's LoggingStatLogger says it."""
+
+    return SpecStatsLogger
 
 
 @dataclass(frozen=True)

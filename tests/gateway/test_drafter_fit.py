@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
-from gateway.rounds import Plan
+from gateway.plan import Plan
 from gateway.server import GatewayCore
 from specdec import telemetry
 from specdec.config import GatewayConfig
@@ -115,11 +115,12 @@ def test_with_no_drafter_that_fits_a_model_request_decodes_plainly_and_ngram_sti
 
     async def run():
         await s.target_info()
-        return (await s._round(plan(pb.DRAFT_METHOD_MODEL), None), await s._round(plan(pb.DRAFT_METHOD_NGRAM), None))
+        return (await s._generation(plan(pb.DRAFT_METHOD_MODEL), None),
+                await s._generation(plan(pb.DRAFT_METHOD_NGRAM), None))
 
-    model_round, ngram_round = asyncio.run(run())
-    assert model_round.drafter_stub is None  # the round decodes plainly
-    assert ngram_round.drafter_stub is bad.stub
+    model_run, ngram_run = asyncio.run(run())
+    assert model_run.relay.stub is None  # the generation decodes plainly
+    assert ngram_run.relay.stub is bad.stub
 
 
 def test_a_drafter_or_verifier_that_sends_no_vocabulary_is_not_checked(tiny_target, target) -> None:

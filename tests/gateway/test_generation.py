@@ -1,5 +1,6 @@
-"""The gateway's Round: speculation statistics, and the round itself in-process against fake
-streams (drafter deadlines, fallback, verifier errors, half-close ordering, cancellation).
+"""The gateway's Generation (one generation's run across drafter and verifier), in-process
+against fake streams: drafter deadlines, fallback, verifier errors, half-close ordering,
+cancellation, the drafter relay's checks, hold and polite-drafter detection.
 
 The fakes script both peers with events, not timers: each fake peer waits for what the real
 one would wait for (the gateway's writes), so no outcome depends on how fast this machine
@@ -16,8 +17,11 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.rounds import Plan, Round, Stats
+from gateway.generation import Generation
+from gateway.plan import Plan, tenant_of
+from gateway.relay import verifier_vocab_size
 from specdec import telemetry
+from specdec.stats import SpecStats
 from specdec.wire import pb
 
 PROMPT = [5, 6, 7]
@@ -25,7 +29,7 @@ TIMEOUT_S = 0.2
 
 
 class FakeCall:
-    """A bidirectional stream call: the test feeds `responses`, the Round's writes land in `written`."""
+    """A bidirectional stream call: the test feeds `responses`, the Generation's writes land in `written`."""
 
     def __init__(self) -> None:
         self.responses: asyncio.Queue = asyncio.Queue()
@@ -67,25 +71,29 @@ class Stub:
         setattr(self, method, lambda metadata=(): call)
 
 
-def _round(verifier: FakeCall, drafter: FakeCall) -> Round:
-    plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=3), gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
-    metrics = telemetry.GatewayMetrics(CollectorRegistry())  # each round its own, to read back
-    return Round(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector(), metrics)
+def _generation(verifier: FakeCall, drafter: FakeCall, max_tokens: int = 3) -> Generation:
+    plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=max_tokens), gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
+    metrics = telemetry.GatewayMetrics(CollectorRegistry())  # each generation its own, to read back
+    return Generation(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector(),
+                      metrics)
 
 
-def _verdict(start: int, tokens: list[int], finish: bool = False, **kw) -> "pb.VerifyResponse":
+def _verdict(start: int, tokens: list[int], finish: bool = False, preview: bool = False, **kw) -> "pb.VerifyResponse":
+    """The verifier's message: a verdict, or a preview (`preview`), in VerifyResponse's `step` oneof."""
+    if preview:
+        return pb.VerifyResponse(preview_tokens=pb.Preview(start_position=start, token_ids=tokens))
     reason = pb.FINISH_REASON_LENGTH if finish else pb.FINISH_REASON_UNSPECIFIED
-    return pb.VerifyResponse(start_position=start, token_ids=tokens, finish_reason=reason, **kw)
+    return pb.VerifyResponse(verdict=pb.Verdict(start_position=start, token_ids=tokens, finish_reason=reason, **kw))
 
 
-async def _collect(r: Round) -> list:
-    return [v async for v in r.verdicts()]
+async def _collect(r: Generation) -> list:
+    return [v async for v in r.steps()]
 
 
 def test_a_target_prefill_longer_than_the_deadline_does_not_fall_back() -> None:
-    async def scenario() -> Round:
+    async def scenario() -> Generation:
         verifier, drafter = FakeCall(), FakeCall()
-        r = _round(verifier, drafter)
+        r = _generation(verifier, drafter)
         run = asyncio.create_task(_collect(r))
         await drafter.written_kind("open")
         drafter.responses.put_nowait(pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=1.0)))
@@ -103,7 +111,7 @@ def test_a_target_prefill_longer_than_the_deadline_does_not_fall_back() -> None:
 
     r = asyncio.run(scenario())
     assert not r.stats.fallback_reason
-    assert r.stats.drafted == 2 and r.stats.accepted == 2
+    assert r.stats.num_draft_tokens == 2 and r.stats.num_accepted_tokens == 2
     assert r.stats.drafter_prefill_ms == 1.0
     registry = r.metrics.registry
     assert registry.get_sample_value("specdec:spec_decode_num_draft_tokens_total") == 2
@@ -112,9 +120,9 @@ def test_a_target_prefill_longer_than_the_deadline_does_not_fall_back() -> None:
 
 
 def test_a_drafter_silent_after_a_commit_falls_back_and_releases_the_verifier() -> None:
-    async def scenario() -> tuple[Round, FakeCall, float]:
+    async def scenario() -> tuple[Generation, FakeCall, float]:
         verifier, drafter = FakeCall(), FakeCall()
-        r = _round(verifier, drafter)
+        r = _generation(verifier, drafter)
         run = asyncio.create_task(_collect(r))
         t0 = time.monotonic()  # before the verdict that makes the drafter owe an answer
         verifier.responses.put_nowait(_verdict(3, [10], preview=True))
@@ -137,9 +145,9 @@ def test_a_drafter_silent_after_a_commit_falls_back_and_releases_the_verifier() 
 
 
 def test_a_drafter_stream_error_mid_generation_falls_back_and_verdicts_continue() -> None:
-    async def scenario() -> tuple[Round, list]:
+    async def scenario() -> tuple[Generation, list]:
         verifier, drafter = FakeCall(), FakeCall()
-        r = _round(verifier, drafter)
+        r = _generation(verifier, drafter)
         run = asyncio.create_task(_collect(r))
         verifier.responses.put_nowait(_verdict(3, [10]))
         await drafter.written_kind("commit")
@@ -159,16 +167,16 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
-def test_a_verifier_error_ends_the_round_with_its_status() -> None:
-    """The Round raises the verifier's error (the gateway then migrates on UNAVAILABLE, or ends
+def test_a_verifier_error_ends_the_generation_with_its_status() -> None:
+    """The Generation raises the verifier's error (the gateway then migrates on UNAVAILABLE, or ends
     the call with the status: GatewayServicer._chunks) and releases both calls."""
 
     async def scenario() -> grpc.aio.AioRpcError:
         verifier, drafter = FakeCall(), FakeCall()
-        r = _round(verifier, drafter)
+        r = _generation(verifier, drafter)
         verifier.responses.put_nowait(_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "engine full"))
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in r.verdicts():
+            async for _ in r.steps():
                 pass
         assert verifier.cancelled and drafter.cancelled  # both calls are released
         return info.value
@@ -194,7 +202,7 @@ def test_after_the_last_verdict_the_gateway_stops_writing_then_half_closes() -> 
 
     async def scenario() -> Recording:
         verifier, drafter = Recording(), FakeCall()
-        r = _round(verifier, drafter)
+        r = _generation(verifier, drafter)
         run = asyncio.create_task(_collect(r))
         verifier.responses.put_nowait(_verdict(3, [10]))
         await drafter.written_kind("commit")
@@ -213,9 +221,9 @@ def test_after_the_last_verdict_the_gateway_stops_writing_then_half_closes() -> 
 
 
 def test_a_cancelled_client_cancels_both_calls() -> None:
-    async def scenario() -> tuple[FakeCall, FakeCall, Round]:
+    async def scenario() -> tuple[FakeCall, FakeCall, Generation]:
         verifier, drafter = FakeCall(), FakeCall()
-        r = _round(verifier, drafter)
+        r = _generation(verifier, drafter)
         run = asyncio.create_task(_collect(r))
         verifier.responses.put_nowait(_verdict(3, [10]))
         await drafter.written_kind("commit")
@@ -229,14 +237,14 @@ def test_a_cancelled_client_cancels_both_calls() -> None:
     assert r.stats.completion_tokens == 1 and not r.stats.fallback_reason
 
 
-def _v(tokens: int, drafted: int = 0, accepted: int = 0, computed: int = 0, **kw) -> "pb.VerifyResponse":
-    return pb.VerifyResponse(token_ids=[1] * tokens, drafted=drafted, accepted=accepted, computed_tokens=computed, **kw)
+def _v(tokens: int, drafted: int = 0, accepted: int = 0, computed: int = 0, **kw) -> "pb.Verdict":
+    return pb.Verdict(token_ids=[1] * tokens, drafted=drafted, accepted=accepted, computed_tokens=computed, **kw)
 
 
 def test_stats_definitions() -> None:
-    s = Stats(gamma=4, drafter=pb.DRAFT_METHOD_MODEL)
+    s = SpecStats(num_spec_tokens=4, drafter=pb.DRAFT_METHOD_MODEL)
     for v in (_v(1, computed=10), _v(5, 4, 4, 5), _v(2, 4, 1, 5), _v(1)):  # prefill, full accept, reject, plain
-        s.add_verdict(v)
+        s.observe(v)
     p = s.to_pb()
     assert (p.target_steps, p.speculative_steps, p.drafted_tokens, p.accepted_tokens) == (3, 2, 8, 5)
     assert list(p.accepted_per_position) == [2, 1, 1, 1]
@@ -248,10 +256,11 @@ def test_stats_definitions() -> None:
 
 def test_fallback_is_reported() -> None:
     """drafter_fallback is derived from the reason: set exactly when there is one."""
-    s = Stats(gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
+    s = SpecStats(num_spec_tokens=2, drafter=pb.DRAFT_METHOD_MODEL)
     p = s.to_pb()
     assert not p.drafter_fallback and p.fallback_reason == ""
-    s.fallback_reason = "drafter UNAVAILABLE: connection refused"
+    assert s.fell_back("drafter UNAVAILABLE: connection refused")
+    assert not s.fell_back("a later reason")  # the first reason stays
     p = s.to_pb()
     assert p.drafter_fallback and p.fallback_reason == s.fallback_reason
 
@@ -263,7 +272,7 @@ GAMMA = 2
 
 
 class VerifierStub(Stub):
-    """The verifier's stub, with GetVerifierInfo (the round asks it for the vocabulary once)."""
+    """The verifier's stub, with GetVerifierInfo (the relay asks it for the vocabulary once)."""
 
     def __init__(self, call: FakeCall, vocab: int = VOCAB) -> None:
         super().__init__(call, "Verify")
@@ -275,11 +284,12 @@ class VerifierStub(Stub):
         return pb.GetVerifierInfoResponse(vocab_size=self.vocab)
 
 
-def _hostile_round(verifier: FakeCall, drafter: FakeCall, max_tokens: int = 20, **kw) -> Round:
+def _hostile_generation(verifier: FakeCall, drafter: FakeCall, max_tokens: int = 20, **kw) -> Generation:
     plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=max_tokens), gamma=GAMMA,
                 drafter=pb.DRAFT_METHOD_MODEL)
     metrics = telemetry.GatewayMetrics(CollectorRegistry())
-    return Round(plan, VerifierStub(verifier), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(), metrics, **kw)
+    return Generation(plan, VerifierStub(verifier), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(), metrics,
+                      **kw)
 
 
 def _block(start: int, tokens: list[int], committed: int = 4, **kw) -> "pb.DraftResponse":
@@ -297,13 +307,13 @@ async def _until_relayed(verifier: FakeCall, n: int) -> None:
         await verifier.wrote.wait()
 
 
-async def _hostile(responses: list, sentinel: bool = True, **kw) -> tuple[Round, FakeCall, FakeCall, list]:
-    """One round: the target's first token (a commit up to 4), the drafter's `responses`, then
+async def _hostile(responses: list, sentinel: bool = True, **kw) -> tuple[Generation, FakeCall, FakeCall, list]:
+    """One generation: the target's first token (a commit up to 4), the drafter's `responses`, then
     (sentinel) a valid block, which tells that every response before it was handled, or (no
-    sentinel) the fallback's `end`; then the target finishes. Returns the round, both fakes and
+    sentinel) the fallback's `end`; then the target finishes. Returns the generation, both fakes and
     the verdicts."""
     verifier, drafter = FakeCall(), FakeCall()
-    r = _hostile_round(verifier, drafter, **kw)
+    r = _hostile_generation(verifier, drafter, **kw)
     run = asyncio.create_task(_collect(r))
     verifier.responses.put_nowait(_verdict(3, [10]))
     await drafter.written_kind("commit")
@@ -333,12 +343,12 @@ BAD_BLOCKS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_BLOCKS))
-def test_a_bad_block_is_dropped_and_counted_and_the_round_goes_on(case: str) -> None:
+def test_a_bad_block_is_dropped_and_counted_and_the_generation_goes_on(case: str) -> None:
     bad, what = BAD_BLOCKS[case]
     r, verifier, _, verdicts = asyncio.run(_hostile([bad]))
     assert [list(b.token_ids) for b in _relayed(verifier)] == [[32, 33]]  # only the sentinel reached the verifier
     assert r.stats.invalid_blocks == 1 and not r.stats.fallback_reason  # one is tolerated
-    assert r.stats.blocks == 1 and r.stats.block_tokens == 2
+    assert r.stats.blocks_received == 1 and r.stats.tokens_received == 2
     assert [list(v.token_ids) for v in verdicts] == [[10], [11, 12]]
     assert not any(m.WhichOneof("kind") == "end" for m in verifier.written)
     assert what  # (the fallback test below checks the reason names it)
@@ -363,7 +373,7 @@ def test_a_block_longer_than_gamma_is_trimmed_to_gamma() -> None:
     r, verifier, _, _ = asyncio.run(_hostile([_block(4, list(range(1, 50)) * 2000, draft_ms=3.0, final=True)]))
     first = _relayed(verifier)[0]
     assert list(first.token_ids) == [1, 2] and first.start_position == 4 and first.final and first.draft_ms == 3.0
-    assert r.stats.invalid_blocks == 1 and r.stats.block_tokens == 2 + 2
+    assert r.stats.invalid_blocks == 1 and r.stats.tokens_received == 2 + 2
 
 
 def test_valid_blocks_pass_unchanged_and_stale_ones_are_not_violations() -> None:
@@ -407,9 +417,9 @@ def test_a_commit_renews_the_block_allowance() -> None:
 
     cap = max_blocks_per_commit(GAMMA)
 
-    async def scenario() -> tuple[Round, FakeCall]:
+    async def scenario() -> tuple[Generation, FakeCall]:
         verifier, drafter = FakeCall(), FakeCall()
-        r = _hostile_round(verifier, drafter)
+        r = _hostile_generation(verifier, drafter)
         run = asyncio.create_task(_collect(r))
         verifier.responses.put_nowait(_verdict(3, [10]))
         await drafter.written_kind("commit")
@@ -434,15 +444,13 @@ def test_a_commit_renews_the_block_allowance() -> None:
 def test_the_vocabulary_is_asked_once_per_verifier_stub_or_given() -> None:
     async def scenario() -> tuple[int, int]:
         stub = VerifierStub(FakeCall(), vocab=7)
-        from gateway.rounds import verifier_vocab_size
-
         sizes = [await verifier_vocab_size(stub) for _ in range(3)]
         return sizes, stub.asked
 
     sizes, asked = asyncio.run(scenario())
     assert sizes == [7, 7, 7] and asked == 1
     r, verifier, _, _ = asyncio.run(_hostile([_block(4, [50])], vocab_size=40))  # given: not asked
-    assert r.vocab_size == 40 and r.stats.invalid_blocks == 1
+    assert r.relay.vocab_size == 40 and r.stats.invalid_blocks == 1
     assert r.verifier_stub.asked == 0
 
 
@@ -455,9 +463,9 @@ def test_a_branch_block_may_carry_gamma_plus_one_tokens_and_is_relayed_as_a_bran
 
 
 def test_branch_stats() -> None:
-    s = Stats(gamma=4, drafter=pb.DRAFT_METHOD_MODEL)
+    s = SpecStats(num_spec_tokens=4, drafter=pb.DRAFT_METHOD_MODEL)
     for v in (_v(1), _v(2, 4, 1, 5), _v(5, 4, 4, 5, branch=True), _v(2, 4, 1, 5), _v(1, branch_miss=True)):
-        s.add_verdict(v)
+        s.observe(v)
     p = s.to_pb()
     assert (p.branches_used, p.branch_misses) == (1, 1) and p.branch_hit_rate == pytest.approx(0.5)
 
@@ -467,10 +475,9 @@ def test_the_verifier_hold_reaches_the_drafter_and_it_owes_nothing_while_held() 
     verdict adds no token); while held, a silent drafter is no failure; a verdict without
     hold releases it."""
 
-    async def scenario() -> tuple[Round, FakeCall]:
+    async def scenario() -> tuple[Generation, FakeCall]:
         verifier, drafter = FakeCall(), FakeCall()
-        r = _round(verifier, drafter)
-        r.plan.sampling.max_tokens = 20
+        r = _generation(verifier, drafter, max_tokens=20)
         run = asyncio.create_task(_collect(r))
         verifier.responses.put_nowait(_verdict(3, [10], preview=True))
         verifier.responses.put_nowait(_verdict(3, [10], hold_drafts=True))  # no new token: an empty commit
@@ -498,11 +505,11 @@ def test_the_verifier_hold_reaches_the_drafter_and_it_owes_nothing_while_held() 
 
 
 def test_a_failing_helper_task_is_logged_not_swallowed(caplog: pytest.LogCaptureFixture) -> None:
-    """A helper of the round (here the drafter relay) failing with an error it does not expect:
-    the round still ends, and the error is logged with its traceback at the end of the round."""
+    """A helper task of the generation (here the drafter relay) failing with an error it does not
+    expect: the generation still ends, and the error is logged with its traceback at its end."""
     async def scenario() -> list:
         verifier, drafter = FakeCall(), FakeCall()
-        r = _round(verifier, drafter)
+        r = _generation(verifier, drafter)
         run = asyncio.create_task(_collect(r))
         verifier.responses.put_nowait(_verdict(3, [10]))
         await drafter.written_kind("commit")
@@ -513,19 +520,17 @@ def test_a_failing_helper_task_is_logged_not_swallowed(caplog: pytest.LogCapture
     with caplog.at_level("ERROR", logger="specdec.gateway"):
         verdicts = asyncio.run(scenario())
     assert [list(v.token_ids) for v in verdicts] == [[10], [11, 12]]
-    failed = [rec for rec in caplog.records if "round helper" in rec.getMessage()]
+    failed = [rec for rec in caplog.records if "generation helper" in rec.getMessage()]
     assert failed and failed[0].exc_info and "a bug in the relay" in str(failed[0].exc_info[1])
 
 
 def test_the_verifier_and_drafter_know_a_request_by_its_tenant_namespaced_id() -> None:
     """Plan.backend_id: the API key's namespace, then the client's id; two keys' "r1" differ."""
-    from gateway.rounds import tenant_of
-
     async def scenario(key: str) -> tuple[str, str]:
         verifier, drafter = FakeCall(), FakeCall()
         plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=1), gamma=2, drafter=pb.DRAFT_METHOD_MODEL,
                     tenant=tenant_of(key))
-        r = Round(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector(),
+        r = Generation(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector(),
                   telemetry.GatewayMetrics(CollectorRegistry()))
         run = asyncio.create_task(_collect(r))
         vopen, dopen = await verifier.written_kind("open"), await drafter.written_kind("open")
@@ -541,17 +546,17 @@ def test_the_verifier_and_drafter_know_a_request_by_its_tenant_namespaced_id() -
 
 def test_a_verifier_silent_while_it_owes_verdicts_is_treated_as_gone() -> None:
     """verdict_timeout_s: after its first verdict the verifier goes silent (alive, but sends
-    nothing): the round ends with UNAVAILABLE, which the gateway migrates on, instead of waiting
+    nothing): the generation ends with UNAVAILABLE, which the gateway migrates on, instead of waiting
     forever. Before its first verdict (queueing, prefill) silence is fine."""
     async def scenario() -> tuple[grpc.aio.AioRpcError, float]:
         verifier, drafter = FakeCall(), FakeCall()
         plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=8), gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
-        r = Round(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(),
+        r = Generation(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(),
                   telemetry.GatewayMetrics(CollectorRegistry()), verdict_timeout_s=TIMEOUT_S)
         got = []
 
         async def consume() -> None:
-            async for v in r.verdicts():
+            async for v in r.steps():
                 got.append(v)
 
         run = asyncio.create_task(consume())
@@ -580,17 +585,17 @@ SILENT = "silent"  # a _polite_scenario answer: no block in that window
 
 
 def _polite_scenario(answers: list[list[int] | None | str], method: int = pb.DRAFT_METHOD_MODEL, max_idle: int = 3,
-                     holds: set[int] = frozenset(), final: bool = False) -> Round:
-    """A round whose drafter says `ready`, then answers commit k (k = 0, 1, ...) with one block
+                     holds: set[int] = frozenset(), final: bool = False) -> Generation:
+    """A generation whose drafter says `ready`, then answers commit k (k = 0, 1, ...) with one block
     of `answers[k]` tokens at the committed position (None: a block at a passed position;
     SILENT: no block before the next commit), the
     verifier giving one token per verdict (`holds`: the verdicts that hold the drafts)."""
 
-    async def scenario() -> Round:
+    async def scenario() -> Generation:
         verifier, drafter = FakeCall(), FakeCall()
         plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=100), gamma=2, drafter=method)
         metrics = telemetry.GatewayMetrics(CollectorRegistry())
-        r = Round(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(), metrics,
+        r = Generation(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(), metrics,
                   vocab_size=1000, max_idle_commits=max_idle)
         run = asyncio.create_task(_collect(r))
         await drafter.written_kind("open")
@@ -600,7 +605,7 @@ def _polite_scenario(answers: list[list[int] | None | str], method: int = pb.DRA
         for k, answer in enumerate(answers):
             verifier.responses.put_nowait(_verdict(pos, [10 + k], hold_drafts=k in holds))
             pos += 1
-            # the verdict's commit reaches the drafter, or the round gives up on it (`end`)
+            # the verdict's commit reaches the drafter, or the relay gives up on it (`end`)
             committed = asyncio.ensure_future(_written_count(drafter, "commit", k + 1))
             ended = asyncio.ensure_future(_written_count(verifier, "end", 1))
             await asyncio.wait({committed, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -635,7 +640,7 @@ def test_a_polite_drafter_with_no_usable_drafts_falls_back_after_max_idle_commit
 def test_usable_drafts_holds_and_the_ngrams_nothing_do_not_count_as_idle() -> None:
     # a usable block among empty ones resets the count
     r = _polite_scenario([[], [], [5], [], [], [7], [], []])
-    assert not r.stats.fallback_reason and r.idle_commits == 2
+    assert not r.stats.fallback_reason and r.relay.idle_commits == 2
     # windows held by adaptive gamma are not the drafter's fault
     r = _polite_scenario([[], [], [], [], [], [], []], holds={1, 2, 3, 4, 5})
     assert not r.stats.fallback_reason, r.stats.fallback_reason
@@ -651,9 +656,9 @@ def test_usable_drafts_holds_and_the_ngrams_nothing_do_not_count_as_idle() -> No
     assert not r.stats.fallback_reason, r.stats.fallback_reason
     # a window with no block (an honest drafter slower than its target) neither counts nor resets
     r = _polite_scenario([SILENT] * 8)
-    assert not r.stats.fallback_reason and r.idle_commits == 0, r.stats.fallback_reason
+    assert not r.stats.fallback_reason and r.relay.idle_commits == 0, r.stats.fallback_reason
     r = _polite_scenario([[], SILENT, [], SILENT, SILENT, [], []])
     assert "3 commits in a row with no usable draft" in r.stats.fallback_reason, r.stats.fallback_reason
     # 0: never
     r = _polite_scenario([[]] * 6, max_idle=0)
-    assert not r.stats.fallback_reason and r.idle_commits == 6  # the last verdict ends the sixth window
+    assert not r.stats.fallback_reason and r.relay.idle_commits == 6  # the last verdict ends the sixth window
