@@ -48,6 +48,36 @@ def test_metrics_move(services) -> None:
     assert moved("ve", "specdec:verifier_computed_tokens_total") >= 160
 
 
+def test_vllms_own_spec_decode_counts_agree_with_the_gateways(services) -> None:
+    """The verifier keeps vLLM's own spec-decode stats on (its scheduler's SpecDecodingStats,
+    exported under vLLM's names): over the same requests (this verifier serves nothing else
+    meanwhile) they equal the sums of the responses' SpeculationStats and the gateway's
+    specdec:spec_decode_* counters, to the token and per draft position."""
+    gw, ve = services.gateways["mid"], services.verifier
+    before = {"gw": scrape(gw.metrics_port), "ve": scrape(ve.metrics_port)}
+    specs = [spec([5, 6, 7, 8], 40, gamma=4, ignore_eos=True), spec([9, 10, 11], 30, gamma=2, ignore_eos=True),
+             spec([5, 6, 7, 8], 25, gamma=3, ignore_eos=True)]
+    responses = generate_all(gw.address, specs)
+    after = {"gw": scrape(gw.metrics_port), "ve": scrape(ve.metrics_port)}
+
+    def moved(svc: str, name: str) -> float:
+        return after[svc].get(name, 0.0) - before[svc].get(name, 0.0)
+
+    drafts = sum(r.stats.speculative_steps for r in responses)
+    drafted = sum(r.stats.drafted_tokens for r in responses)
+    accepted = sum(r.stats.accepted_tokens for r in responses)
+    assert drafts > 0 and drafted > 0  # the requests speculated: the comparison says something
+    for svc, prefix in (("ve", "vllm:"), ("gw", "specdec:")):
+        assert moved(svc, f"{prefix}spec_decode_num_drafts_total") == drafts, svc
+        assert moved(svc, f"{prefix}spec_decode_num_draft_tokens_total") == drafted, svc
+        assert moved(svc, f"{prefix}spec_decode_num_accepted_tokens_total") == accepted, svc
+    for position in range(4):
+        ours = sum(r.stats.accepted_per_position[position] for r in responses
+                   if len(r.stats.accepted_per_position) > position)
+        name = f"spec_decode_num_accepted_tokens_per_pos_total{{position={position}}}"
+        assert moved("ve", "vllm:" + name) == ours == moved("gw", "specdec:" + name), position
+
+
 def test_a_stream_records_its_time_to_first_token_and_its_end(services) -> None:
     """GenerateStream: one first-token time (arrival to the first chunk with tokens) and one
     end-to-end time, the first no later than the second."""

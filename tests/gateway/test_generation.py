@@ -21,7 +21,6 @@ from gateway.generation import Generation
 from gateway.plan import Plan, tenant_of
 from gateway.relay import verifier_vocab_size
 from specdec import telemetry
-from specdec.stats import SpecStats
 from specdec.wire import pb
 
 PROMPT = [5, 6, 7]
@@ -237,34 +236,6 @@ def test_a_cancelled_client_cancels_both_calls() -> None:
     assert r.stats.completion_tokens == 1 and not r.stats.fallback_reason
 
 
-def _v(tokens: int, drafted: int = 0, accepted: int = 0, computed: int = 0, **kw) -> "pb.Verdict":
-    return pb.Verdict(token_ids=[1] * tokens, drafted=drafted, accepted=accepted, computed_tokens=computed, **kw)
-
-
-def test_stats_definitions() -> None:
-    s = SpecStats(num_spec_tokens=4, drafter=pb.DRAFT_METHOD_MODEL)
-    for v in (_v(1, computed=10), _v(5, 4, 4, 5), _v(2, 4, 1, 5), _v(1)):  # prefill, full accept, reject, plain
-        s.observe(v)
-    p = s.to_pb()
-    assert (p.target_steps, p.speculative_steps, p.drafted_tokens, p.accepted_tokens) == (3, 2, 8, 5)
-    assert list(p.accepted_per_position) == [2, 1, 1, 1]
-    assert p.acceptance_rate == pytest.approx(5 / 8)
-    assert p.mean_accepted_length == pytest.approx(1 + 5 / 2)  # vLLM's definition
-    assert p.tokens_per_step == pytest.approx((9 - 1) / 3)  # the prefill token excluded
-    assert p.target_computed_tokens == 20 and not p.drafter_fallback
-
-
-def test_fallback_is_reported() -> None:
-    """drafter_fallback is derived from the reason: set exactly when there is one."""
-    s = SpecStats(num_spec_tokens=2, drafter=pb.DRAFT_METHOD_MODEL)
-    p = s.to_pb()
-    assert not p.drafter_fallback and p.fallback_reason == ""
-    assert s.fell_back("drafter UNAVAILABLE: connection refused")
-    assert not s.fell_back("a later reason")  # the first reason stays
-    p = s.to_pb()
-    assert p.drafter_fallback and p.fallback_reason == s.fallback_reason
-
-
 # ---- a drafter is untrusted: the relay drops or trims bad blocks, and falls back on repeat ----
 
 VOCAB = 100
@@ -460,14 +431,6 @@ def test_a_branch_block_may_carry_gamma_plus_one_tokens_and_is_relayed_as_a_bran
     relayed = _relayed(verifier)
     assert [list(b.token_ids) for b in relayed[:2]] == [[1, 2, 3], [1, 2, 3]] and all(b.branch for b in relayed[:2])
     assert r.stats.invalid_blocks == 1 and r.stats.branches_drafted == 2
-
-
-def test_branch_stats() -> None:
-    s = SpecStats(num_spec_tokens=4, drafter=pb.DRAFT_METHOD_MODEL)
-    for v in (_v(1), _v(2, 4, 1, 5), _v(5, 4, 4, 5, branch=True), _v(2, 4, 1, 5), _v(1, branch_miss=True)):
-        s.observe(v)
-    p = s.to_pb()
-    assert (p.branches_used, p.branch_misses) == (1, 1) and p.branch_hit_rate == pytest.approx(0.5)
 
 
 def test_the_verifier_hold_reaches_the_drafter_and_it_owes_nothing_while_held() -> None:
