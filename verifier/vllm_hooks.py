@@ -30,6 +30,11 @@ Each hook, why it is needed, and what it touches in vLLM:
                           called from `vllm/v1/worker/gpu_model_runner.py: GPUModelRunner.__init__`),
                           naming ExternalDraftProposer below; hands the draft board to it
                           through the one process-wide handle (see `_board_for_proposer`).
+                          vLLM's own stats stay on (`disable_log_stats=False`).
+  spec_stats_logger       a stat logger (`vllm/v1/metrics/loggers.py: StatLoggerBase`, passed as
+                          `stat_loggers`) reading each step's `SchedulerStats.spec_decoding_stats`
+                          (`vllm/v1/spec_decode/metrics.py: SpecDecodingStats`) into the
+                          verifier's vllm:spec_decode_* counters.
   model_facts             vocabulary size and stop ids from `engine.model_config`
                           (`vllm/config/model.py: ModelConfig`) and the engine's tokenizer.
   install_schedule_hook   wraps `Scheduler.schedule` (`vllm/v1/core/sched/scheduler.py`),
