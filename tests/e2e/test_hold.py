@@ -5,7 +5,7 @@ that adds no token carries it in an empty commit. The drafter must take such a c
 error: an INVALID_ARGUMENT there used to end the session in a fallback), draft nothing while
 held, and draft again from the committed context once released. Adaptive gamma's decision
 itself is tested in tests/verifier/test_budget.py, the gateway's relay of it in
-tests/gateway/test_rounds.py.
+tests/gateway/test_generation.py.
 """
 
 from __future__ import annotations
