@@ -151,7 +151,7 @@ def workload_prompts(name: str, tokenizer: Any, n_code: int, prompts_file: Path 
     if name == "code" and prompts_file is not None:
         return file_prompts(prompts_file)
     if name == "code":
-        from specdec.evaldraft import load_prompts
+        from specdec_cli.evaldraft import load_prompts
 
         chosen = load_prompts(limit=n_code)
         return [p.id for p in chosen], [p.prompt for p in chosen]
@@ -271,7 +271,7 @@ class SpecdecCluster:
 
     def address(self, quantize: str, branches: int | None = None) -> str:
         """The gateway's address, with a drafter quantised `quantize` and `branches` (None: its default)."""
-        from specdec.launch import Cluster, free_port
+        from specdec_cli.launch import Cluster, free_port
 
         if self.cluster is not None and (quantize, branches) != self.drafter_setting:
             self.stop()

@@ -269,7 +269,7 @@ class Link:
         return f"{self.hosts.address(kind)}:{PORTS[kind]}"
 
     def _start(self, kind: str, args: list[str], cpus: set[int], log_dir: Path) -> Any:
-        from specdec.launch import start_service
+        from specdec_cli.launch import start_service
 
         service = start_service(kind, PORTS[kind], ["--host", self.hosts.address(kind), *args], log_dir, cpus,
                                 env={"PYTHONPATH": _child_env()["PYTHONPATH"]}, metrics_port=0,

@@ -43,10 +43,10 @@ from gateway.core import Chunk, ErrorCode, GatewayError
 from gateway.rest.routes import build_app
 from gateway.server import GatewayServicer
 from specdec.config import GatewayConfig
-from specdec.launch import free_port
 from specdec.security import grpc_options
 from specdec.serving import SessionSlots
 from specdec.wire import pb, rpc
+from specdec_cli.launch import free_port
 
 
 class ScriptedCore:

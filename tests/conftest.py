@@ -34,8 +34,8 @@ import faultkit
 import grpc
 import pytest
 
-from specdec.launch import Service, free_port, start_service
 from specdec.models import resolve
+from specdec_cli.launch import Service, free_port, start_service
 
 TESTS = Path(__file__).resolve().parent
 # Folders (under tests/) whose tests all start services or vLLM.
@@ -86,7 +86,7 @@ def _unit_tier_starts_no_service(request: pytest.FixtureRequest, monkeypatch: py
             "or mark the test `e2e`"
         )
 
-    monkeypatch.setattr("specdec.launch.start_service", refuse)
+    monkeypatch.setattr("specdec_cli.launch.start_service", refuse)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from specdec.config import cache_dir
-from specdec.launch import Service, free_port
 from specdec.models import resolve
+from specdec_cli.launch import Service, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -38,8 +38,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec import cli, config, models
-from specdec.launch import free_port
+from specdec import config, models
+from specdec_cli import main as cli
+from specdec_cli.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -200,7 +201,7 @@ def _ids(commands: list[Command]) -> list[str]:
 def specdec_cmd() -> list[str]:
     """The venv's `specdec` console script (what `.venv/bin/specdec` is), or the module."""
     script = Path(sys.executable).with_name("specdec")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "specdec.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "specdec_cli"]
 
 
 def run(cmd: Command, cwd: Path, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
@@ -270,8 +271,8 @@ def up(workdir: Path) -> Iterator[Up]:
         request_id = json.loads(run(gen, workdir, ("--address", address)).stdout)["request_id"]
         trace_file = env.get("SPECDEC_TRACE_FILE")
         if trace_file:  # spans are written as they end: wait (bounded) for this request's
-            from specdec import traces
             from specdec.errors import UserError
+            from specdec_cli import traces
 
             path = workdir / trace_file
             while time.monotonic() < deadline:

@@ -6,7 +6,7 @@ A page asks for a generated part with a marker line, replaced when the site is b
     <!-- generated: grpc -->            every service, message and enum, from protos/**/*.proto
     <!-- include: deploy/README.md -->  a markdown file from outside docs/ (its title line dropped)
 
-The generators are specdec.docgen's (`python -m specdec.docgen configuration|grpc` prints them).
+The generators are specdec_cli.docgen's (`python -m specdec_cli.docgen configuration|grpc` prints them).
 A marker that no page holds, or an unknown one, fails the build.
 """
 
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 # of another checkout, say).
 sys.path.insert(0, str(REPO))
 
-from specdec import docgen  # noqa: E402
+from specdec_cli import docgen  # noqa: E402
 
 MARKER = re.compile(r"^<!-- (generated|include): ([\w./-]+) -->$", re.M)
 EXPECTED = {("generated", name) for name in docgen.PAGES} | {("include", "deploy/README.md")}

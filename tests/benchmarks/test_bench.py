@@ -143,7 +143,7 @@ def test_prompts_file_is_vllm_custom_jsonl(tmp_path: Path) -> None:
 def test_bench_with_a_bad_prompts_file_says_so_in_one_line(tmp_path: Path) -> None:
     f = tmp_path / "bad.jsonl"
     f.write_text('{"text": "x"}\n')
-    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--models", "tiny", "--prompts-file", str(f),
+    proc = subprocess.run([sys.executable, "-m", "specdec_cli", "bench", "--models", "tiny", "--prompts-file", str(f),
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "bad.jsonl line 1: no `prompt` string" in proc.stderr.strip().splitlines()[-1]
@@ -152,7 +152,7 @@ def test_bench_with_a_bad_prompts_file_says_so_in_one_line(tmp_path: Path) -> No
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "specdec_cli", "bench", "--quick", "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| system |" in proc.stdout

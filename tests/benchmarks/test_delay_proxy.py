@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from benchmarks.delay_proxy import DelayProxy, split_address
-from specdec.launch import free_port
+from specdec_cli.launch import free_port
 
 LOOP = "127.0.0.1"
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

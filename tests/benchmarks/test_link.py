@@ -83,7 +83,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int]:
     if reason is not None:
         pytest.skip(f"no network namespaces: {reason}")
     out = tmp_path_factory.mktemp("bench-link")
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "bench-link", "--quick", "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "specdec_cli", "bench-link", "--quick", "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=900)
@@ -128,7 +128,7 @@ def test_quick_run_leaves_no_namespaces(quick: tuple[Path, str, int]) -> None:
 
 
 def test_no_namespaces_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specdec import cli
+    from specdec_cli import main as cli
 
     monkeypatch.setattr(link, "unavailable_reason", lambda: "creating network namespaces needs root")
     args = cli.build_parser(["bench-link"]).parse_args(["bench-link", "--quick"])

@@ -105,7 +105,7 @@ def certificates(tmp: Path) -> dict[str, dict[str, str]]:
     out = tmp / "certs"
     names = ",".join(f"{svc}.specdec.svc.cluster.local,{svc}" for svc in
                      ("gateway", "drafter", "drafter-headless", "verifier", "verifier-headless")) + ",localhost"
-    subprocess.run([sys.executable, "-m", "specdec.cli", "certs", str(out), "--hosts", names],
+    subprocess.run([sys.executable, "-m", "specdec_cli", "certs", str(out), "--hosts", names],
                    check=True, capture_output=True, text=True, timeout=120)
     files = {p.name: p.read_text() for p in out.iterdir()}
     return {f"specdec-{role}-tls": {"tls.crt": files[f"{role}.pem"], "tls.key": files[f"{role}-key.pem"],
@@ -117,7 +117,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> dict[str
     tmp = tmp_path_factory.mktemp("cluster")
     mtls = os.environ.get("SPECDEC_CLUSTER_MTLS") == "1"
     models = tmp / "models"  # the PersistentVolume behind the specdec-models claim
-    subprocess.run([sys.executable, "-m", "specdec.cli", "models", "pull", "tiny"], check=True, timeout=600,
+    subprocess.run([sys.executable, "-m", "specdec_cli", "models", "pull", "tiny"], check=True, timeout=600,
                    env={**os.environ, "SPECDEC_CACHE_DIR": str(models)}, capture_output=True)
     subprocess.run(["chmod", "-R", "a+rX", str(models)], check=True)
     ps = prompts(AutoTokenizer.from_pretrained(tiny_target), 12, seed=3)

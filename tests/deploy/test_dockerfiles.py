@@ -350,7 +350,7 @@ def test_healthcheck_script_mutual_tls(tmp_path: Path) -> None:
     """Under mTLS the gateway's probe presents the gateway's own certificate (server and client
     authentication); drafters' and verifiers' certificates are for server authentication only,
     so their probes go to the plaintext health port (next test)."""
-    from specdec.certs import write_certs
+    from specdec_cli.certs import write_certs
 
     write_certs(tmp_path, ["gateway.specdec.svc.cluster.local"])
     pem = {name: (tmp_path / name).read_bytes() for name in ("ca.pem", "gateway.pem", "gateway-key.pem")}

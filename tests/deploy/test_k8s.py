@@ -452,7 +452,7 @@ def test_pull_models_component_pulls_each_roles_own_model_onto_the_model_volume(
 def test_pull_cli_takes_what_the_init_containers_pass() -> None:
     """`specdec models pull PAIR/ROLE` and `--tokenizer` exist as the component calls them."""
     done = subprocess.run(
-        [sys.executable, "-m", "specdec.cli", "models", "pull", "--help"],
+        [sys.executable, "-m", "specdec_cli", "models", "pull", "--help"],
         capture_output=True,
         check=False,
         text=True,

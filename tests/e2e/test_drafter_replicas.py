@@ -33,7 +33,7 @@ from conftest import Services, vllm_reference
 from gen import generate_all, prompts, scrape, spec, wait_for
 from transformers import AutoTokenizer
 
-from specdec.launch import Service, free_port, start_service
+from specdec_cli.launch import Service, free_port, start_service
 
 N = 8
 MAX_TOKENS = 48

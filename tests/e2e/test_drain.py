@@ -32,8 +32,8 @@ from grpc_health.v1.health import HealthServicer
 from transformers import AutoTokenizer
 
 from gateway.client import AsyncGatewayClient
-from specdec.launch import Service
 from specdec.wire import pb, rpc
+from specdec_cli.launch import Service
 
 N = 8
 MAX_TOKENS = 160

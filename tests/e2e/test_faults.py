@@ -6,8 +6,8 @@ import grpc
 from conftest import vllm_reference
 from gen import spec
 
-from specdec.launch import free_port
 from specdec.wire import pb, rpc
+from specdec_cli.launch import free_port
 
 PROMPT = [11, 12, 13, 14, 15, 16]
 MAX_TOKENS = 1500

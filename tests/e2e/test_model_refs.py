@@ -20,8 +20,8 @@ from gen import generate_all, prompts, spec
 from transformers import AutoTokenizer
 
 from gateway.client import GatewayClient
-from specdec.launch import Service, free_port, start_service
 from specdec.models import resolve
+from specdec_cli.launch import Service, free_port, start_service
 
 MAX_TOKENS = 24
 

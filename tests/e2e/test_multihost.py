@@ -27,8 +27,8 @@ import pytest
 from conftest import vllm_reference
 from netns import Network, unavailable_reason
 
-from specdec.certs import GATEWAY_IDENTITY, write_certs
-from specdec.launch import Service, start_service
+from specdec_cli.certs import GATEWAY_IDENTITY, write_certs
+from specdec_cli.launch import Service, start_service
 
 HERE = Path(__file__).resolve().parent
 KEY = "sk-multihost-7f3a9c2e51d8"  # the API key; must never show up in logs, traces or metrics

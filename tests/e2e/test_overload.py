@@ -37,8 +37,8 @@ from gen import prompts, scrape, spec, wait_for
 from transformers import AutoTokenizer
 
 from gateway.client import AsyncGatewayClient, GatewayClient
-from specdec.launch import Service
 from specdec.wire import pb
+from specdec_cli.launch import Service
 
 MAX_INFLIGHT = 32
 N_OVERLOAD = 300

@@ -12,8 +12,8 @@ from conftest import vllm_reference
 from gen import generate_all, spec
 from transformers import AutoTokenizer
 
-from specdec.launch import Cluster, free_port
 from specdec.models import resolve
+from specdec_cli.launch import Cluster, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 
 from gateway.client import AsyncGatewayClient, GatewayClient
 from specdec.config import GatewayConfig
-from specdec.launch import Service
+from specdec_cli.launch import Service
 
 N = 8
 MAX_TOKENS = 160
@@ -39,7 +39,7 @@ KEEPALIVE = ("--keepalive-time-s", "1", "--keepalive-timeout-s", "1")
 
 class Stack(Services):
     def add_verifier(self, port: int | None = None) -> Service:
-        from specdec.launch import free_port, start_service
+        from specdec_cli.launch import free_port, start_service
 
         svc = start_service(
             "verifier", port or free_port(),

@@ -20,8 +20,8 @@ from gateway.rest.routes import build_app
 from gateway.server import GatewayCore
 from specdec import telemetry
 from specdec.config import GatewayConfig
-from specdec.launch import free_port
 from specdec.models import resolve
+from specdec_cli.launch import free_port
 
 MODEL = "tiny/target"
 PROMPT = "def add(a, b):\n    return"

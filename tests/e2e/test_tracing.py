@@ -28,7 +28,7 @@ from conftest import Services, injected
 from gen import generate_all, prompts, spec
 from transformers import AutoTokenizer
 
-from specdec import traces
+from specdec_cli import traces
 
 DELAY_MS = 250
 SPIKE_MS = 150

@@ -28,7 +28,6 @@ from gateway.core import Chunk
 from gateway.rest.routes import build_app
 from gateway.server import GatewayCore, GatewayServicer, build
 from specdec.config import GatewayConfig
-from specdec.launch import free_port
 from specdec.serving import SessionSlots
 from specdec.validation import (
     MAX_REQUEST_ID_CHARS,
@@ -37,6 +36,7 @@ from specdec.validation import (
     MAX_STOP_TOKEN_IDS,
 )
 from specdec.wire import pb, rpc
+from specdec_cli.launch import free_port
 
 RETRY_S = 0.3  # verifier_retry_s of these gateways
 KEY = "sk-guard-1"

@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.pool import SLOW_CHECKS, Pool
-from specdec.launch import free_port
+from specdec_cli.launch import free_port
 
 
 def _pool(spec: str) -> Pool:

@@ -7,8 +7,8 @@ from typing import Any
 
 from gateway.server import ReloadingSSLContext
 from specdec import security
-from specdec.certs import write_certs
 from specdec.config import GatewayConfig
+from specdec_cli.certs import write_certs
 
 
 def _handshake(server_context: Any, client_dir: Path, ca_dir: Path) -> bool:

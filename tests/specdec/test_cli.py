@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from specdec import cli
 from specdec.errors import ModelNotFoundError, UserError
-from specdec.launch import free_port
 from specdec.models import pull, resolve
+from specdec_cli import main as cli
+from specdec_cli.launch import free_port
 
 NOT_PULLED = "specdec: error: model pair 'qwen-coder' is not pulled (missing roles: target, draft); " \
              "run `specdec models pull qwen-coder`"
@@ -35,7 +35,7 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache holding the tiny pair, built by `specdec models pull tiny` (seconds)."""
     root = tmp_path_factory.mktemp("tiny-cache")
     proc = subprocess.run(
-        [sys.executable, "-m", "specdec.cli", "models", "pull", "tiny"],
+        [sys.executable, "-m", "specdec_cli", "models", "pull", "tiny"],
         env={**os.environ, "SPECDEC_CACHE_DIR": str(root)},
         capture_output=True,
         text=True,
@@ -59,7 +59,7 @@ def mark_pulled(cache: Path, pair: str = "qwen-coder") -> dict[str, Path]:
 def specdec(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`specdec ARGV` in a fresh process (the real exit status and streams)."""
     base = {k: v for k, v in os.environ.items() if k != "SPECDEC_DEBUG"}
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *argv], env={**base, **(env or {})},
+    return subprocess.run([sys.executable, "-m", "specdec_cli", *argv], env={**base, **(env or {})},
                           capture_output=True, text=True, timeout=120)
 
 
@@ -263,9 +263,9 @@ def test_tool_placeholders_match_the_tools_help() -> None:
 def test_a_command_imports_no_tool_it_does_not_run(cache: Path) -> None:
     code = (
         "import sys\n"
-        "from specdec import cli\n"
+        "from specdec_cli import main as cli\n"
         "assert cli.main(['models', 'list', '--json']) == 0\n"
-        "print('TOOLS', sorted(m for m in ('benchmarks.bench', 'specdec.evaldraft', 'specdec.traces', 'numpy',"
+        "print('TOOLS', sorted(m for m in ('benchmarks.bench', 'specdec_cli.evaldraft', 'specdec_cli.traces', 'numpy',"
         " 'torch') if m in sys.modules))\n"
     )
     proc = subprocess.run(

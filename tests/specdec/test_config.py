@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec import cli, config
+from specdec import config
 from specdec.config import (
     SERVICE_CONFIGS,
     DrafterConfig,
@@ -21,6 +21,7 @@ from specdec.config import (
     flag_name,
     from_env,
 )
+from specdec_cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,7 +163,7 @@ def test_flag_wins_over_env(monkeypatch) -> None:
 def test_serve_help_lists_every_flag_with_its_default() -> None:
     """`specdec serve verifier --help` works without importing vLLM or torch, and shows every flag."""
     code = ("import sys\n"
-            "from specdec import cli\n"
+            "from specdec_cli import main as cli\n"
             "try:\n"
             "    cli.main(['serve', 'verifier', '--help'])\n"
             "except SystemExit:\n"
@@ -178,7 +179,7 @@ def test_serve_help_lists_every_flag_with_its_default() -> None:
         assert re.search(rf"{flag_name(f.name)}\b", out), f.name
         assert env_name(f.name) in out
     # and the command line itself
-    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "verifier", "--help"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "specdec_cli", "serve", "verifier", "--help"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     assert "default: 2000" in proc.stdout and "--no-adaptive-gamma" in proc.stdout

@@ -1,4 +1,4 @@
-"""The generated reference pages (specdec.docgen): every setting and every wire element, with its
+"""The generated reference pages (specdec_cli.docgen): every setting and every wire element, with its
 documentation, and nothing invented."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec import config, docgen
+from specdec import config
 from specdec.wire import PROTO_FILES, PROTO_ROOT
+from specdec_cli import docgen
 
 
 def _row(page: str, name: str) -> str:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec import cli, evaldraft
-from specdec.evaldraft import (
+from specdec_cli import evaldraft
+from specdec_cli import main as cli
+from specdec_cli.evaldraft import (
     Prompt,
     VocabMismatch,
     acceptance_by_offset,

@@ -1,4 +1,4 @@
-"""specdec.security and specdec.certs: keys, limits, certificate files, options. No timers."""
+"""specdec.security and specdec_cli.certs: keys, limits, certificate files, options. No timers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from cryptography import x509
 
 from specdec import security
-from specdec.certs import write_certs
 from specdec.config import GatewayConfig
+from specdec_cli.certs import write_certs
 
 
 def test_keys_are_kept_as_hashes_and_identified() -> None:

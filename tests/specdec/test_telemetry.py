@@ -11,8 +11,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from specdec import __version__, telemetry, traces
+from specdec import __version__, telemetry
 from specdec.telemetry import SPIKE_WARMUP, JsonLinesExporter, SpikeDetector
+from specdec_cli import traces
 
 
 def test_relative_spikes_after_warmup() -> None:

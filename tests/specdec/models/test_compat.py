@@ -11,9 +11,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from drafter.sessions import ModelDraftSession
-from specdec import cli, models
+from specdec import models
 from specdec.config import DrafterConfig
 from specdec.models import compat
+from specdec_cli import main as cli
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_up_refuses_a_pair_that_does_not_fit_before_starting_anything(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     started = []
-    monkeypatch.setattr("specdec.launch.Cluster.start", lambda self, *a: started.append(self))
+    monkeypatch.setattr("specdec_cli.launch.Cluster.start", lambda self, *a: started.append(self))
     for argv in (
         ["up", "--models", "tiny", "--draft", str(variants["other-eos"])],
         ["demo", "--models", "tiny", "--draft", str(variants["other-vocab"])],

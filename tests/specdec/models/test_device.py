@@ -49,7 +49,8 @@ def test_impossible_requests_are_one_error_naming_the_setting() -> None:
 
 
 def test_the_drafter_flag_reaches_the_config() -> None:
-    from specdec import cli, config
+    from specdec import config
+    from specdec_cli import main as cli
 
     args = cli.build_parser(["serve"]).parse_args(["serve", "drafter", "--device", "cuda", "--revision", "v2"])
     cfg = cli.serve_config(args)

@@ -8,9 +8,10 @@ from pathlib import Path
 import hf_cache
 import pytest
 
-from specdec import cli, models
+from specdec import models
 from specdec.errors import ModelNotFoundError, UserError
 from specdec.models import hub
+from specdec_cli import main as cli
 
 
 @pytest.fixture

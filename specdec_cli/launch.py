@@ -1,6 +1,6 @@
 """Start and stop service processes locally (`specdec up`, `specdec demo`, the tests).
 
-Each service runs as its own process (`python -m specdec.cli serve KIND ...`), the
+Each service runs as its own process (`python -m specdec_cli serve KIND ...`), the
 way it would on its own host; readiness is the standard gRPC health check.
 """
 
@@ -93,7 +93,7 @@ def start_service(
     metrics_port None keeps the service's configured /metrics port; 0 turns it off.
     `prefix` runs the command under another (`ip netns exec NS`: another network namespace).
     """
-    cmd = [*(prefix or []), sys.executable, "-m", "specdec.cli", "serve", kind, "--port", str(port), *args]
+    cmd = [*(prefix or []), sys.executable, "-m", "specdec_cli", "serve", kind, "--port", str(port), *args]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
     out = None

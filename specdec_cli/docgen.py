@@ -2,7 +2,7 @@
 
 The docs site (`mkdocs.yml`, `make docs`) calls these at build time through
 `docs/hooks/generate.py`, so the pages cannot drift from the code and nothing generated
-is committed. To print one of them: `python -m specdec.docgen configuration|grpc`.
+is committed. To print one of them: `python -m specdec_cli.docgen configuration|grpc`.
 
 Terms:
     setting    a field of a service's config dataclass in specdec.config, declared with
@@ -232,7 +232,7 @@ PAGES: dict[str, Callable[[], str]] = {"configuration": config_markdown, "grpc":
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specdec.docgen", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specdec_cli.docgen", description=__doc__.split("\n\n")[0])
     parser.add_argument("page", choices=sorted(PAGES), help="which generated reference to print (markdown)")
     print(PAGES[parser.parse_args(argv).page]())
 

@@ -123,7 +123,7 @@ def _add_pair_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace) -> None:
-    from specdec.launch import Cluster
+    from specdec_cli.launch import Cluster
 
     what = _checked_pair(args)
     cluster = Cluster(
@@ -239,7 +239,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _certs_doc() -> str:
-    from specdec import certs
+    from specdec_cli import certs
 
     return certs.__doc__ or ""
 
@@ -247,7 +247,7 @@ def _certs_doc() -> str:
 def _certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from specdec.certs import write_certs
+    from specdec_cli.certs import write_certs
 
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
     try:
@@ -291,7 +291,7 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from specdec.launch import Cluster, free_port
+    from specdec_cli.launch import Cluster, free_port
 
     what = _checked_pair(args)
     ports = [free_port() for _ in range(3)]
@@ -397,11 +397,11 @@ _TOOLS = {
 
 def _add_tool(sub: argparse._SubParsersAction, name: str) -> None:
     if name == "eval-draft":
-        from specdec import evaldraft
+        from specdec_cli import evaldraft
 
         evaldraft.add_parser(sub)
     elif name == "traces":
-        from specdec import traces
+        from specdec_cli import traces
 
         traces.add_parser(sub)
     elif name == "bench-link":
