@@ -77,6 +77,7 @@ NOT_RUN = {
         _SERVICE,
     "specdec serve drafter --model Qwen/Qwen3-0.6B --device cuda": _SERVICE,
     "specdec serve drafter --model Qwen/Qwen3-0.6B --device auto": _SERVICE,
+    "specdec serve drafter --no-batch-drafts": _SERVICE,
     ".venv/bin/specdec serve drafter --host 0.0.0.0 --port 50052 --model qwen-coder/draft --threads 4": _SERVICE,
     "specdec serve verifier --model qwen-coder/target --port 50053": _SERVICE,
     "specdec serve drafter  --model qwen-coder/draft  --port 50052": _SERVICE,
