@@ -159,6 +159,9 @@ def contract_document(served: dict[str, Any], vocab_size: int) -> dict[str, Any]
                                 "items": {"type": "string", "minLength": 1, "maxLength": 8}}]}),
         "stop_token_ids": opt({"type": "array", "maxItems": 3,
                                "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}),
+        # a set of ids in the vocabulary; [] is refused (vLLM refuses it too: leave the field out)
+        "allowed_token_ids": opt({"type": "array", "minItems": 1, "maxItems": 8,
+                                  "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}),
         "min_tokens": {"type": "integer", "minimum": 0, "maximum": 1},
         "presence_penalty": opt({**number, "minimum": -2, "maximum": 2}),
         "frequency_penalty": opt({**number, "minimum": -2, "maximum": 2}),
