@@ -16,8 +16,8 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
+from gateway.core import GatewayCore
 from gateway.rest.routes import build_app
-from gateway.server import GatewayCore
 from specdec import telemetry
 from specdec.config import GatewayConfig
 from specdec.models import resolve

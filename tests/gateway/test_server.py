@@ -8,8 +8,8 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
+from gateway.core import GatewayCore
 from gateway.plan import Plan
-from gateway.server import GatewayCore
 from specdec import telemetry
 from specdec.config import GatewayConfig
 from specdec.stats import SpecStats
