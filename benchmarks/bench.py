@@ -605,7 +605,7 @@ def main(args: argparse.Namespace) -> int:
     bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
 
     def common(run: dict[str, Any]) -> dict[str, Any]:
-        return {"target": target, "threads": len(run["cores"]), "cores": run["cores"], "prompts": prompts[run["workload"]],
+        return {"target": target, "cores": run["cores"], "prompts": prompts[run["workload"]],
                 "max_tokens": args.max_tokens, "dtype": args.dtype, "warmup_prompt": warmup,
                 "concurrency": run["concurrency"]}
 

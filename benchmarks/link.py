@@ -478,7 +478,7 @@ def _run(args: argparse.Namespace, fractions: list[float], variants: dict[str, l
     verify_ref: float | None = None
     try:
         bar.set_description("target-only")
-        job = {"kind": "vllm", "target": target, "threads": 1, "prompts": prompts, "max_tokens": args.max_tokens,
+        job = {"kind": "vllm", "target": target, "prompts": prompts, "max_tokens": args.max_tokens,
                "dtype": DTYPE, "warmup_prompt": warmup, "concurrency": [1], "speculative_config": None,
                "kv_cache_gib": 1.0, "max_model_len": 2048}
         base_run = {"system": "target-only", "kind": "vllm", "gamma": 0, "cores": [cpus[0]], "workload": "code"}
