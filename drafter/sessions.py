@@ -23,6 +23,13 @@ Terms:
                 position are drafted together, as one batch through the model.
     conf        the draft model's probability of its own token at a position (its
                 estimate that the target agrees)
+    reach       prod conf over the drafts past the committed context: the draft model's
+                estimate that the target accepts them all
+    confidence  drafts sized by confidence (`confidence`, a drafter.confidence.ConfidencePolicy;
+                None: off): the session drafts past the committed context only while the
+                reach is >= the policy's tau; the draft on which it fell below ends the
+                block, sent at once as `final` (a confidence cut), and the session spends
+                the rest of the round on branches. Commits teach the policy its tau.
 
 A commit (position s, verified tokens T) makes the committed context
 context[:s] + T. Drafts that agree with T are kept; at the first disagreement the
@@ -44,6 +51,7 @@ from typing import Final, Literal
 
 import torch
 
+from drafter.confidence import ConfidencePolicy
 from specdec.acceptance import sparse_q, target_distribution
 
 
@@ -84,6 +92,8 @@ class BlockOut:
     final: bool = False  # nothing more is drafted until the next commit
     committed_length: int = 0  # the committed context it was drafted from
     branch: bool = False  # a pre-drafted branch: drafts[0] is the correction it bets on
+    confidence_cut: bool = False  # the block ends where the reach fell below tau (see the module's terms)
+    tau: float = 0.0  # the session's tau when the block went out (0: drafts sized by confidence are off)
 
 
 class DraftSession:
@@ -124,6 +134,10 @@ class DraftSession:
         self.branches_drafted = 0
         self.branches_adopted = 0
         self.branch_ms = 0.0  # compute spent on branches
+        self.breaks = 0  # commits that broke the drafts' chain (a rejection or a wrong bonus guess)
+        # drafts sized by confidence (see the module's terms); None: off
+        self.confidence: ConfidencePolicy | None = None
+        self.confidence_cuts = 0  # blocks cut where the reach fell below tau
 
     @property
     def window(self) -> int:
@@ -136,7 +150,21 @@ class DraftSession:
             return True  # the prefill, or just the `Ready` announcing it
         if not self.started or self.held:
             return False
-        return not self.exhausted and len(self.context) - self.committed < self.window
+        return not self.exhausted and len(self.context) - self.committed < self.window and not self.confidence_cut()
+
+    def reach(self) -> float:
+        """prod conf over the drafts past the committed context (1.0: none; see the module's terms)."""
+        reach = 1.0
+        for p in range(self.committed, len(self.context)):
+            d = self._drafted.get(p)
+            reach *= d.conf if d is not None else 1.0
+        return reach
+
+    def confidence_cut(self) -> bool:
+        """Whether the session stops drafting past its context for this round: drafts sized
+        by confidence are on, it has drafted past the committed context, and the reach is below tau."""
+        return (self.confidence is not None and len(self.context) > self.committed
+                and self.reach() < self.confidence.tau)
 
     def urgent(self) -> bool:
         """Whether the verifier is (about to be) waiting for this session's drafts: the target
@@ -157,6 +185,10 @@ class DraftSession:
             agree = 0
             while agree < len(tokens) and start + agree < len(self.context) and self.context[start + agree] == tokens[agree]:
                 agree += 1
+            if self.confidence is not None:
+                self.confidence.observe_commit(time.perf_counter(), len(tokens), self._decided(start, tokens, agree))
+            if agree < len(tokens) and start + agree < len(self.context) and (start + agree) in self._drafted:
+                self.breaks += 1  # a draft of the chain was rejected: a branch hit, or a miss
             branch = self._branches.get((start + agree, tokens[agree])) if agree == len(tokens) - 1 else None
             if branch is not None and start == self.committed:  # the verdict a branch was drafted for
                 keep = start + agree
@@ -187,6 +219,20 @@ class DraftSession:
             self._branch_job = None
             for p in [p for p in self._drafted if p < self.committed]:
                 del self._drafted[p]
+
+    def _decided(self, start: int, tokens: list[int], agree: int) -> list[tuple[float, bool]]:
+        """The drafts the commit (start, tokens) decides, agreeing on its first `agree` tokens:
+        (the reach at each, measured from `start`; survived) for each drafted position from
+        start on that the verdict reaches, and every draft after a rejected one (dead with it)."""
+        out: list[tuple[float, bool]] = []
+        reach = 1.0
+        for j, p in enumerate(range(start, len(self.context))):
+            d = self._drafted.get(p)
+            if d is None or (j >= len(tokens) and agree == len(tokens)):
+                break  # not a draft, or past the verdict with every draft before it accepted: undecided
+            reach *= d.conf
+            out.append((reach, j < agree))
+        return out
 
     def step(self) -> BlockOut | Ready | None:
         """One unit of work: a prefill chunk (a `Ready` after the last one), or one draft token
@@ -240,24 +286,30 @@ class DraftSession:
         if not self._pending:
             self._pending_since = t0
             self._pending_ms = 0.0
+        full_before = len(self.context) + 1 - self.committed >= self.window  # the window ends here anyway
         self._drafted[len(self.context)] = draft
         self.context.append(draft.token_id)
         self._pending.append(draft)
         step_ms = (time.perf_counter() - t0) * 1e3 if compute_ms is None else compute_ms
         self.last_token_ms = step_ms
         self._pending_ms += step_ms
-        return self._flush(force=not self.wants_work())
+        cut = not full_before and self.confidence_cut()
+        if self.confidence is not None:
+            self.confidence.observe_token(step_ms)
+            self.confidence_cuts += cut
+        return self._flush(force=not self.wants_work(), cut=cut)
 
-    def _flush(self, force: bool, now: bool = False) -> BlockOut | None:
+    def _flush(self, force: bool, now: bool = False, cut: bool = False) -> BlockOut | None:
         """Send pending drafts when forced (nothing more to draft; the block is `final`), at
         gamma of them, when the first has waited flush_ms (a slow drafter streams token by
-        token), or `now`."""
+        token), or `now`. `cut`: a confidence cut ends the block (forced too)."""
         if not self._pending:
             return None
         waited_ms = (time.perf_counter() - self._pending_since) * 1e3
         if not (force or now) and len(self._pending) < self.gamma and waited_ms < self.flush_ms:
             return None
-        block = BlockOut(self.sent, self._pending, self._pending_ms, final=force, committed_length=self.committed)
+        block = BlockOut(self.sent, self._pending, self._pending_ms, final=force, committed_length=self.committed,
+                         confidence_cut=cut, tau=self.confidence.tau if self.confidence is not None else 0.0)
         self.sent += len(self._pending)
         self._pending = []
         return block
@@ -430,7 +482,7 @@ class ModelDraftSession(DraftSession):
     def pick_locked(self, logits: torch.Tensor) -> Draft:
         """The step's draft from the logits [vocab] after the context's last token (drafter.batch
         hands it a row of a batched forward): greedy or sampled with the session's generator."""
-        return self._pick(logits, with_alts=self.branches > 0)
+        return self._pick(logits, with_alts=self.branches > 0 or self.confidence is not None)
 
     def _pick(self, logits: torch.Tensor, with_alts: bool) -> Draft:
         """The draft token from one position's logits [vocab]; with_alts: its conf and the
@@ -488,7 +540,9 @@ class ModelDraftSession(DraftSession):
         # [B, 1] -> logits [B, 1, vocab]
         out = self.model(input_ids=job["next"], past_key_values=job["cache"], use_cache=True, logits_to_keep=1)
         self.forward_tokens += len(job["corrections"])
-        picks = [self._pick(out.logits[b, -1], with_alts=False) for b in range(len(job["corrections"]))]
+        # with confidence on, each pick's conf (an adopted branch's drafts count in the reach)
+        picks = [self._pick(out.logits[b, -1], with_alts=self.confidence is not None)
+                 for b in range(len(job["corrections"]))]
         for cont, d in zip(job["conts"], picks):
             cont.append(d)
         job["next"] = torch.tensor([[d.token_id] for d in picks], dtype=torch.long, device=self.device)
