@@ -17,6 +17,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
+from drafter.confidence import ConfidencePolicy, parse_mode
 from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Ready
 from specdec import serving, telemetry
 from specdec.config import MAX_GAMMA_LIMIT, DrafterConfig
@@ -186,6 +187,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.tracer = telemetry.setup_tracing("drafter")
         self.metrics = metrics
         self.slots = serving.SessionSlots("drafter", cfg.max_sessions)
+        self.confidence = parse_mode(cfg.draft_confidence)  # "off", "auto" or a fixed tau (ValueError: bad)
         # Hook point: called as hook(session) after each draft step of every session, on the
         # worker thread (DraftSession.step). Empty in production; plugins append to it
         # (specdec.serving.load_plugins; the tests' fault injection, tests/faultkit.py).
@@ -211,6 +213,8 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             session: DraftSession = NgramDraftSession(prompt, req.gamma, lookahead, self.cfg.ngram_max, self.cfg.ngram_min)
         else:
             session = self._model_session(req, prompt, lookahead)
+            if self.confidence != "off":
+                session.confidence = ConfidencePolicy(self.confidence)
         session.branches = self.cfg.branches
         session.flush_ms = self.cfg.flush_ms
         session.prefill_chunk = self.cfg.prefill_chunk
@@ -271,7 +275,11 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                                            "prompt's end to the context's end)")
                     if c.gamma and not 1 <= c.gamma <= MAX_GAMMA_LIMIT:
                         raise InvalidField("commit.gamma", f"{c.gamma} is out of range [1, {MAX_GAMMA_LIMIT}]")
+                    gamma, breaks, hits = session.gamma, session.breaks, session.branches_adopted
                     session.commit(c.start_position, list(c.token_ids), c.gamma, c.hold)
+                    if session.breaks > breaks:  # a broken chain: a branch hit or a miss, at the gamma in force
+                        self.metrics.branch_breaks.labels(gamma=str(gamma)).inc()
+                        self.metrics.branch_hits.labels(gamma=str(gamma)).inc(session.branches_adopted - hits)
                     self.worker.wake()
             except InvalidField as err:
                 out.put_nowait(err)
@@ -301,6 +309,10 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                 await context.write(pb.DraftResponse(block=_block_pb(item, sequence)))
                 self.metrics.blocks.inc()
                 self.metrics.tokens.inc(len(item.drafts))
+                if item.confidence_cut:
+                    self.metrics.confidence_cuts.inc()
+                if item.tau and not item.branch:
+                    self.metrics.block_tau.observe(item.tau)
                 span.add_event("block", {"specdec.start_position": item.start_position,
                                          "specdec.tokens": len(item.drafts), "specdec.draft_ms": item.draft_ms,
                                          "specdec.branch": item.branch})
@@ -327,6 +339,8 @@ def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":
         final=block.final,
         committed_length=block.committed_length,
         branch=block.branch,
+        confidence_cut=block.confidence_cut,
+        tau=block.tau,
     )
     return msg
 
@@ -359,6 +373,7 @@ def build(cfg: DrafterConfig, registry: CollectorRegistry) -> DrafterServicer:
     cfg places it, calibrate it, and make the servicer, its metrics on `registry`."""
     from specdec.models import load_causal_lm, resolve
 
+    parse_mode(cfg.draft_confidence)  # a bad value fails here, before any weights load
     torch.set_num_threads(cfg.threads)
     revision = cfg.revision or None
     path = resolve(cfg.model, revision=revision)

@@ -175,6 +175,14 @@ class DrafterConfig(TransportConfig):
         True,
         "Draft every session's next token in one batched forward of the draft model per step (ragged "
         "lengths, each session's own KV cache; docs/batched-drafting.md); off: one forward per session.")
+    draft_confidence: str = setting(
+        "off",
+        "Drafts sized by confidence (docs/confidence-drafts.md): a session stops a block where the draft "
+        "model's cumulative confidence (the product of its probabilities of its own tokens past the verified "
+        "context) falls below a threshold tau, sends it at once and drafts branches until the next commit. "
+        "auto: tau is learned per session from the verdicts (the draft's calibrated acceptance against the "
+        "measured cost of a draft token); a number in (0, 1]: that fixed tau; off: blocks of gamma.",
+        metavar="off|auto|TAU")
     sample_drafts: bool = setting(
         False,
         "Sampled requests: draft by sampling the draft's q (its top q_top_k tokens, on) or by taking q's "

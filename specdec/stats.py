@@ -24,8 +24,10 @@ Terms (vLLM's, `vllm/v1/spec_decode/metrics.py`, where vLLM has one):
 
 The ratios are computed here only: acceptance_rate = num_accepted_tokens / num_draft_tokens,
 mean_acceptance_length = 1 + num_accepted_tokens / num_drafts (the bonus token counted),
-tokens_per_step, branch_hit_rate. The wire's SpeculationStats keeps its field names (clients
-read them: `drafted_tokens` is num_draft_tokens, `speculative_steps` is num_drafts, ...), and
+tokens_per_step, branch_hit_rate (per gamma over many generations: `branch_hits_by_gamma`),
+mean_tau (drafts sized by confidence: the drafter's threshold, docs/confidence-drafts.md). The
+wire's SpeculationStats keeps its field names (clients read them: `drafted_tokens` is
+num_draft_tokens, `speculative_steps` is num_drafts, ...), and
 so do the span attributes (`specdec.drafted_tokens`: a span says what its response says);
 `to_pb`, `from_pb` and `span_attributes` are the one place that maps the names. Prometheus
 families carry vLLM's names (`specdec:spec_decode_num_draft_tokens_total` beside the verifier's
@@ -34,6 +36,7 @@ own `vllm:spec_decode_num_draft_tokens_total`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +105,9 @@ class SpecStats:
     branches_used: int = 0  # steps whose drafts came from a branch (a branch hit)
     branch_misses: int = 0  # steps after a broken chain that found no branch
     held_steps: int = 0  # verdicts with hold_drafts: adaptive gamma held the drafter
+    confidence_cuts: int = 0  # blocks the drafter cut by confidence (DraftBlock.confidence_cut)
+    mean_tau: float = 0.0  # mean DraftBlock.tau over the blocks that carried one (0: confidence off)
+    _tau_blocks: int = field(default=0, repr=False)  # blocks in mean_tau
     _draft_ms_since_step: float = field(default=0.0, repr=False)  # drafter compute since the latest verdict
 
     # ---- what changes the figures ----------------------------------------------------------
@@ -140,6 +146,10 @@ class SpecStats:
         self.blocks_received += 1
         self.tokens_received += len(block.token_ids)
         self.branches_drafted += block.branch
+        self.confidence_cuts += block.confidence_cut
+        if block.tau > 0:
+            self._tau_blocks += 1
+            self.mean_tau += (block.tau - self.mean_tau) / self._tau_blocks
         self.draft_ms += block.draft_ms
         self._draft_ms_since_step += block.draft_ms
 
@@ -234,6 +244,8 @@ class SpecStats:
             "specdec.branches_used": self.branches_used,
             "specdec.branch_hit_rate": self.branch_hit_rate,
             "specdec.held_steps": self.held_steps,
+            "specdec.confidence_cuts": self.confidence_cuts,
+            "specdec.mean_tau": self.mean_tau,
             "specdec.migrations": self.migrations,
         }
         if self.fallback_reason:
@@ -270,6 +282,8 @@ class SpecStats:
             branch_hit_rate=self.branch_hit_rate,
             branch_misses=self.branch_misses,
             held_steps=self.held_steps,
+            confidence_cuts=self.confidence_cuts,
+            mean_tau=self.mean_tau,
         )
 
     @classmethod
@@ -285,9 +299,42 @@ class SpecStats:
             draft_wait_ms=s.draft_wait_ms, max_draft_wait_ms=s.max_draft_wait_ms, draft_ms=s.draft_ms,
             drafter_prefill_ms=s.drafter_prefill_ms, migrations=s.migrations, branches_drafted=s.branches_drafted,
             branches_used=s.branches_used, branch_misses=s.branch_misses, held_steps=s.held_steps,
+            confidence_cuts=s.confidence_cuts, mean_tau=s.mean_tau,
         )
+
+    @property
+    def branch_breaks(self) -> int:
+        """Steps after a verdict that broke the drafts' chain: branches_used + branch_misses."""
+        return self.branches_used + self.branch_misses
 
     @property
     def drafter_name(self) -> str:
         """The drafter method's user-facing name ("none" for plain decoding)."""
         return draft_method_name(self.drafter) or "none"
+
+
+@dataclass(frozen=True)
+class BranchHits:
+    """Branch hits of some generations at one gamma: `hits` (branches_used) out of `breaks`
+    (the steps after a broken chain, branches_used + branch_misses)."""
+
+    gamma: int
+    hits: int
+    breaks: int
+
+    @property
+    def rate(self) -> float:
+        """hits / breaks (0 with no break)."""
+        return self.hits / self.breaks if self.breaks else 0.0
+
+
+def branch_hits_by_gamma(stats: Iterable[SpecStats]) -> list[BranchHits]:
+    """The branch hit rate per gamma (num_spec_tokens, the gamma a generation ran with) over
+    `stats`, by gamma ascending; plain generations (gamma 0) are left out."""
+    hits: dict[int, int] = {}
+    breaks: dict[int, int] = {}
+    for s in stats:
+        if s.num_spec_tokens:
+            hits[s.num_spec_tokens] = hits.get(s.num_spec_tokens, 0) + s.branches_used
+            breaks[s.num_spec_tokens] = breaks.get(s.num_spec_tokens, 0) + s.branch_breaks
+    return [BranchHits(g, hits[g], breaks[g]) for g in sorted(hits)]

@@ -349,12 +349,24 @@ class DrafterMetrics:
         specdec:drafter_tokens_total    draft tokens sent
         specdec:drafter_step_seconds    histogram: one draft token's compute
         specdec:drafter_branches_total  pre-drafted branches sent
+        specdec:drafter_branch_breaks_total{gamma}
+                                        commits that broke a session's draft chain (a rejected
+                                        draft), by the session's gamma then
+        specdec:drafter_branch_hits_total{gamma}
+                                        ... of which adopted a pre-drafted branch (a branch hit)
+        specdec:drafter_confidence_cuts_total
+                                        blocks cut where the draft's cumulative confidence fell
+                                        below tau (DrafterConfig.draft_confidence)
+        specdec:drafter_block_tau       histogram: tau of each block sent with confidence on
 
     PromQL:
         Draft tokens/s:              rate(specdec:drafter_tokens_total[1m])
         Mean tokens per block:       rate(specdec:drafter_tokens_total[5m]) / rate(specdec:drafter_blocks_total[5m])
         p99 draft-token compute:     histogram_quantile(0.99, rate(specdec:drafter_step_seconds_bucket[5m]))
         Branches per second:         rate(specdec:drafter_branches_total[1m])
+        Branch hit rate per gamma:   sum by (gamma) (rate(specdec:drafter_branch_hits_total[5m]))
+                                       / sum by (gamma) (rate(specdec:drafter_branch_breaks_total[5m]))
+        Mean tau:                    rate(specdec:drafter_block_tau_sum[5m]) / rate(specdec:drafter_block_tau_count[5m])
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -368,6 +380,14 @@ class DrafterMetrics:
             buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1), registry=registry,
         )
         self.branches = Counter("specdec:drafter_branches", "Pre-drafted branches sent", registry=registry)
+        self.branch_breaks = Counter("specdec:drafter_branch_breaks", "Commits that broke a draft chain, by gamma",
+                                     ["gamma"], registry=registry)
+        self.branch_hits = Counter("specdec:drafter_branch_hits", "Broken chains a pre-drafted branch covered, by "
+                                   "gamma", ["gamma"], registry=registry)
+        self.confidence_cuts = Counter("specdec:drafter_confidence_cuts", "Blocks cut by confidence",
+                                       registry=registry)
+        self.block_tau = Histogram("specdec:drafter_block_tau", "Tau of each block sent with confidence on",
+                                   buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=registry)
 
 
 class VerifierMetrics:

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from specdec import telemetry
-from specdec.stats import SpecStats
+from specdec.stats import SpecStats, branch_hits_by_gamma
 from specdec.wire import pb
 
 
@@ -98,3 +98,31 @@ def test_drafter_side_figures() -> None:
     assert s.observe(_v(1)).draft_ms == 0.0
     assert (s.blocks_received, s.tokens_received, s.branches_drafted, s.draft_ms) == (2, 5, 1, 2.0)
     assert s.drafter_prefill_ms == 3.0 and s.invalid_reply() == 1 and s.migrated() == 1
+
+
+def test_confidence_cuts_and_mean_tau_come_from_the_blocks() -> None:
+    s = SpecStats(num_spec_tokens=6, drafter=pb.DRAFT_METHOD_MODEL)
+    s.observe_block(pb.DraftBlock(token_ids=[1, 2], final=True, confidence_cut=True, tau=0.25))
+    s.observe_block(pb.DraftBlock(token_ids=[3], tau=0.75))
+    s.observe_block(pb.DraftBlock(token_ids=[4]))  # no tau: confidence off for it (not averaged)
+    assert s.confidence_cuts == 1 and s.mean_tau == pytest.approx(0.5)
+    p = s.to_pb()
+    assert (p.confidence_cuts, p.mean_tau) == (1, pytest.approx(0.5))
+    assert s.span_attributes()["specdec.confidence_cuts"] == 1
+    back = SpecStats.from_pb(p)
+    assert (back.confidence_cuts, back.mean_tau) == (1, pytest.approx(0.5))
+
+
+def test_branch_hit_rate_per_gamma_sums_hits_and_breaks_over_generations() -> None:
+    def gen(gamma: int, hits: int, misses: int) -> SpecStats:
+        s = SpecStats(num_spec_tokens=gamma, drafter=pb.DRAFT_METHOD_MODEL if gamma else pb.DRAFT_METHOD_NONE)
+        s.observe(_v(1))
+        for _ in range(hits):
+            s.observe(_v(2, 3, 1, 4, branch=True))
+        for _ in range(misses):
+            s.observe(_v(1, branch_miss=True))
+        return s
+
+    rows = branch_hits_by_gamma([gen(8, 1, 3), gen(4, 2, 1), gen(8, 1, 1), gen(0, 0, 0), gen(4, 0, 0)])
+    assert [(r.gamma, r.hits, r.breaks) for r in rows] == [(4, 2, 3), (8, 2, 6)]
+    assert [r.rate for r in rows] == [pytest.approx(2 / 3), pytest.approx(2 / 6)]
