@@ -19,8 +19,10 @@ Terms:
                 lookahead, then branches, best first by their estimated probability
                 P(p, t) = prod_{j<p} conf(j) * q_p(t), over the positions the step being
                 verified decides (committed .. committed + gamma: its drafts, then the
-                bonus token after them); all branches at one
-                position are drafted together, as one batch through the model.
+                bonus token after them); the candidates not drafted yet are drafted
+                together, as one batch through the model, whatever their positions
+                (rows of different positions share the cache up to the earliest one and
+                are left-padded there; see ModelDraftSession._begin_branch_rows).
     conf        the draft model's probability of its own token at a position (its
                 estimate that the target agrees)
     reach       prod conf over the drafts past the committed context: the draft model's
@@ -335,14 +337,11 @@ class DraftSession:
         out.sort(key=lambda c: -c[0])
         return out[: self.branches]
 
-    def _next_branches(self) -> tuple[int, list[int]] | None:
-        """The position of the best candidate not drafted yet, and every such candidate's
-        correction there (drafted together)."""
+    def _next_branches(self) -> list[tuple[int, int]] | None:
+        """The candidates not drafted yet, best first, as (position, correction): drafted
+        together, one batch (None: none is left)."""
         todo = [(p, t) for _, p, t in self.branch_candidates() if (p, t) not in self._branches]
-        if not todo:
-            return None
-        p = todo[0][0]
-        return p, [t for q, t in todo if q == p]
+        return todo or None
 
     def wants_branch(self) -> bool:
         """Whether the session has branch work: it is idle otherwise (its window is full) and
@@ -362,28 +361,32 @@ class DraftSession:
                 nxt = self._next_branches()
                 if nxt is None:
                     return []
-                self._branch_job = self._begin_branches(*nxt)
+                self._branch_job = self._begin_branch_rows(nxt)
             done = self._advance_branches()
             self.branch_ms += (time.perf_counter() - t0) * 1e3
             if done is None:
                 return []
             self._branch_job = None
-            p, corrections, conts, draft_ms = done
+            rows, conts, draft_ms = done
             blocks = []
-            for t, cont in zip(corrections, conts):
+            for (p, t), cont in zip(rows, conts):
                 self._branches[(p, t)] = cont
                 self.branches_drafted += 1
-                blocks.append(BlockOut(p, [Draft(t, 1.0, None), *cont], draft_ms / len(corrections), False,
+                blocks.append(BlockOut(p, [Draft(t, 1.0, None), *cont], draft_ms / len(rows), False,
                                        self.committed, branch=True))
             return blocks
 
     def _begin_branches(self, position: int, corrections: list[int]) -> object:
         """Start drafting branches at `position`, one per correction (subclass state)."""
+        return self._begin_branch_rows([(position, t) for t in corrections])
+
+    def _begin_branch_rows(self, rows: list[tuple[int, int]]) -> object:
+        """Start drafting one branch per (position, correction) in `rows`, as one batch (subclass state)."""
         raise NotImplementedError
 
-    def _advance_branches(self) -> tuple[int, list[int], list[list[Draft]], float] | None:
-        """One draft step for the branch batch under way; when done, (position, corrections,
-        each one's drafts, compute ms)."""
+    def _advance_branches(self) -> tuple[list[tuple[int, int]], list[list[Draft]], float] | None:
+        """One draft step for the branch batch under way; when done, (its rows, each row's
+        drafts, compute ms)."""
         raise NotImplementedError
 
     def _next_token(self) -> Draft | None:
@@ -519,37 +522,63 @@ class ModelDraftSession(DraftSession):
         return self._disallowed
 
     @torch.inference_mode()
-    def _begin_branches(self, position: int, corrections: list[int]) -> object:
-        """A copy of the cache up to `position`, one row per correction: [B, heads, position, dim]."""
+    def _begin_branch_rows(self, rows: list[tuple[int, int]]) -> object:
+        """The batch's state: a copy of the cache up to the earliest row's position `base`,
+        one copy per row ([B, heads, base, dim]), and each row's first input, context[base:p]
+        + [t], left-padded to the longest (T) after the shared prefix ([B, T]).
+
+        Rows at one position need no padding: the batch is fed as a plain one. Otherwise a
+        2D attention mask [B, keys] hides each row's padding slots (from every later query,
+        for the whole batch) and explicit position ids [B, T] give each row its own positions."""
         import copy
 
+        base = min(p for p, _ in rows)
         cache = copy.deepcopy(self.cache)
-        if self.cached > position:  # cached >= position: every drafted position but the last is cached
-            cache.crop(position - self.cached)
-        if len(corrections) > 1:
-            cache.batch_repeat_interleave(len(corrections))
-        return {"position": position, "corrections": corrections, "cache": cache, "ms": 0.0,
-                "next": torch.tensor([[t] for t in corrections], dtype=torch.long, device=self.device),  # [B, 1]
-                "conts": [[] for _ in corrections]}
+        if self.cached > base:  # cached >= base: every drafted position but the last is cached
+            cache.crop(base - self.cached)
+        if len(rows) > 1:
+            cache.batch_repeat_interleave(len(rows))
+        news = [self.context[base:p] + [t] for p, t in rows]
+        t_max = max(len(n) for n in news)
+        ids = torch.zeros(len(rows), t_max, dtype=torch.long)  # [B, T]
+        positions = torch.zeros(len(rows), t_max, dtype=torch.long)  # [B, T]
+        keep = torch.ones(len(rows), base + t_max, dtype=torch.long)  # [B, base + T]: 1 = a real key
+        for i, new in enumerate(news):
+            pad = t_max - len(new)
+            ids[i, pad:] = torch.tensor(new, dtype=torch.long)
+            positions[i, pad:] = torch.arange(base, base + len(new))
+            positions[i, :pad] = base  # padding queries: any position (their outputs are dropped)
+            keep[i, base : base + pad] = 0
+        ragged = t_max > 1
+        return {"rows": rows, "cache": cache, "ms": 0.0, "next": ids.to(self.device),
+                "mask": keep.to(self.device) if ragged else None, "positions": positions.to(self.device),
+                "conts": [[] for _ in rows], "fed": sum(len(n) for n in news)}
 
     @torch.inference_mode()
-    def _advance_branches(self) -> tuple[int, list[int], list[list[Draft]], float] | None:
+    def _advance_branches(self) -> tuple[list[tuple[int, int]], list[list[Draft]], float] | None:
         job = self._branch_job
         assert isinstance(job, dict)
         t0 = time.perf_counter()
-        # [B, 1] -> logits [B, 1, vocab]
-        out = self.model(input_ids=job["next"], past_key_values=job["cache"], use_cache=True, logits_to_keep=1)
-        self.forward_tokens += len(job["corrections"])
+        mask = job["mask"]
+        ragged = {} if mask is None else {"attention_mask": mask, "position_ids": job["positions"]}
+        # [B, T] -> logits [B, 1, vocab] (T = 1 after the first step)
+        out = self.model(input_ids=job["next"], past_key_values=job["cache"], use_cache=True, logits_to_keep=1,
+                         **ragged)
+        self.forward_tokens += job["fed"]
         # with confidence on, each pick's conf (an adopted branch's drafts count in the reach)
         picks = [self._pick(out.logits[b, -1], with_alts=self.confidence is not None)
-                 for b in range(len(job["corrections"]))]
+                 for b in range(len(job["rows"]))]
         for cont, d in zip(job["conts"], picks):
             cont.append(d)
-        job["next"] = torch.tensor([[d.token_id] for d in picks], dtype=torch.long, device=self.device)
+        job["next"] = torch.tensor([[d.token_id] for d in picks], dtype=torch.long, device=self.device)  # [B, 1]
+        job["fed"] = len(picks)
+        if mask is not None:  # the new slot is real in every row; each row's next position follows its last
+            job["mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            job["positions"] = job["positions"][:, -1:] + 1
         job["ms"] += (time.perf_counter() - t0) * 1e3
         if len(job["conts"][0]) < self.gamma:
             return None
-        return job["position"], job["corrections"], job["conts"], job["ms"]
+        return job["rows"], job["conts"], job["ms"]
 
     def _rollback(self, keep: int) -> None:
         if self.cached > keep:

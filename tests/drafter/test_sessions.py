@@ -259,3 +259,24 @@ def test_a_held_session_drafts_nothing_until_released(model) -> None:
     assert s.urgent()
     start, drafts = _drafted(s)
     assert start == 6 and drafts[: s.gamma] == _greedy(model, [1, 2, 3, 4, 5, 6], s.gamma)
+
+
+def test_branches_at_different_positions_are_one_batch_each_its_own_greedy_continuation(model) -> None:
+    prompt = [3, 14, 15, 92, 65]
+    s = _branchy(model, prompt, gamma=3, branches=6)
+    s.branch_alts = 2
+    s.commit(len(prompt), [35])
+    _drain(s)
+    candidates = s.branch_candidates()
+    positions = {p for _, p, _ in candidates}
+    assert len(positions) >= 2, candidates  # the batch mixes positions (rows left-padded after the earliest)
+    context = list(s.context)
+    steps, blocks = 0, []
+    while s.wants_branch():
+        steps += 1
+        blocks.extend(s.branch_step())
+    assert steps == s.gamma  # one batched draft step per branch token, for every position at once
+    assert sorted((b.start_position, b.drafts[0].token_id) for b in blocks) == sorted((p, t) for _, p, t in candidates)
+    for b in blocks:
+        p, t = b.start_position, b.drafts[0].token_id
+        assert [d.token_id for d in b.drafts[1:]] == _greedy(model, context[:p] + [t], s.gamma), (p, t)
