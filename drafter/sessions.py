@@ -152,6 +152,8 @@ class DraftSession:
             return True  # the prefill, or just the `Ready` announcing it
         if not self.started or self.held:
             return False
+        if self._resend:
+            return True  # an adopted branch's drafts wait to be sent (even past tau or the window)
         return not self.exhausted and len(self.context) - self.committed < self.window and not self.confidence_cut()
 
     def reach(self) -> float:

@@ -190,3 +190,21 @@ def test_model_session_with_a_low_tau_drafts_what_an_unsized_session_drafts(mode
     tokens = [[d.token_id for b in _drain(s) for d in b.drafts] for s in (sized, plain)]
     assert tokens[0] == tokens[1]
     assert sized.confidence_cuts == 0
+
+
+def test_an_adopted_branch_below_tau_is_still_sent_at_once_and_final(model) -> None:
+    s = _confident(model, 1.0, branches=3)  # every draft's conf < 1: the reach of any draft is below tau
+    [block] = _drain(s)
+    branches: list[BlockOut] = []
+    while s.wants_branch():
+        branches.extend(s.branch_step())
+    branch = branches[0]
+    p, t = branch.start_position, branch.drafts[0].token_id
+    s.commit(s.committed, [t])  # the target rejects the draft at p with the branch's correction
+    assert s.branches_adopted == 1 and s.reach() < 1.0
+    # the adopted drafts go out at once (a verifier may be waiting for them), as a final block
+    assert s.wants_work()
+    resent = s.step()
+    assert isinstance(resent, BlockOut) and resent.final and resent.start_position == p + 1
+    assert [d.token_id for d in resent.drafts] == [d.token_id for d in branch.drafts[1:]]
+    assert not s.wants_work() and s.wants_branch()
