@@ -96,6 +96,10 @@ FAMILIES = {
         "specdec:drafter_tokens_total",
         "specdec:drafter_step_seconds",
         "specdec:drafter_branches_total",
+        "specdec:drafter_branch_breaks_total",
+        "specdec:drafter_branch_hits_total",
+        "specdec:drafter_confidence_cuts_total",
+        "specdec:drafter_block_tau",
     },
     "verifier": {
         "specdec:verifier_sessions",
@@ -146,7 +150,8 @@ def test_a_service_registry_exposes_its_own_families_and_the_shared_ones(service
     metrics = METRICS[service](registry)
     assert metrics.registry is registry
     # labelled families show up once a label value is used
-    for labelled in ("accepted_per_pos", "requests", "spikes", "round_stage", "step_cost_ms", "refused"):
+    for labelled in ("accepted_per_pos", "requests", "spikes", "round_stage", "step_cost_ms", "refused",
+                     "branch_breaks", "branch_hits"):
         if getattr(getattr(metrics, labelled, None), "_labelnames", None):
             getattr(metrics, labelled).labels("0")
     exposed = _exposed(registry)
