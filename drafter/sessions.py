@@ -388,7 +388,9 @@ class DraftSession:
 
     def _advance_branches(self) -> tuple[list[tuple[int, int]], list[list[Draft]], float] | None:
         """One draft step for the branch batch under way; when done, (its rows, each row's
-        drafts, compute ms)."""
+        drafts, compute ms). A branch has gamma drafts after its correction, fewer with
+        drafts sized by confidence (its drafts' reach, the correction not counted, falls below
+        tau: the batch ends when every row's has)."""
         raise NotImplementedError
 
     def _next_token(self) -> Draft | None:
@@ -554,7 +556,10 @@ class ModelDraftSession(DraftSession):
         ragged = t_max > 1
         return {"rows": rows, "cache": cache, "ms": 0.0, "next": ids.to(self.device),
                 "mask": keep.to(self.device) if ragged else None, "positions": positions.to(self.device),
-                "conts": [[] for _ in rows], "fed": sum(len(n) for n in news)}
+                "conts": [[] for _ in rows], "fed": sum(len(n) for n in news),
+                # drafts sized by confidence: each row's reach over its drafts after the correction, and
+                # where it was cut (-1: not yet)
+                "reach": [1.0] * len(rows), "ends": [-1] * len(rows)}
 
     @torch.inference_mode()
     def _advance_branches(self) -> tuple[list[tuple[int, int]], list[list[Draft]], float] | None:
@@ -578,9 +583,16 @@ class ModelDraftSession(DraftSession):
             job["mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             job["positions"] = job["positions"][:, -1:] + 1
         job["ms"] += (time.perf_counter() - t0) * 1e3
-        if len(job["conts"][0]) < self.gamma:
+        if self.confidence is not None:  # a branch is sized by confidence too: a row ends where its reach fell below tau
+            for i, d in enumerate(picks):
+                if job["ends"][i] < 0:
+                    job["reach"][i] *= d.conf
+                    if job["reach"][i] < self.confidence.tau:
+                        job["ends"][i] = len(job["conts"][i])
+        if len(job["conts"][0]) < self.gamma and not all(end >= 0 for end in job["ends"]):
             return None
-        return job["rows"], job["conts"], job["ms"]
+        conts = [cont[:end] if end >= 0 else cont for cont, end in zip(job["conts"], job["ends"])]
+        return job["rows"], conts, job["ms"]
 
     def _rollback(self, keep: int) -> None:
         if self.cached > keep:

@@ -208,3 +208,21 @@ def test_an_adopted_branch_below_tau_is_still_sent_at_once_and_final(model) -> N
     assert isinstance(resent, BlockOut) and resent.final and resent.start_position == p + 1
     assert [d.token_id for d in resent.drafts] == [d.token_id for d in branch.drafts[1:]]
     assert not s.wants_work() and s.wants_branch()
+
+
+def test_branches_are_sized_by_confidence_too(model) -> None:
+    s = _confident(model, 1.0, branches=3)  # tau 1: every branch ends at its first draft after the correction
+    _drain(s)
+    steps, blocks = 0, []
+    while s.wants_branch():
+        steps += 1
+        blocks.extend(s.branch_step())
+    assert steps == 1 and len(blocks) == 3
+    assert all(len(b.drafts) == 2 for b in blocks)  # the correction, then one draft
+    loose = _confident(model, 1e-9, branches=3)
+    while loose.wants_work():  # tau ~ 0: the window fills, and branches run their whole gamma
+        loose.step()
+    blocks = []
+    while loose.wants_branch():
+        blocks.extend(loose.branch_step())
+    assert blocks and all(len(b.drafts) == loose.gamma + 1 for b in blocks)
