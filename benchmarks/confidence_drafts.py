@@ -53,13 +53,15 @@ class Row:
         cuts = sum(s.confidence_cuts for s in self.stats) / n
         taus = [s.mean_tau for s in self.stats if s.mean_tau > 0]
         tau = f"{sum(taus) / len(taus):.2f}" if taus else "-"
-        [hits] = branch_hits_by_gamma(self.stats) or [None]
-        branch = f"{hits.rate:.2f} ({hits.hits}/{hits.breaks})" if hits is not None else "-"
+        per_gamma = branch_hits_by_gamma(self.stats)  # one gamma per row
+        branch = "-" if not per_gamma else f"{per_gamma[0].rate:.2f} ({per_gamma[0].hits}/{per_gamma[0].breaks})"
         return (f"| {self.mode} | {self.gamma} | {self.tokens_per_s:.1f} | {mal:.2f} | {steps:.1f} | {cuts:.1f} | "
                 f"{tau} | {branch} | {self.exact}/{n} |")
 
 
-def run(address: str, prompts: list[list[int]], max_tokens: int, gamma: int) -> tuple[list[list[int]], list[SpecStats], float]:
+def run(
+    address: str, prompts: list[list[int]], max_tokens: int, gamma: int
+) -> tuple[list[list[int]], list[SpecStats], float]:
     """Every prompt through the gateway at `address`, one at a time: outputs, stats, tokens/s."""
     from gateway.client import GatewayClient, generation_spec
 
@@ -128,8 +130,8 @@ def main() -> int:
         finally:
             cluster.stop()
     print(f"\n{args.models}, {len(prompts)} prompts x {args.max_tokens} tokens, one request at a time")
-    print("| draft_confidence | γ | tok/s | MAL | target steps / req | cuts / req | mean τ | branch hit rate (hits/breaks) "
-          "| exact |")
+    print("| draft_confidence | γ | tok/s | MAL | target steps / req | cuts / req | mean τ "
+          "| branch hit rate (hits/breaks) | exact |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(row.line())
