@@ -6,8 +6,8 @@ drafter's `draft_confidence` off, auto and fixed taus (docs/confidence-drafts.md
 For each mode it starts the three services (specdec_cli.launch.Cluster, the drafter with
 `--draft-confidence MODE`), runs every prompt at each gamma one request at a time (greedy,
 ignore_eos, `--max-tokens`), checks each output against the gamma-0 run's (plain target
-decoding through the same verifier), and prints one row per (mode, gamma): output tokens per
-second, mean acceptance length (1 + accepted / draft steps), target steps per request, the
+decoding through the same verifier, its row first), and prints one row per (mode, gamma):
+output tokens per second, mean acceptance length (1 + accepted / draft steps), target steps per request, the
 blocks cut by confidence per request, mean tau, and the branch hit rate (branches_used /
 (branches_used + branch_misses), the hits and breaks beside it). `--verifier-args` is passed
 to the verifier (e.g. "--no-adaptive-gamma"), `--drafter-args` to the drafter.
@@ -121,8 +121,10 @@ def main() -> int:
         try:
             address = f"127.0.0.1:{cluster.gateway_port}"
             run(address, prompts[:1], 8, gammas[0])  # warm-up
-            if reference is None:
-                reference, _, _ = run(address, prompts, args.max_tokens, 0)
+            if reference is None:  # plain target decoding through the same services: the output to match
+                reference, plain, rate = run(address, prompts, args.max_tokens, 0)
+                rows.append(Row("(plain decoding)", 0, rate, plain, len(prompts)))
+                print(rows[-1].line(), flush=True)
             for gamma in gammas:
                 outputs, stats, rate = run(address, prompts, args.max_tokens, gamma)
                 rows.append(Row(mode, gamma, rate, stats, sum(o == r for o, r in zip(outputs, reference))))
