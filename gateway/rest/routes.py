@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 from gateway.core import Core
 from gateway.rest.protocol import APIError, ChatRequest, CompletionRequest, refuse_surrogates
 from gateway.rest.serving import OpenAIServing
+from gateway.text import Tokenizer
 from specdec.security import KeyStore
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # GatewayConfig.max_request_mb's default
@@ -113,7 +114,7 @@ class Guard:
 # ---------------------------------------------------------------------------- app
 
 
-def build_app(core: Core, tokenizer: Any, model_name: str, keys: KeyStore | None = None,
+def build_app(core: Core, tokenizer: Tokenizer, model_name: str, keys: KeyStore | None = None,
               metrics_auth: bool = False, metrics_app: Any = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               tokenizer_executor: Executor | None = None, refused: Any = None, stream_write_timeout_s: float = 0.0,
               stream_write_timeouts: Any = None) -> FastAPI:
