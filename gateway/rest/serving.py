@@ -30,6 +30,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import Counter
 
 from gateway import convert
 from gateway.client import stats_dict, vllm_spec_metrics
@@ -468,7 +469,7 @@ class OpenAIServing:
     `stream_write_timeouts`."""
 
     def __init__(self, core: Core, tokenizer: Tokenizer, model_name: str, tokenizer_executor: Executor,
-                 stream_write_timeout_s: float = 0.0, stream_write_timeouts: Any = None) -> None:
+                 stream_write_timeout_s: float = 0.0, stream_write_timeouts: Counter | None = None) -> None:
         self.core, self.tokenizer, self.model_name = core, tokenizer, model_name
         self.executor = tokenizer_executor
         self.stream_write_timeout_s, self.stream_write_timeouts = stream_write_timeout_s, stream_write_timeouts
