@@ -71,6 +71,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +230,11 @@ def read_events(lines: Any, on_request: Any) -> list[dict[str, Any]]:
     return results
 
 
+def _pinned_to(cores: list[int]) -> Callable[[], None]:
+    """A child's preexec_fn: pin it to `cores`."""
+    return lambda: os.sched_setaffinity(0, set(cores))
+
+
 def run_children(jobs: list[dict[str, Any]], on_request: Any, log: Path) -> list[list[dict[str, Any]]]:
     """The baselines `jobs` (each with its `cores`) in as few children as vLLM allows
     (benchmarks.systems.child_groups); each job's results (one per concurrency), in order."""
@@ -240,7 +246,7 @@ def run_children(jobs: list[dict[str, Any]], on_request: Any, log: Path) -> list
         with open(log, "ab") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "benchmarks.systems", json.dumps([jobs[i] for i in group])],
-                stdout=subprocess.PIPE, stderr=err, preexec_fn=lambda cores=cores: os.sched_setaffinity(0, set(cores)),
+                stdout=subprocess.PIPE, stderr=err, preexec_fn=_pinned_to(cores),
                 env={**os.environ, "OMP_NUM_THREADS": str(len(cores))},
             )
             assert proc.stdout is not None
@@ -520,7 +526,7 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="qwen-coder", metavar="PAIR",
@@ -640,7 +646,7 @@ def main(args: argparse.Namespace) -> int:
     achieved = goals(rows)
     for r in rows:
         r.pop("_tokens", None)
-    report = {
+    report: dict[str, Any] = {
         "meta": {
             "command": "specdec bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
             "models": {"pair": args.models, "target": target_ref, "draft": draft_ref, "dtype": args.dtype},

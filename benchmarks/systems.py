@@ -34,7 +34,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specdec.wire import pb
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -61,6 +64,7 @@ def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
     os.environ["OMP_NUM_THREADS"] = str(job["threads"])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(job["kv_cache_gib"]))))
     from vllm import EngineArgs, SamplingParams
+    from vllm.outputs import RequestOutput
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -91,7 +95,7 @@ def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
             now = time.perf_counter() - t0
             for out in outs:
                 rec = records.get(out.request_id)
-                if rec is None:
+                if rec is None or not isinstance(out, RequestOutput):  # (a generation engine makes no pooling outputs)
                     continue
                 new = list(out.outputs[0].token_ids)
                 if new:
@@ -133,8 +137,8 @@ def run_hf_assisted(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
 
     torch.set_num_threads(int(job["threads"]))
     dtype = getattr(torch, job["dtype"])
-    target = AutoModelForCausalLM.from_pretrained(job["target"], dtype=dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(job["draft"], dtype=dtype).eval()
+    target = AutoModelForCausalLM.from_pretrained(job["target"], dtype=dtype).eval()  # type: ignore[no-untyped-call]  # transformers declares the auto model's eval() (torch's) without types
+    draft = AutoModelForCausalLM.from_pretrained(job["draft"], dtype=dtype).eval()  # type: ignore[no-untyped-call]  # (as above)
     # a fixed gamma (transformers reads these from the assistant's generation config)
     draft.generation_config.num_assistant_tokens = int(job["gamma"])
     draft.generation_config.num_assistant_tokens_schedule = "constant"
@@ -144,7 +148,9 @@ def run_hf_assisted(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
         """Timestamps each step's new tokens (the first put is the prompt)."""
 
         def __init__(self, t0: float) -> None:
-            self.t0, self.prompt_seen, self.chunks, self.tokens = t0, False, [], []
+            self.t0, self.prompt_seen = t0, False
+            self.chunks: list[list[float]] = []  # [seconds since t0, new tokens] per step
+            self.tokens: list[int] = []
 
         def put(self, value: Any) -> None:
             if not self.prompt_seen:
@@ -191,7 +197,9 @@ def run_specdec(
     def one(ids: list[int], out: dict[str, Any]) -> None:
         spec = generation_spec(ids, max_tokens=max_tokens, gamma=gamma, drafter="model" if gamma else "none",
                                ignore_eos=True)
-        chunks, tokens, last = [], [], None
+        chunks: list[list[float]] = []  # [seconds since t0, new tokens] per message
+        tokens: list[int] = []
+        last: pb.GenerateStreamResponse | None = None
         t0 = time.perf_counter()
         for msg in client.stream(spec):
             if msg.token_ids:
@@ -199,6 +207,8 @@ def run_specdec(
                 tokens.extend(msg.token_ids)
             last = msg
         e2e = time.perf_counter() - t0
+        if last is None:  # the gateway ends every stream with a chunk carrying the finish reason
+            raise RuntimeError("the gateway's stream ended without a chunk")
         s = last.stats
         out.update(chunks=chunks, tokens=tokens, ttft=chunks[0][0], e2e=e2e, stats={
             "drafts": s.speculative_steps, "draft_tokens": s.drafted_tokens, "accepted": s.accepted_tokens,
@@ -231,6 +241,11 @@ def run_specdec(
     return {"event": "result", "concurrency": concurrency, "wall_s": wall, "requests": requests, "spec": spec}
 
 
+def _tagged(emit: Emit, job: int) -> Emit:
+    """`emit` with each event tagged "job": `job`."""
+    return lambda obj: emit({**obj, "job": job})
+
+
 def run_jobs(jobs: list[dict[str, Any]], emit: Emit = _emit_stdout) -> None:
     """Each job in order, pinned to its `cores` with as many threads; results tagged "job": i."""
     import torch
@@ -240,7 +255,7 @@ def run_jobs(jobs: list[dict[str, Any]], emit: Emit = _emit_stdout) -> None:
         os.sched_setaffinity(0, set(job["cores"]))
         set_threads(len(job["cores"]))
         runner = {"vllm": run_vllm, "hf-assisted": run_hf_assisted}[job["kind"]]
-        runner({**job, "threads": len(job["cores"])}, lambda obj, i=i: emit({**obj, "job": i}))
+        runner({**job, "threads": len(job["cores"])}, _tagged(emit, i))
         gc.collect()  # the job's engine and its KV cache go before the next one starts
 
 
