@@ -137,8 +137,12 @@ def run_hf_assisted(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
 
     torch.set_num_threads(int(job["threads"]))
     dtype = getattr(torch, job["dtype"])
-    target = AutoModelForCausalLM.from_pretrained(job["target"], dtype=dtype).eval()  # type: ignore[no-untyped-call]  # transformers declares the auto model's eval() (torch's) without types
-    draft = AutoModelForCausalLM.from_pretrained(job["draft"], dtype=dtype).eval()  # type: ignore[no-untyped-call]  # (as above)
+    # transformers' auto models, Any at this boundary: their declared types contradict this use (eval() is
+    # untyped, generate() asks for a `self` the auto class is not)
+    target: Any = AutoModelForCausalLM.from_pretrained(job["target"], dtype=dtype)
+    draft: Any = AutoModelForCausalLM.from_pretrained(job["draft"], dtype=dtype)
+    target.eval()
+    draft.eval()
     # a fixed gamma (transformers reads these from the assistant's generation config)
     draft.generation_config.num_assistant_tokens = int(job["gamma"])
     draft.generation_config.num_assistant_tokens_schedule = "constant"
