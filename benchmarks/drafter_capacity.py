@@ -42,17 +42,19 @@ import argparse
 import csv
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from drafter.server import DraftWorker
+from drafter.server import DraftWorker, Emit
 from drafter.sessions import DraftSession, ModelDraftSession, Ready
 from specdec.models import load_causal_lm
 
 # Qwen2.5-Coder-0.5B-Instruct's shapes (its config.json), for `--shape qwen2.5-0.5b`.
-QWEN_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+QWEN_05B: dict[str, Any] = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                 tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
 
@@ -87,7 +89,7 @@ def load(args: argparse.Namespace) -> torch.nn.Module:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B)).eval()
+        model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B)).eval()
         if args.quantize == "int8":  # as specdec.models.load_causal_lm quantises
             import warnings
 
@@ -98,10 +100,22 @@ def load(args: argparse.Namespace) -> torch.nn.Module:
     return load_causal_lm(args.model, "float32", args.quantize)
 
 
+def _vocab(model: torch.nn.Module) -> int:
+    """The model's vocabulary size, at most 30,000 (the range the prompts and corrections use)."""
+    config: Any = model.config  # a transformers PretrainedConfig (torch types a Module's attributes as Tensor | Module)
+    return min(int(config.vocab_size), 30000)
+
+
+def _kv(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DynamicCache layer's keys and values, [1, heads, L, dim] each (Any: transformers types a layer as
+    possibly a linear-attention one, and its tensors as optional, which a Qwen2 session's never are)."""
+    return layer.keys, layer.values
+
+
 def make_sessions(model: torch.nn.Module, n: int, args: argparse.Namespace) -> list[ModelDraftSession]:
     """n sessions with ragged prompts, prefilled and started (their first commit given)."""
-    vocab = min(int(model.config.vocab_size), 30000)
-    out = []
+    vocab = _vocab(model)
+    out: list[ModelDraftSession] = []
     for i in range(n):
         prompt = [(7 * j + 13 * i + 11) % (vocab - 200) + 100 for j in range(args.prompt + 8 * i)]
         s = ModelDraftSession(model, prompt, args.gamma, 1 << 20, temperature=0.0, top_k=0, top_p=1.0, seed=i,
@@ -114,7 +128,7 @@ def make_sessions(model: torch.nn.Module, n: int, args: argparse.Namespace) -> l
     return out
 
 
-def verdicts(sessions: list[DraftSession], gamma: int, accept: int, vocab: int) -> None:
+def verdicts(sessions: Sequence[DraftSession], gamma: int, accept: int, vocab: int) -> None:
     """A verdict for each session with gamma drafts past its committed context: accept
     `accept` of them, correct the next (a rollback of gamma - accept tokens)."""
     for s in sessions:
@@ -132,8 +146,8 @@ def _fail(item: object) -> None:
 def measure(model: torch.nn.Module, n: int, batched: bool, args: argparse.Namespace) -> Row:
     sessions = make_sessions(model, n, args)
     worker = DraftWorker(batch=batched)
-    active = [(s, _fail) for s in sessions]
-    vocab = min(int(model.config.vocab_size), 30000)
+    active: list[tuple[DraftSession, Emit]] = [(s, _fail) for s in sessions]
+    vocab = _vocab(model)
     for _ in range(args.warmup):
         worker.advance(active)
         verdicts(sessions, args.gamma, args.accept, vocab)
@@ -166,17 +180,17 @@ def copy_share(model: torch.nn.Module, n: int, args: argparse.Namespace, repeats
         c0 = time.thread_time()
         padded = max(s.cached for s in sessions)
         for layer in range(len(sessions[0].cache.layers)):
-            k0 = sessions[0].cache.layers[layer].keys  # [1, heads, L, dim]
+            k0, _ = _kv(sessions[0].cache.layers[layer])  # [1, heads, L, dim]
             keys = k0.new_zeros(n, k0.shape[1], padded + 1, k0.shape[3])
             values = torch.zeros_like(keys)
             for i, s in enumerate(sessions):
-                own = s.cache.layers[layer]
-                keys[i, :, : own.keys.shape[-2]] = own.keys[0]
-                values[i, :, : own.values.shape[-2]] = own.values[0]
+                own_keys, own_values = _kv(s.cache.layers[layer])
+                keys[i, :, : own_keys.shape[-2]] = own_keys[0]
+                values[i, :, : own_values.shape[-2]] = own_values[0]
             for i, s in enumerate(sessions):
-                own = s.cache.layers[layer]
-                torch.cat([own.keys, keys[i : i + 1, :, -1:]], dim=-2)
-                torch.cat([own.values, values[i : i + 1, :, -1:]], dim=-2)
+                own_keys, own_values = _kv(s.cache.layers[layer])
+                torch.cat([own_keys, keys[i : i + 1, :, -1:]], dim=-2)
+                torch.cat([own_values, values[i : i + 1, :, -1:]], dim=-2)
         copies.append(time.thread_time() - c0)
     return statistics.median(steps) * 1e3, statistics.median(copies) * 1e3
 
