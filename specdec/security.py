@@ -41,9 +41,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
+
+# A call's context in code that serves every service alike (interceptors, admission, aborts):
+# the messages' types depend on the service, and that code reads none of them.
+AnyContext: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"  # a string: not subscriptable at run time
 
 log = logging.getLogger("specdec.security")
 
@@ -124,6 +128,7 @@ def server_credentials(cfg: Any) -> grpc.ServerCredentials:
 
     def configuration() -> Any:
         cert, key, ca = files.read()
+        assert cert is not None and key is not None, "served with TLS only when tls_cert and tls_key are set"
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def fetch() -> Any:  # gRPC calls this at every new handshake: None keeps the current certificates
@@ -247,12 +252,11 @@ class PeerIdentityCheck(grpc.aio.ServerInterceptor):
         self.allowed = set(allowed)
         self._seen: dict[bytes, set[str]] = {}  # certificate -> identities (parsed once per certificate)
 
-    def _refusal(self, context: grpc.aio.ServicerContext) -> str | None:
+    def _refusal(self, context: AnyContext) -> str | None:
         """Why this call's peer is refused (None: it is allowed)."""
-        pems = context.auth_context().get("x509_pem_cert") or []
-        if not pems:
+        pem = next(iter(context.auth_context().get("x509_pem_cert") or []), None)
+        if pem is None:
             return "no client certificate"
-        pem = pems[0]
         if pem not in self._seen:
             if len(self._seen) > 1024:
                 self._seen.clear()
@@ -269,27 +273,27 @@ class PeerIdentityCheck(grpc.aio.ServerInterceptor):
         return _guarded(handler, self._refusal, details.method)
 
 
-def _guarded(handler: grpc.RpcMethodHandler, refusal: Callable[[Any], str | None], method: str) -> Any:
+def _guarded(handler: grpc.RpcMethodHandler[Any, Any], refusal: Callable[[Any], str | None], method: str) -> Any:
     """`handler` with `refusal(context)` checked first: PERMISSION_DENIED when it says why."""
     import inspect
 
     kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
     behavior = getattr(handler, kind)
 
-    async def deny(context: grpc.aio.ServicerContext) -> None:
+    async def deny(context: AnyContext) -> None:
         why = refusal(context)
         if why is not None:
             log.warning("refused %s from %s: %s", method, context.peer(), why)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"peer not allowed: {why}")
 
     if inspect.isasyncgenfunction(behavior):
-        async def guarded_gen(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def guarded_gen(request: Any, context: AnyContext) -> Any:
             await deny(context)
             async for item in behavior(request, context):
                 yield item
         wrapped: Any = guarded_gen
     else:
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def guarded(request: Any, context: AnyContext) -> Any:
             await deny(context)
             return await behavior(request, context)
         wrapped = guarded

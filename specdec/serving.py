@@ -17,7 +17,7 @@ import importlib
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -39,12 +39,12 @@ def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-async def abort_invalid(context: grpc.aio.ServicerContext, err: InvalidField) -> None:
+async def abort_invalid(context: security.AnyContext, err: InvalidField) -> None:
     """End the call with INVALID_ARGUMENT naming the field."""
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
 
-async def open_session(context: grpc.aio.ServicerContext, build: Callable[[Any], T],
+async def open_session(context: security.AnyContext, build: Callable[[Any], T],
                        timeout_s: float = 0.0) -> tuple[Any, T]:
     """Read a session stream's first message, which must be `open`, and build the session
     from it; a bad one ends the call with INVALID_ARGUMENT naming the field. A stream that
@@ -79,12 +79,12 @@ class SessionSlots:
         self.service, self.limit, self.setting = service, limit, setting
         self.active = 0
         self.draining = False
-        self._calls: dict[asyncio.Task, grpc.aio.ServicerContext] = {}
-        self._expired: set[asyncio.Task] = set()
+        self._calls: dict[asyncio.Task[Any], security.AnyContext] = {}
+        self._expired: set[asyncio.Task[Any]] = set()
         self._timeout_s = 0.0
 
     @contextlib.asynccontextmanager
-    async def hold(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    async def hold(self, context: security.AnyContext) -> AsyncIterator[None]:
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"{self.service}: shutting down (draining); retry, on another replica if there is one")
@@ -107,8 +107,9 @@ class SessionSlots:
             raise
         finally:
             self.active -= 1
-            self._calls.pop(task, None)  # type: ignore[arg-type]  # current_task() is Task | None; in a call it is set
-            self._expired.discard(task)  # type: ignore[arg-type]  # (as above)
+            if task is not None:
+                self._calls.pop(task, None)
+                self._expired.discard(task)
 
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """Refuse new calls, wait up to `timeout_s` for those in flight, end the rest; returns
@@ -169,7 +170,7 @@ async def serve(
     build: Callable[[CollectorRegistry], S],
     add_to_server: Callable[[S, grpc.aio.Server], None],
     service: str,
-    also: Callable[[S, asyncio.Event], Awaitable[None]] | None = None,
+    also: Callable[[S, asyncio.Event], Coroutine[Any, Any, None]] | None = None,
 ) -> None:
     """Run one gRPC service until SIGINT/SIGTERM, then stop gracefully.
 

@@ -95,6 +95,7 @@ class JsonLinesExporter(SpanExporter):
 def span_record(s: ReadableSpan) -> dict[str, Any]:
     """A span as a plain dict (ids in hex, times in ns since the epoch)."""
     ctx = s.get_span_context()
+    assert ctx is not None, "an ended span (what exporters get) has its context"
     return {
         "name": s.name,
         "service": s.resource.attributes.get("service.name", ""),
@@ -113,11 +114,16 @@ def setup_tracing(service: str) -> trace.Tracer:
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     exporters = [e.strip() for e in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
     if "otlp" in exporters:
+        otlp: SpanExporter
         if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc") == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
+
+            otlp = GrpcSpanExporter()
         else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
+
+            otlp = HttpSpanExporter()
+        provider.add_span_processor(BatchSpanProcessor(otlp))
     if "console" in exporters:
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
