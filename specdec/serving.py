@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,7 +39,7 @@ def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-async def abort_invalid(context: security.AnyContext, err: InvalidField) -> None:
+async def abort_invalid(context: security.AnyContext, err: InvalidField) -> NoReturn:
     """End the call with INVALID_ARGUMENT naming the field."""
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 

@@ -41,11 +41,12 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
@@ -146,8 +147,8 @@ def inject_context_of(context: Any) -> dict[str, str]:
     return carrier
 
 
-def extract_context(carrier: Mapping[str, str] | Sequence[tuple[str, str]] | None) -> Any:
-    """An OpenTelemetry context from a trace_context map or gRPC metadata."""
+def extract_context(carrier: Mapping[str, str] | Iterable[tuple[str, str | bytes]] | None) -> Context | None:
+    """An OpenTelemetry context from a trace_context map or gRPC metadata (its binary values skipped)."""
     if carrier is None:
         return None
     items = carrier.items() if isinstance(carrier, Mapping) else carrier
