@@ -26,11 +26,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from specdec import security
+from specdec.config import DrafterConfig, GatewayConfig, VerifierConfig
 from specdec.telemetry import service_registry
 from specdec.validation import InvalidField
 
 log = logging.getLogger("specdec")
 T = TypeVar("T")
+Open = TypeVar("Open")  # a session stream's `open` message: pb.VerifyOpen, pb.DraftOpen
 
 GRACE_S = 1.0  # after the drain: for the calls' last messages
 
@@ -44,10 +46,11 @@ async def abort_invalid(context: security.AnyContext, err: InvalidField) -> NoRe
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
 
-async def open_session(context: security.AnyContext, build: Callable[[Any], T],
-                       timeout_s: float = 0.0) -> tuple[Any, T]:
+async def open_session(context: security.AnyContext, build: Callable[[Open], T],
+                       timeout_s: float = 0.0) -> tuple[Open, T]:
     """Read a session stream's first message, which must be `open`, and build the session
-    from it; a bad one ends the call with INVALID_ARGUMENT naming the field. A stream that
+    from it (`build` takes the `open` message: its type is the stream's); returns both. A bad
+    one ends the call with INVALID_ARGUMENT naming the field. A stream that
     sends nothing for `timeout_s` (first_message_timeout_s; 0: no limit) ends with
     DEADLINE_EXCEEDED, so a half-open stream cannot hold its max_sessions slot."""
     try:
@@ -166,7 +169,7 @@ S = TypeVar("S", bound=Servicer)
 
 async def serve(
     name: str,
-    cfg: Any,
+    cfg: DrafterConfig | VerifierConfig | GatewayConfig,
     build: Callable[[CollectorRegistry], S],
     add_to_server: Callable[[S, grpc.aio.Server], None],
     service: str,

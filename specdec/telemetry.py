@@ -140,7 +140,7 @@ def tracer(service: str) -> trace.Tracer:
     return trace.get_tracer(f"specdec.{service}")
 
 
-def inject_context_of(context: Any) -> dict[str, str]:
+def inject_context_of(context: Context) -> dict[str, str]:
     """A context's W3C trace context (traceparent, tracestate) as a dict."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=context)
