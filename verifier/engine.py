@@ -33,9 +33,9 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -47,6 +47,7 @@ from verifier.vllm_hooks import configure_vllm_env
 
 if TYPE_CHECKING:  # importing this module starts no thread pools (numpy's): tests/verifier/test_vllm_hooks.py
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     from verifier.proposer import DraftBoard
 
@@ -125,12 +126,26 @@ class GenerationRequest:
         return self.params.logprobs
 
 
+class StepEngine(Protocol):
+    """What TargetEngine uses of vLLM's LLMEngine (vllm_hooks.build_engine builds it; the unit
+    tests pass a fake with these four methods)."""
+
+    def add_request(self, request_id: str, prompt: TokensPrompt, params: SamplingParams) -> str: ...
+
+    def abort_request(self, request_ids: list[str], internal: bool = False) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    # vLLM's RequestOutputs (a generating engine makes no pooling outputs), read by `_emit`
+    def step(self) -> Sequence[Any]: ...
+
+
 class TargetEngine:
     """Owns the vLLM engine and its stepping thread. `TargetEngine.load(cfg, model_path)` builds
     one for a model; the constructor takes the parts ready-made (tests pass a fake of vLLM's
     LLMEngine and a real DraftBoard)."""
 
-    def __init__(self, cfg: VerifierConfig, engine: Any, board: DraftBoard, metrics: telemetry.VerifierMetrics,
+    def __init__(self, cfg: VerifierConfig, engine: StepEngine, board: DraftBoard, metrics: telemetry.VerifierMetrics,
                  facts: vllm_hooks.ModelFacts) -> None:
         """A TargetEngine over a built vLLM engine (`engine`, whose `custom_class` proposer reads
         `board`) and the facts of its model; `start()` runs its thread. `load` builds all of them."""

@@ -73,6 +73,7 @@ if TYPE_CHECKING:  # no numpy/torch at import: configure_vllm_env must run befor
     import numpy as np
     import torch
     from vllm.config.model import ModelDType
+    from vllm.v1.engine.llm_engine import LLMEngine
 
     from verifier.proposer import DraftBoard
 
@@ -265,7 +266,7 @@ def _proposer_board(board: DraftBoard) -> Iterator[None]:
             _board_for_proposer = None
 
 
-def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device: str | None = None) -> Any:
+def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device: str | None = None) -> LLMEngine:
     """vLLM's V1 LLMEngine, in-process, verifying the drafts of `board` (custom_class method),
     with engine_settings for `device` (None: vllm_device()). Sets `board.max_model_len` to the
     engine's context length (the model's own when it was left to vLLM).
