@@ -53,6 +53,7 @@ def vocab_size(model: torch.nn.Module) -> int:
     assert isinstance(config, PretrainedConfig), "a transformers model carries its config"
     return int(config.vocab_size)
 
+
 # Weight of the newest drafted token in the worker's running cost per token.
 PACE_EWMA = 0.1
 
@@ -249,7 +250,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
 
     # gRPC asyncio also serves a handler that writes its responses (context.write) and returns None;
     # the generated base class declares only one that returns them as an iterator
-    async def Draft(  # type: ignore[override]  # noqa: N802  # returns None: see the line above
+    async def Draft(  # type: ignore[override]  # noqa: N802  # returns None: see the comment above
         self, request_iterator: AsyncIterator[pb.DraftRequest], context: DraftContext,
     ) -> None:
         async with self.slots.hold(context):

@@ -101,7 +101,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
 
     # gRPC asyncio also serves a handler that writes its responses (context.write) and returns None;
     # the generated base class declares only one that returns them as an iterator
-    async def Verify(  # type: ignore[override]  # noqa: N802  # returns None: see the line above
+    async def Verify(  # type: ignore[override]  # noqa: N802  # returns None: see the comment above
         self, request_iterator: AsyncIterator[pb.VerifyRequest], context: VerifyContext,
     ) -> None:
         async with self.slots.hold(context):
