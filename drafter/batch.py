@@ -55,7 +55,7 @@ class _GatheredLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor] | None], padded: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # transformers leaves CacheLayerMixin.__init__ unannotated
         self.past = past  # per row: (keys [1, heads, L_i, dim], values [1, heads, L_i, dim]) or None (L_i = 0)
         self.padded = padded  # Lp
         self.new: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's (keys, values) [B, heads, T, dim]
@@ -185,7 +185,8 @@ def forward_rows(model: torch.nn.Module, sessions: Sequence[ModelDraftSession]) 
             s.cache.update(keys[i : i + 1, :, t - len(new) :], values[i : i + 1, :, t - len(new) :], layer)
         s.cached = len(s.context)
         s.forward_tokens += len(new)
-    return out.logits[:, -1]  # [B, vocab]
+    logits: torch.Tensor = out.logits  # [B, T, vocab]
+    return logits[:, -1]  # [B, vocab]
 
 
 def batchable(model: torch.nn.Module) -> bool:

@@ -41,11 +41,12 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
@@ -95,6 +96,7 @@ class JsonLinesExporter(SpanExporter):
 def span_record(s: ReadableSpan) -> dict[str, Any]:
     """A span as a plain dict (ids in hex, times in ns since the epoch)."""
     ctx = s.get_span_context()
+    assert ctx is not None, "an ended span (what exporters get) has its context"
     return {
         "name": s.name,
         "service": s.resource.attributes.get("service.name", ""),
@@ -113,11 +115,16 @@ def setup_tracing(service: str) -> trace.Tracer:
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     exporters = [e.strip() for e in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
     if "otlp" in exporters:
+        otlp: SpanExporter
         if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc") == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
+
+            otlp = GrpcSpanExporter()
         else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
+
+            otlp = HttpSpanExporter()
+        provider.add_span_processor(BatchSpanProcessor(otlp))
     if "console" in exporters:
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
@@ -133,15 +140,15 @@ def tracer(service: str) -> trace.Tracer:
     return trace.get_tracer(f"specdec.{service}")
 
 
-def inject_context_of(context: Any) -> dict[str, str]:
+def inject_context_of(context: Context) -> dict[str, str]:
     """A context's W3C trace context (traceparent, tracestate) as a dict."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=context)
     return carrier
 
 
-def extract_context(carrier: Mapping[str, str] | Sequence[tuple[str, str]] | None) -> Any:
-    """An OpenTelemetry context from a trace_context map or gRPC metadata."""
+def extract_context(carrier: Mapping[str, str] | Iterable[tuple[str, str | bytes]] | None) -> Context | None:
+    """An OpenTelemetry context from a trace_context map or gRPC metadata (its binary values skipped)."""
     if carrier is None:
         return None
     items = carrier.items() if isinstance(carrier, Mapping) else carrier
