@@ -552,6 +552,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"comma list of {', '.join((*WORKLOADS, SERVE_WORKLOAD))} (see above); default: "
                         f"{','.join(WORKLOADS)} (with --prompts-file: code)")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--serve-vllm-dtype", metavar="DTYPE", help="serve-c8: vLLM's server's dtype (default: --dtype); "
+                   "`auto`, what `vllm serve` takes when not told, is the checkpoint's (bfloat16 for qwen-coder)")
     p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.png, logs/")
     p.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens: a smoke run (CI)")
     p.set_defaults(func=main)
@@ -653,7 +655,8 @@ def main(args: argparse.Namespace) -> int:
 
         print(f"{SERVE_WORKLOAD}: vllm bench serve against vLLM's server, then specdec's REST bridge", file=sys.stderr)
         serve = run_workload(pair=args.models, target=target, tokenizer=str(found["tokenizer"]), target_ref=args.target,
-                             draft_ref=args.draft, dtype=args.dtype, output_len=args.max_tokens,
+                             draft_ref=args.draft, dtype=args.dtype, vllm_dtype=args.serve_vllm_dtype,
+                             output_len=args.max_tokens,
                              cores=(cpus[0], cpus[-1]), out=out,
                              verifier_args=QUICK_VERIFIER_ARGS if args.quick else (), prompts=texts[SERVE_WORKLOAD])
     rows.extend(summarise(run, r) for i, run in enumerate(runs) for r in results_of.get(i, []))

@@ -321,12 +321,13 @@ def table(report: dict[str, Any]) -> str:
 
 
 def run_workload(*, pair: str, target: str, tokenizer: str, target_ref: str | None, draft_ref: str | None,
-                 dtype: str, output_len: int, cores: tuple[int, int], out: Path,
+                 dtype: str, output_len: int, cores: tuple[int, int], out: Path, vllm_dtype: str | None = None,
                  verifier_args: Sequence[str] = (), prompts: tuple[list[str], list[str]] | None = None,
                  ) -> dict[str, Any]:
     """Both systems, one after the other; the report: rows, ratios, exact, and the command per row.
 
-    cores: (the target's core, the drafter's core, where the client runs too)."""
+    dtype: the services' and (unless `vllm_dtype`) vLLM's server's; cores: (the target's core,
+    the drafter's core, where the client runs too)."""
     ids, texts = prompts or load_prompts()
     work = out / NAME
     work.mkdir(parents=True, exist_ok=True)
@@ -349,10 +350,11 @@ def run_workload(*, pair: str, target: str, tokenizer: str, target_ref: str | No
         counters = {k: after[k] - before.get(k, 0.0) for k in after} if after else None
         rows.append(row(system, result, counters))
 
-    with vllm_server(target, dtype, cores[0], logs / f"{NAME}-vllm-server.log") as url:
+    with vllm_server(target, vllm_dtype or dtype, cores[0], logs / f"{NAME}-vllm-server.log") as url:
         measure("target-only", url)
     with specdec_services(pair, target_ref, draft_ref, dtype, cores, logs, verifier_args) as url:
         measure("specdec", url)
     return {"workload": NAME, "prompts": ids, "concurrency": len(texts), "output_len": output_len,
+            "dtype": {"target-only": vllm_dtype or dtype, "specdec": dtype},
             "cores": {"target": cores[0], "drafter_and_client": cores[1]}, "rows": rows, **compare(rows),
             "commands": commands}
