@@ -88,6 +88,7 @@ def test_the_client_sends_every_prompt_at_once_greedy_in_file_order(tmp_path: Pa
     assert [r["conversations"][0]["value"] for r in rows] == ["p0", "p1"]
 
 
+@pytest.mark.e2e  # vLLM's server, the three services and vLLM's client, on the tiny pair
 def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
     """Both rows, the ratios and exactness, from one `specdec bench --quick --workloads serve-c8`."""
     out = tmp_path / "out"
