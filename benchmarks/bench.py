@@ -553,7 +553,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"{','.join(WORKLOADS)} (with --prompts-file: code)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--serve-vllm-dtype", metavar="DTYPE", help="serve-c8: vLLM's server's dtype (default: --dtype); "
-                   "`auto`, what `vllm serve` takes when not told, is the checkpoint's (bfloat16 for qwen-coder)")
+                   "`auto` is what `vllm serve` takes when not told: bfloat16 on the CPU")
     p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.png, logs/")
     p.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens: a smoke run (CI)")
     p.set_defaults(func=main)
