@@ -283,7 +283,9 @@ def row(system: str, result: dict[str, Any], counters: dict[str, float] | None) 
     out["alpha"] = c["accepted"] / c["draft_tokens"] if c.get("draft_tokens") else None
     out["mean_accepted_length"] = 1 + c["accepted"] / c["drafts"] if c.get("drafts") else None
     out["counters"] = counters
-    out["held_steps"] = None  # not exposed by the REST bridge (its /metrics has no such counter)
+    # held_steps: the bridge sends it per request in the final usage chunk (usage.speculation),
+    # which vLLM's client does not keep, and its /metrics has no counter of it
+    out["held_steps"] = None
     return out
 
 
