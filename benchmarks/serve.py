@@ -8,9 +8,10 @@ workload's prompts at once (`--max-concurrency` = the number of prompts, request
                  what `vllm serve` runs) on the target alone, pinned to the target's core
                  with one thread, the settings of the bench's target-only rows (dtype,
                  prefix cache off, eager, 1 GiB KV cache, max_model_len 2048)
-    specdec      the three services as `specdec up` starts them, at their defaults: the
-                 verifier pinned to the target's core, drafter and gateway on the drafter's
-                 core; the client talks to the gateway's REST bridge
+    specdec      the three services as `specdec up` starts them, at their defaults (the
+                 verifier at the bench's dtype, prefix cache off; the drafter's own dtype and
+                 int8 quantisation): the verifier pinned to the target's core, drafter and
+                 gateway on the drafter's core; the client talks to the gateway's REST bridge
 
 one after the other in one run (never both in memory). The client runs on the drafter's core,
 as the bench's own client does. Each server first answers one short warm-up request (the first
@@ -180,9 +181,10 @@ def vllm_server(target: str, dtype: str, core: int, log: Path) -> Iterator[str]:
 @contextmanager
 def specdec_services(pair: str, target: str | None, draft: str | None, dtype: str, cores: tuple[int, int],
                      log_dir: Path, verifier_args: Sequence[str] = ()) -> Iterator[str]:
-    """The three services as `specdec up` starts them (their defaults; the bench's dtype, prefix
-    cache off), the verifier on cores[0], drafter and gateway on cores[1]; yields the REST
-    bridge's URL (it serves /metrics too)."""
+    """The three services as `specdec up` starts them (their defaults; the verifier at the bench's
+    dtype with the prefix cache off, the drafter at its own default: int8 dynamic quantisation of
+    the float32 draft on the CPU), the verifier on cores[0], drafter and gateway on cores[1];
+    yields the REST bridge's URL (it serves /metrics too)."""
     from specdec_cli.launch import Cluster, free_port
 
     rest = free_port()
@@ -191,7 +193,7 @@ def specdec_services(pair: str, target: str | None, draft: str | None, dtype: st
         pair=pair, target=target, draft=draft, gateway_port=free_port(), drafter_port=free_port(),
         verifier_port=free_port(), log_dir=log_dir,
         extra_args={"verifier": [*off, "--dtype", dtype, "--no-prefix-caching", *verifier_args],
-                    "drafter": [*off, "--dtype", dtype], "gateway": [*off, "--rest-port", str(rest)]},
+                    "drafter": off, "gateway": [*off, "--rest-port", str(rest)]},
     )
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, set(cores))  # Cluster gives the verifier all but the last core, the rest the last
