@@ -10,6 +10,11 @@ the same target model and dtype, the same prompts. Workloads (`--workloads`):
             (Python's own `argparse.py`): target-only, vllm-draft, specdec and specdec gamma 0
     c8      C8_REQUESTS prompts of about C8_PROMPT_TOKENS tokens (openings of Python stdlib
             modules), sent together: target-only, vllm-draft and specdec at concurrency 8
+    serve-c8  (not in the default set) vLLM's own client, `vllm bench serve`, against vLLM's own
+            OpenAI server (target-only) and then specdec's REST bridge (the services at their
+            defaults): 8 excerpts of real C, JS, Rust and Python source cut mid-file
+            (benchmarks/serve_c8_prompts.jsonl), all at once; its own table and a `serve`
+            section in bench.json (benchmarks/serve.py)
 
 Systems:
 
@@ -86,7 +91,8 @@ QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "gammas": "1,2,4,8", 
 # here every step verifies, and waits for, its full gamma.
 QUICK_VERIFIER_ARGS = ("--no-adaptive-gamma", "--draft-wait-margin-ms", "2000")
 DEFAULT_GAMMA = 4  # the gamma of the concurrency sweeps and the one-off baselines
-WORKLOADS = ("code", "long", "c8")
+WORKLOADS = ("code", "long", "c8")  # the default set
+SERVE_WORKLOAD = "serve-c8"  # benchmarks.serve: opt-in (--workloads serve-c8)
 LONG_PROMPT_TOKENS = 1000
 LONG_PROMPT_SOURCE = "argparse.py"  # a real source file every Python install has on disk
 C8_REQUESTS = 8
@@ -159,7 +165,11 @@ def workload_prompts(name: str, tokenizer: Any, n_code: int, prompts_file: Path 
         return [LONG_PROMPT_SOURCE], [source_prompt(LONG_PROMPT_SOURCE, tokenizer, LONG_PROMPT_TOKENS)]
     if name == "c8":
         return list(C8_SOURCES), [source_prompt(f, tokenizer, C8_PROMPT_TOKENS) for f in C8_SOURCES]
-    raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    if name == SERVE_WORKLOAD:
+        from benchmarks.serve import load_prompts
+
+        return load_prompts()
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join((*WORKLOADS, SERVE_WORKLOAD))}")
 
 
 def plan(gammas: list[int], concurrency: list[int], cpus: list[int], workloads: tuple[str, ...] = ("code",)) -> list[dict[str, Any]]:
@@ -539,8 +549,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--systems", help="only these systems (comma list), e.g. target-only,specdec")
     p.add_argument("--workloads", default=None,
-                   help=f"comma list of {', '.join(WORKLOADS)} (see above); default: all (with --prompts-file: code)")
+                   help=f"comma list of {', '.join((*WORKLOADS, SERVE_WORKLOAD))} (see above); default: "
+                        f"{','.join(WORKLOADS)} (with --prompts-file: code)")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--serve-vllm-dtype", metavar="DTYPE", help="serve-c8: vLLM's server's dtype (default: --dtype); "
+                   "`auto` is what `vllm serve` takes when not told: bfloat16 on the CPU")
     p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.png, logs/")
     p.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens: a smoke run (CI)")
     p.set_defaults(func=main)
@@ -564,7 +577,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.quick:
         for k, v in QUICK.items():
-            setattr(args, k, v)
+            if k != "workloads" or args.workloads is None:  # --quick keeps the workloads asked for
+                setattr(args, k, v)
     t_start = time.time()
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -635,6 +649,16 @@ def main(args: argparse.Namespace) -> int:
     finally:
         bar.close()
         cluster.stop()
+    serve = None
+    if SERVE_WORKLOAD in workloads:  # after the other rows: its servers never share memory with them
+        from benchmarks.serve import run_workload
+
+        print(f"{SERVE_WORKLOAD}: vllm bench serve against vLLM's server, then specdec's REST bridge", file=sys.stderr)
+        serve = run_workload(pair=args.models, target=target, tokenizer=str(found["tokenizer"]), target_ref=args.target,
+                             draft_ref=args.draft, dtype=args.dtype, vllm_dtype=args.serve_vllm_dtype,
+                             output_len=args.max_tokens,
+                             cores=(cpus[0], cpus[-1]), out=out,
+                             verifier_args=QUICK_VERIFIER_ARGS if args.quick else (), prompts=texts[SERVE_WORKLOAD])
     rows.extend(summarise(run, r) for i, run in enumerate(runs) for r in results_of.get(i, []))
     relate(rows, prompts)
     achieved = goals(rows)
@@ -654,11 +678,17 @@ def main(args: argparse.Namespace) -> int:
         },
         "rows": rows,
         "goals": achieved,
+        "serve": serve,
     }
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     plot(rows, out / "bench.png")
     print(table(rows))
     print()
+    if serve is not None:
+        from benchmarks.serve import table as serve_table
+
+        print(serve_table(serve))
+        print()
     for name, g in achieved.items():
         value = "n/a" if g["value"] is None else f"{g['value']:.2f}"
         if "target" not in g:
