@@ -4,7 +4,7 @@ from its /metrics."""
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import start_http_server
 
 from benchmarks.systems import BATCH_ROWS, Histogram, batch_rows, child_groups, scrape_histogram
 from specdec import telemetry
