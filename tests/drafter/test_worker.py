@@ -9,7 +9,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from drafter.server import DraftWorker
+from drafter.server import DraftWorker, Emit
 from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession
 from specdec import telemetry
 
@@ -62,7 +62,7 @@ def _tiny_llama() -> torch.nn.Module:
 def _rows(metrics: telemetry.DrafterMetrics) -> dict[int, float]:
     """specdec:drafter_batch_rows as {rows: forwards observed with that many rows} (buckets
     up to 32 are the integers, so a bucket's own count is the count of that batch size)."""
-    cumulative = {int(le): metrics.registry.get_sample_value("specdec:drafter_batch_rows_bucket", {"le": f"{le:.1f}"})
+    cumulative = {le: metrics.registry.get_sample_value("specdec:drafter_batch_rows_bucket", {"le": f"{le:.1f}"}) or 0.0
                   for le in range(1, 33)}
     return {n: c - cumulative.get(n - 1, 0.0) for n, c in cumulative.items() if c - cumulative.get(n - 1, 0.0)}
 
@@ -80,7 +80,7 @@ def test_each_draft_forward_is_observed_with_its_rows(batched: bool) -> None:
                           top_k=0, top_p=1.0, seed=i, q_top_k=4) for i in range(3)]
     ngram = NgramDraftSession([1, 2, 3, 4, 1, 2], gamma=3, lookahead=100, ngram_max=3, ngram_min=1)
     ngram.commit(6, [3])
-    active = [(s, _no_error) for s in [*sessions, ngram]]
+    active: list[tuple[DraftSession, Emit]] = [(s, _no_error) for s in [*sessions, ngram]]
     worker.advance(active[:3])  # the prefills (one chunk each): no draft forward
     assert all(isinstance(s, ModelDraftSession) and s.ready for s in sessions)
     assert metrics.registry.get_sample_value("specdec:drafter_batch_rows_count") == 0
