@@ -96,6 +96,8 @@ NOT_RUN = {
     "specdec bench --models qwen-coder --workloads long,c8 --systems target-only,specdec --out bench-long-c8": _BENCH,
     "specdec bench --models qwen-coder --prompts-file my-prompts.jsonl --systems target-only,vllm-draft,specdec "
     "--gammas 2,4 --concurrency 1,8 --out bench-mine": _BENCH,
+    "specdec bench --models tiny --systems specdec --workloads code --gammas 4 --concurrency 1,4,16 --prompts 2 "
+    "--max-tokens 16 --out bench-tiny": _BENCH,
     "specdec bench-link --models qwen-coder --out bench-link-results": _LINK,
     "specdec bench-link --quick": _LINK,
     "specdec bench-drafter --core 0 --out bench-drafter": _DRAFTER,
