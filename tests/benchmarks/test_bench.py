@@ -217,8 +217,10 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
             continue
         assert isinstance(row["held_steps"], int) and row["held_steps"] >= 0, row
         if row["gamma"]:  # drafts were made: draft forwards, of at least one row each
-            assert row["drafter_forwards"] >= 1 and row["drafter_batch_rows_mean"] >= 1, row
-            assert 1 <= row["drafter_batch_rows_max"] <= row["concurrency"], row
+            assert row["drafter_forwards"] >= 1, row
+            # (not bounded by the concurrency: a finished request's session may draft once more
+            # beside the next request's before the drafter closes it)
+            assert 1 <= row["drafter_batch_rows_mean"] <= row["drafter_batch_rows_max"], row
             histogram = row["drafter_batch_rows"]
             assert sum(histogram.values()) == row["drafter_forwards"], row
             assert max(int(k) for k in histogram) == row["drafter_batch_rows_max"], row
