@@ -64,6 +64,13 @@ Terms (per row of the table; a row is one system at one gamma and one concurrenc
                    verdict that broke the drafts' chain (a rejection, or a wrong bonus guess)
     exact          fraction of requests whose tokens equal target-only's for that prompt
                    (same workload)
+    held           specdec: target steps whose verdict held the drafter (adaptive gamma),
+                   summed over the requests' stats (JSON: held_steps)
+    draft rows     specdec: the drafter's batch size, mean rows per forward of the draft
+                   model over the workload (its specdec:drafter_batch_rows histogram, read
+                   from its /metrics before and after). JSON: drafter_forwards,
+                   drafter_batch_rows_mean, drafter_batch_rows_max, drafter_batch_rows
+                   (histogram: {rows: forwards}, see benchmarks.systems.batch_rows)
 """
 
 from __future__ import annotations
@@ -278,6 +285,7 @@ class SpecdecCluster:
         self.target, self.draft = target, draft  # model references replacing the pair's (None: the pair's)
         self.cluster: Any = None
         self.drafter_setting: tuple[str, int | None] = ("", None)
+        self.drafter_metrics = ""  # the running drafter's /metrics URL (its batch size is read there)
 
     def address(self, quantize: str, branches: int | None = None) -> str:
         """The gateway's address, with a drafter quantised `quantize` and `branches` (None: its default)."""
@@ -287,16 +295,19 @@ class SpecdecCluster:
             self.stop()
         if self.cluster is None:
             off = ["--metrics-port", "0"]
+            drafter_metrics_port = free_port()
             self.cluster = Cluster(
                 pair=self.pair, gateway_port=free_port(), drafter_port=free_port(), verifier_port=free_port(),
                 log_dir=self.out / "logs", target=self.target, draft=self.draft,
                 extra_args={"verifier": [*off, "--dtype", self.dtype, "--no-prefix-caching", *self.verifier_args],
-                            "drafter": [*off, "--dtype", self.dtype, "--quantize", quantize,
+                            "drafter": ["--metrics-port", str(drafter_metrics_port), "--dtype", self.dtype,
+                                        "--quantize", quantize,
                                         *(["--branches", str(branches)] if branches is not None else [])],
                             "gateway": [*off, "--rest-port", "0"]},
             )
             self.cluster.start()
             self.drafter_setting = (quantize, branches)
+            self.drafter_metrics = f"http://127.0.0.1:{drafter_metrics_port}/metrics"
         return f"127.0.0.1:{self.cluster.gateway_port}"
 
     def stop(self) -> None:
@@ -338,6 +349,8 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         "speedup": None, "bound": None, "bound_fraction": None, "exact": None,
         "workload": run.get("workload", "code"), "fallbacks": None, "max_draft_wait_ms": None,
         "branch_hit_rate": None, "branches_drafted": None, "branches_used": None,
+        "held_steps": None, "drafter_forwards": None, "drafter_batch_rows_mean": None, "drafter_batch_rows_max": None,
+        "drafter_batch_rows": None,
     }
     if run["kind"] == "specdec" and spec.get("steps"):  # specdec rows: the per-round breakdown
         row["verify_step_ms"] = spec["verify_ms"] / spec["steps"]
@@ -355,6 +368,13 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         row["branch_hit_rate"] = row["branches_used"] / breaks if breaks else None
         row["fallbacks"] = int(spec.get("fallbacks", 0))
         row["max_draft_wait_ms"] = spec.get("max_draft_wait_ms", 0.0)
+        row["held_steps"] = int(spec.get("held_steps", 0))
+        rows_per_forward = spec.get("drafter_batch_rows")  # absent when the drafter's /metrics was not read
+        if rows_per_forward is not None:
+            row["drafter_forwards"] = rows_per_forward["forwards"]
+            row["drafter_batch_rows_mean"] = rows_per_forward["mean"]
+            row["drafter_batch_rows_max"] = rows_per_forward["max"]
+            row["drafter_batch_rows"] = rows_per_forward["histogram"]
     row["_tokens"] = [r["tokens"] for r in reqs]
     return row
 
@@ -441,6 +461,7 @@ COLUMNS = [
     ("speedup", "speedup", "{:.2f}x"), ("bound_fraction", "of bound", "{:.0%}"), ("overhead_ms", "overhead ms", "{:.1f}"),
     ("branch_hit_rate", "branch hits", "{:.0%}"),
     ("fallbacks", "fallbacks", "{}"), ("max_draft_wait_ms", "max wait ms", "{:.0f}"),
+    ("held_steps", "held", "{}"), ("drafter_batch_rows_mean", "draft rows", "{:.1f}"),
     ("exact", "exact", "{:.0%}"),
 ]
 
@@ -643,7 +664,8 @@ def main(args: argparse.Namespace) -> int:
             try:
                 run_specdec(address, [warmup], 8, run["gamma"], 1)
                 results_of[i] = [run_specdec(address, prompts[run["workload"]], args.max_tokens, run["gamma"], c,
-                                             lambda: bar.update(1)) for c in run["concurrency"]]
+                                             lambda: bar.update(1), cluster.drafter_metrics)
+                                 for c in run["concurrency"]]
             finally:
                 os.sched_setaffinity(0, mine)
     finally:

@@ -68,7 +68,9 @@ class DraftWorker(threading.Thread):
     (seeded by the servicer's calibration; a batched token costs its share of the
     forward); a session's wall-clock cost per token is about token_ms times the sessions
     drafting at once. Each drafted token's
-    compute goes to `metrics.step_seconds` (none when metrics is None).
+    compute goes to `metrics.step_seconds`, and the rows of each forward of the draft model
+    that drafts tokens to `metrics.batch_rows` (1 per session's forward when not batching;
+    none when metrics is None).
     """
 
     def __init__(
@@ -132,7 +134,8 @@ class DraftWorker(threading.Thread):
         if self.batch:
             from drafter import batch  # imports transformers: only a batching worker needs it
 
-            results = batch.draft_step([session for session, _ in active])
+            on_forward = None if self.metrics is None else self.metrics.batch_rows.observe
+            results = batch.draft_step([session for session, _ in active], on_forward)
         else:
             results = [self._serial_step(session) for session, _ in active]
         drafted = 0
@@ -147,6 +150,8 @@ class DraftWorker(threading.Thread):
                 self.token_ms += PACE_EWMA * (session.last_token_ms - self.token_ms) if self.token_ms else session.last_token_ms
                 if self.metrics is not None:
                     self.metrics.step_seconds.observe(session.last_token_ms / 1e3)
+                    if not self.batch and isinstance(session, ModelDraftSession):
+                        self.metrics.batch_rows.observe(1)  # its own forward (batched: draft_step observes)
             if out is not None:
                 emit(out)
         self.last_batch = drafted

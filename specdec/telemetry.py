@@ -68,6 +68,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("specdec.telemetry")
 
 SPIKE_WARMUP = 20
+# specdec:drafter_batch_rows: every batch size up to 32 its own bucket, then coarser
+DRAFTER_BATCH_ROWS_BUCKETS: tuple[float, ...] = (*range(1, 33), 48, 64, 128, 256)
 STAGES = ("verify", "draft", "draft_wait", "network")
 
 # ---- tracing ---------------------------------------------------------------------------
@@ -355,13 +357,23 @@ class DrafterMetrics:
         specdec:drafter_blocks_total    blocks sent
         specdec:drafter_tokens_total    draft tokens sent
         specdec:drafter_step_seconds    histogram: one draft token's compute
+        specdec:drafter_batch_rows      histogram: rows (sessions) per forward of the draft model
+                                        that drafts tokens: the drafter's batch size (see below)
         specdec:drafter_branches_total  pre-drafted branches sent
+
+    Batch rows: the draft worker's step drafts one token for each session that has one to
+    make; with batch_drafts those rows share one forward (drafter.batch), which is observed
+    once with its rows. A forward of one session (batching off, a step where one session
+    drafts, a model that cannot batch) is observed as 1. Prefill chunks, branch batches and
+    n-gram sessions (no forward) are not observed. The buckets are the integers 1 to 32
+    (exact counts per batch size up to 32), then 48, 64, 128, 256.
 
     PromQL:
         Draft tokens/s:              rate(specdec:drafter_tokens_total[1m])
         Mean tokens per block:       rate(specdec:drafter_tokens_total[5m]) / rate(specdec:drafter_blocks_total[5m])
         p99 draft-token compute:     histogram_quantile(0.99, rate(specdec:drafter_step_seconds_bucket[5m]))
         Branches per second:         rate(specdec:drafter_branches_total[1m])
+        Mean batch size:             rate(specdec:drafter_batch_rows_sum[5m]) / rate(specdec:drafter_batch_rows_count[5m])
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -375,6 +387,10 @@ class DrafterMetrics:
             buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1), registry=registry,
         )
         self.branches = Counter("specdec:drafter_branches", "Pre-drafted branches sent", registry=registry)
+        self.batch_rows = Histogram(
+            "specdec:drafter_batch_rows", "Rows (sessions) per forward of the draft model that drafts tokens",
+            buckets=DRAFTER_BATCH_ROWS_BUCKETS, registry=registry,
+        )
 
 
 class VerifierMetrics:
