@@ -23,6 +23,9 @@ Terms:
 A request record: {"ttft": s, "e2e": s, "chunks": [[t, n], ...], "tokens": [ids...]}.
 Speculation counters (drafts, draft_tokens, accepted, steps) come from the engine where
 it reports them (vLLM's spec-decode metrics; specdec's per-request stats), else null.
+specdec's also carry held_steps (the per-request SpecStats summed) and, given the drafter's
+/metrics address, its batch size over the workload (`drafter_batch_rows`: the difference of
+its specdec:drafter_batch_rows histogram before and after).
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ import os
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -189,11 +194,71 @@ def run_hf_assisted(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
 
 
 # ---- specdec, over gRPC ----------------------------------------------------------------------
+BATCH_ROWS = "specdec:drafter_batch_rows"  # the drafter's histogram of rows per draft forward
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """One Prometheus histogram as scraped: cumulative counts by upper bound `le` (the last
+    bound is +inf), the observations' sum and count."""
+
+    buckets: dict[float, float]
+    sum: float
+    count: float
+
+
+def scrape_histogram(metrics_url: str, name: str) -> Histogram:
+    """The histogram `name` from a service's Prometheus endpoint (`http://HOST:PORT/metrics`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    buckets: dict[float, float] = {}
+    total, count = 0.0, 0.0
+    found = False
+    for family in text_string_to_metric_families(text):
+        if family.name != name:
+            continue
+        found = True
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket":
+                buckets[float(sample.labels["le"])] = float(sample.value)
+            elif sample.name == f"{name}_sum":
+                total = float(sample.value)
+            elif sample.name == f"{name}_count":
+                count = float(sample.value)
+    if not found:
+        raise RuntimeError(f"{metrics_url} has no histogram {name}")
+    return Histogram(dict(sorted(buckets.items())), total, count)
+
+
+def batch_rows(before: Histogram, after: Histogram) -> dict[str, Any]:
+    """The drafter's batch size over a workload, from its specdec:drafter_batch_rows histogram
+    scraped before and after: `forwards` (draft forwards made), `mean` rows per forward,
+    `max` (the bound of the highest bucket that gained; exact up to 32 rows, whose buckets are
+    the integers) and `histogram` {bound: forwards with rows in (the previous bound, bound]}
+    (rows 1 to 32: that many rows exactly). mean and max are None when no forward was made;
+    max is None too when a forward had more rows than the last finite bound (256)."""
+    forwards = int(after.count - before.count)
+    histogram: dict[str, int] = {}
+    below = 0
+    for le, cumulative in after.buckets.items():
+        gained = int(cumulative - before.buckets.get(le, 0.0))
+        if gained > below:
+            histogram["+Inf" if le == float("inf") else f"{le:g}"] = gained - below
+        below = gained
+    top = next(reversed(histogram), None)  # more than the last finite bound (256): no max to give
+    return {"forwards": forwards, "mean": (after.sum - before.sum) / forwards if forwards else None,
+            "max": int(float(top)) if top is not None and top != "+Inf" else None, "histogram": histogram}
+
+
 def run_specdec(
     gateway: str, prompts: list[list[int]], max_tokens: int, gamma: int, concurrency: int,
-    on_request: Callable[[], None] = lambda: None,
+    on_request: Callable[[], None] = lambda: None, drafter_metrics: str | None = None,
 ) -> dict[str, Any]:
-    """One workload through a running gateway; per-request chunks and speculation stats."""
+    """One workload through a running gateway; per-request chunks and speculation stats.
+    `drafter_metrics`: the drafter's /metrics URL, to record its batch size over the workload
+    (`spec["drafter_batch_rows"]`, see `batch_rows`)."""
     from gateway.client import GatewayClient, generation_spec
 
     client = GatewayClient(gateway)  # one channel for the workload, as a client service keeps
@@ -220,9 +285,11 @@ def run_specdec(
             "draft_ms": s.draft_ms, "draft_tokens_sent": s.tokens_received, "rejections": s.rejected_steps,
             "fallback": s.fallback_reason, "max_draft_wait_ms": s.max_draft_wait_ms,
             "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "branch_misses": s.branch_misses,
+            "held_steps": s.held_steps,
         })
         on_request()
 
+    rows_before = scrape_histogram(drafter_metrics, BATCH_ROWS) if drafter_metrics else None
     t0 = time.perf_counter()
     requests: list[dict[str, Any]] = []
     for batch in _batches(prompts, concurrency):
@@ -238,8 +305,10 @@ def run_specdec(
     wall = time.perf_counter() - t0
     client.close()
     keys = ("drafts", "draft_tokens", "accepted", "steps", "verify_ms", "draft_wait_ms", "draft_ms", "draft_tokens_sent",
-            "rejections", "branches_drafted", "branches_used", "branch_misses")
-    spec = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
+            "rejections", "branches_drafted", "branches_used", "branch_misses", "held_steps")
+    spec: dict[str, Any] = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
+    if drafter_metrics and rows_before is not None:
+        spec["drafter_batch_rows"] = batch_rows(rows_before, scrape_histogram(drafter_metrics, BATCH_ROWS))
     spec["fallbacks"] = sum(1 for r in requests if r["stats"]["fallback"])
     spec["max_draft_wait_ms"] = max((r["stats"]["max_draft_wait_ms"] for r in requests), default=0.0)
     return {"event": "result", "concurrency": concurrency, "wall_s": wall, "requests": requests, "spec": spec}

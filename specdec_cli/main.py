@@ -9,6 +9,7 @@
     specdec traces FILE... [--request ID]         slowest rounds, spikes by stage, one request's timeline
     specdec bench [--quick]                       specdec vs vLLM and transformers, side by side
     specdec bench-link [--quick]                  specdec's speedup across a delayed network link
+    specdec bench-drafter [--sessions 1,2,...]    a drafter's draft tokens/s and pace against sessions
 
 An error you can fix prints one line, `specdec: error: <what is wrong>; <what to do>`, and
 exits with status 2 (an unexpected one: status 1, Ctrl-C: 130). `specdec --debug COMMAND`
@@ -415,6 +416,7 @@ _TOOLS = {
     "traces": "inspect exported spans: slowest rounds, spikes, one request's timeline",
     "bench": "specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
     "bench-link": "specdec's speedup across a delayed network link (namespaces, delay proxies), with and without branches",
+    "bench-drafter": "the drafter's capacity: draft tokens/s and per-session pace against sessions, batched vs serial",
 }
 
 
@@ -431,6 +433,10 @@ def _add_tool(sub: SubParsers, name: str) -> None:
         from benchmarks import link
 
         link.add_parser(sub)
+    elif name == "bench-drafter":
+        from benchmarks import drafter_capacity
+
+        drafter_capacity.add_parser(sub)
     else:
         from benchmarks import bench
 
