@@ -153,7 +153,7 @@ async def measure(requests: int, chunks: int, concurrency: int, rounds: int) -> 
     folder = tempfile.mkdtemp(prefix="specdec-rest-hop-")
     address = f"unix:{folder}/grpc.sock"
     grpc_server = grpc.aio.server(options=grpc_options(GatewayConfig(), server=True))
-    rpc.add_GatewayServiceServicer_to_server(GatewayServicer(core), grpc_server)  # type: ignore[arg-type]  # scripted
+    rpc.add_GatewayServiceServicer_to_server(GatewayServicer(core), grpc_server)  # type: ignore[arg-type]  # a ScriptedCore stands in for the GatewayCore (slots, cfg, generate: what the servicer reads)
     grpc_server.add_insecure_port(address)
     await grpc_server.start()
     hop = GrpcHop(address)

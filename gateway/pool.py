@@ -33,6 +33,7 @@ import random
 import socket
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,7 +170,7 @@ class Pool:
         """How many replicas answered SERVING to their last health check (and did not fail since)."""
         return sum(r.serving for r in self.replicas.values())
 
-    def choose(self, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]  # immutable default, only read
+    def choose(self, exclude: AbstractSet[str] = frozenset()) -> Replica | None:
         """The power of two choices among healthy replicas (not in `exclude`); None when none."""
         healthy = [r for r in self.replicas.values() if r.address not in exclude and r.serving]
         if not healthy:
@@ -179,7 +180,7 @@ class Pool:
         a, b = self.rng.sample(healthy, 2)
         return a if a.in_flight <= b.in_flight else b
 
-    async def pick(self, timeout_s: float, exclude: set[str] = frozenset()) -> Replica:  # type: ignore[assignment]  # (as choose)
+    async def pick(self, timeout_s: float, exclude: AbstractSet[str] = frozenset()) -> Replica:
         """A replica for one request, waiting up to `timeout_s` for one to be healthy."""
         self.start()
         deadline = time.monotonic() + timeout_s

@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -97,10 +97,11 @@ def completion_prompt(tokenizer: Tokenizer, req: CompletionRequest) -> tuple[lis
     if isinstance(prompt, str):
         ids = list(tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens is not False))
         return ids, prompt
-    for i, t in enumerate(prompt):  # the gateway checks the vocabulary; these cannot even be decoded
-        if not 0 <= t <= 2**31 - 1:  # type: ignore[operator]  # token ids here: the text forms returned above
+    ids = cast("list[int]", prompt)  # token ids: the text forms (a str, a list of one str) returned above
+    for i, t in enumerate(ids):  # the gateway checks the vocabulary; these cannot even be decoded
+        if not 0 <= t <= 2**31 - 1:
             raise APIError(400, f"prompt: token id {t} at index {i} is outside the vocabulary", "prompt")
-    return list(prompt), tokenizer.decode(prompt)  # type: ignore[arg-type]  # (token ids, as above)
+    return list(ids), tokenizer.decode(ids)
 
 
 def chat_prompt(tokenizer: Tokenizer, req: ChatRequest) -> list[int]:
