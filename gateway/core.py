@@ -508,7 +508,7 @@ class GatewayCore:
         cancelled, and frees the slot at once."""
         started = time.perf_counter()
         untimed = stream  # a stream's first token is observed as its time to first token
-        async with self.admitted(authorization) as key, self.slots.hold(_REFUSALS):  # type: ignore[arg-type]  # hold() only calls abort(), which _Refusals has; SessionSlots types its context as a whole gRPC one
+        async with self.admitted(authorization) as key, self.slots.hold(_REFUSALS):
             chunks = self._generate(spec, key, parent)
             deadline = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
             async with contextlib.aclosing(chunks):  # leaving early ends the round now, not at GC

@@ -68,6 +68,14 @@ async def open_session(context: security.AnyContext, build: Callable[[Open], T],
         raise  # unreachable: abort raises
 
 
+class Aborter(Protocol):
+    """What SessionSlots needs of a call's context: a gRPC servicer context, or an adapter's
+    stand-in that turns the refusal into its own error (gateway.core)."""
+
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: Any = ()) -> Any:
+        """End the call with `code` and `details` (and `trailing_metadata` pairs)."""
+
+
 class SessionSlots:
     """The calls (sessions) a service is serving: admission, and the drain at shutdown.
 
@@ -82,12 +90,12 @@ class SessionSlots:
         self.service, self.limit, self.setting = service, limit, setting
         self.active = 0
         self.draining = False
-        self._calls: dict[asyncio.Task[Any], security.AnyContext] = {}
+        self._calls: dict[asyncio.Task[Any], Aborter] = {}
         self._expired: set[asyncio.Task[Any]] = set()
         self._timeout_s = 0.0
 
     @contextlib.asynccontextmanager
-    async def hold(self, context: security.AnyContext) -> AsyncIterator[None]:
+    async def hold(self, context: Aborter) -> AsyncIterator[None]:
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"{self.service}: shutting down (draining); retry, on another replica if there is one")

@@ -64,9 +64,11 @@ _BENCH = "the full benchmark takes minutes even on tiny; `specdec bench --quick`
 _LINK = ("makes network namespaces and runs the benchmark across them (minutes); `specdec bench-link --quick` "
          "runs in tests/benchmarks/test_link.py")
 _DRAFTER = ("measures 2 s of CPU time per session count (up to 32) and mode (minutes); "
-            "tests/benchmarks/test_drafter_capacity.py runs `specdec bench-drafter` on the tiny draft with tiny settings")
-_DRAFTER_SHAPE = ("builds a random-init model of the Qwen2.5-Coder-0.5B draft's shapes (24 layers, vocab 151,936) and "
-                  "times it: a benchmark of a real-sized model, not run on this shared machine; the same command on the "
+            "tests/benchmarks/test_drafter_capacity.py runs `specdec bench-drafter` on the tiny draft "
+            "with tiny settings")
+_DRAFTER_SHAPE = ("builds a random-init model of the Qwen2.5-Coder-0.5B draft's shapes (24 layers, "
+                  "vocab 151,936) and times it: a benchmark of a real-sized model, not run on this shared machine; "
+                  "the same command on the "
                   "tiny draft runs from the line without --shape")
 _QWEN_DEFAULTS = ("no pair on the line to replace (eval-draft's defaults are the qwen-coder pair); the same "
                   "command on tiny runs from the `specdec eval-draft --target ... --draft ...` line")
