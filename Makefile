@@ -64,9 +64,10 @@ typecheck: setup
 test-unit: setup
 	$(PY) -m pytest -m unit
 
-# The end-to-end tier: the real services and vLLM on the tiny pair.
+# The end-to-end tier: the real services and vLLM on the tiny pair. --durations: where the
+# tier's time goes (the slowest 40 setups, tests and teardowns), printed at the end of each run.
 test-e2e: setup
-	$(PY) -m pytest -m 'e2e and not slow'
+	$(PY) -m pytest -m 'e2e and not slow' --durations=40
 
 # The default suite, fastest checks first: unit tests, static checks, then end to end.
 # pytest-randomly orders each run at random and prints its seed (docs/contributing.md).

@@ -10,6 +10,11 @@ the same target model and dtype, the same prompts. Workloads (`--workloads`):
             (Python's own `argparse.py`): target-only, vllm-draft, specdec and specdec gamma 0
     c8      C8_REQUESTS prompts of about C8_PROMPT_TOKENS tokens (openings of Python stdlib
             modules), sent together: target-only, vllm-draft and specdec at concurrency 8
+    serve-c8  (not in the default set) vLLM's own client, `vllm bench serve`, against vLLM's own
+            OpenAI server (target-only) and then specdec's REST bridge (the services at their
+            defaults): 8 excerpts of real C, JS, Rust and Python source cut mid-file
+            (benchmarks/serve_c8_prompts.jsonl), all at once; its own table and a `serve`
+            section in bench.json (benchmarks/serve.py)
 
 Systems:
 
@@ -59,6 +64,13 @@ Terms (per row of the table; a row is one system at one gamma and one concurrenc
                    verdict that broke the drafts' chain (a rejection, or a wrong bonus guess)
     exact          fraction of requests whose tokens equal target-only's for that prompt
                    (same workload)
+    held           specdec: target steps whose verdict held the drafter (adaptive gamma),
+                   summed over the requests' stats (JSON: held_steps)
+    draft rows     specdec: the drafter's batch size, mean rows per forward of the draft
+                   model over the workload (its specdec:drafter_batch_rows histogram, read
+                   from its /metrics before and after). JSON: drafter_forwards,
+                   drafter_batch_rows_mean, drafter_batch_rows_max, drafter_batch_rows
+                   (histogram: {rows: forwards}, see benchmarks.systems.batch_rows)
 """
 
 from __future__ import annotations
@@ -71,6 +83,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +99,8 @@ QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "gammas": "1,2,4,8", 
 # here every step verifies, and waits for, its full gamma.
 QUICK_VERIFIER_ARGS = ("--no-adaptive-gamma", "--draft-wait-margin-ms", "2000")
 DEFAULT_GAMMA = 4  # the gamma of the concurrency sweeps and the one-off baselines
-WORKLOADS = ("code", "long", "c8")
+WORKLOADS = ("code", "long", "c8")  # the default set
+SERVE_WORKLOAD = "serve-c8"  # benchmarks.serve: opt-in (--workloads serve-c8)
 LONG_PROMPT_TOKENS = 1000
 LONG_PROMPT_SOURCE = "argparse.py"  # a real source file every Python install has on disk
 C8_REQUESTS = 8
@@ -159,7 +173,11 @@ def workload_prompts(name: str, tokenizer: Any, n_code: int, prompts_file: Path 
         return [LONG_PROMPT_SOURCE], [source_prompt(LONG_PROMPT_SOURCE, tokenizer, LONG_PROMPT_TOKENS)]
     if name == "c8":
         return list(C8_SOURCES), [source_prompt(f, tokenizer, C8_PROMPT_TOKENS) for f in C8_SOURCES]
-    raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    if name == SERVE_WORKLOAD:
+        from benchmarks.serve import load_prompts as load_serve_prompts
+
+        return load_serve_prompts()
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join((*WORKLOADS, SERVE_WORKLOAD))}")
 
 
 def plan(gammas: list[int], concurrency: list[int], cpus: list[int], workloads: tuple[str, ...] = ("code",)) -> list[dict[str, Any]]:
@@ -229,6 +247,11 @@ def read_events(lines: Any, on_request: Any) -> list[dict[str, Any]]:
     return results
 
 
+def _pinned_to(cores: list[int]) -> Callable[[], None]:
+    """A child's preexec_fn: pin it to `cores`."""
+    return lambda: os.sched_setaffinity(0, set(cores))
+
+
 def run_children(jobs: list[dict[str, Any]], on_request: Any, log: Path) -> list[list[dict[str, Any]]]:
     """The baselines `jobs` (each with its `cores`) in as few children as vLLM allows
     (benchmarks.systems.child_groups); each job's results (one per concurrency), in order."""
@@ -240,7 +263,7 @@ def run_children(jobs: list[dict[str, Any]], on_request: Any, log: Path) -> list
         with open(log, "ab") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "benchmarks.systems", json.dumps([jobs[i] for i in group])],
-                stdout=subprocess.PIPE, stderr=err, preexec_fn=lambda cores=cores: os.sched_setaffinity(0, set(cores)),
+                stdout=subprocess.PIPE, stderr=err, preexec_fn=_pinned_to(cores),
                 env={**os.environ, "OMP_NUM_THREADS": str(len(cores))},
             )
             assert proc.stdout is not None
@@ -268,6 +291,7 @@ class SpecdecCluster:
         self.target, self.draft = target, draft  # model references replacing the pair's (None: the pair's)
         self.cluster: Any = None
         self.drafter_setting: tuple[str, int | None] = ("", None)
+        self.drafter_metrics = ""  # the running drafter's /metrics URL (its batch size is read there)
 
     def address(self, quantize: str, branches: int | None = None) -> str:
         """The gateway's address, with a drafter quantised `quantize` and `branches` (None: its default)."""
@@ -277,16 +301,19 @@ class SpecdecCluster:
             self.stop()
         if self.cluster is None:
             off = ["--metrics-port", "0"]
+            drafter_metrics_port = free_port()
             self.cluster = Cluster(
                 pair=self.pair, gateway_port=free_port(), drafter_port=free_port(), verifier_port=free_port(),
                 log_dir=self.out / "logs", target=self.target, draft=self.draft,
                 extra_args={"verifier": [*off, "--dtype", self.dtype, "--no-prefix-caching", *self.verifier_args],
-                            "drafter": [*off, "--dtype", self.dtype, "--quantize", quantize,
+                            "drafter": ["--metrics-port", str(drafter_metrics_port), "--dtype", self.dtype,
+                                        "--quantize", quantize,
                                         *(["--branches", str(branches)] if branches is not None else [])],
                             "gateway": [*off, "--rest-port", "0"]},
             )
             self.cluster.start()
             self.drafter_setting = (quantize, branches)
+            self.drafter_metrics = f"http://127.0.0.1:{drafter_metrics_port}/metrics"
         return f"127.0.0.1:{self.cluster.gateway_port}"
 
     def stop(self) -> None:
@@ -328,6 +355,8 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         "speedup": None, "bound": None, "bound_fraction": None, "exact": None,
         "workload": run.get("workload", "code"), "fallbacks": None, "max_draft_wait_ms": None,
         "branch_hit_rate": None, "branches_drafted": None, "branches_used": None,
+        "held_steps": None, "drafter_forwards": None, "drafter_batch_rows_mean": None, "drafter_batch_rows_max": None,
+        "drafter_batch_rows": None,
     }
     if run["kind"] == "specdec" and spec.get("steps"):  # specdec rows: the per-round breakdown
         row["verify_step_ms"] = spec["verify_ms"] / spec["steps"]
@@ -345,6 +374,13 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         row["branch_hit_rate"] = row["branches_used"] / breaks if breaks else None
         row["fallbacks"] = int(spec.get("fallbacks", 0))
         row["max_draft_wait_ms"] = spec.get("max_draft_wait_ms", 0.0)
+        row["held_steps"] = int(spec.get("held_steps", 0))
+        rows_per_forward = spec.get("drafter_batch_rows")  # absent when the drafter's /metrics was not read
+        if rows_per_forward is not None:
+            row["drafter_forwards"] = rows_per_forward["forwards"]
+            row["drafter_batch_rows_mean"] = rows_per_forward["mean"]
+            row["drafter_batch_rows_max"] = rows_per_forward["max"]
+            row["drafter_batch_rows"] = rows_per_forward["histogram"]
     row["_tokens"] = [r["tokens"] for r in reqs]
     return row
 
@@ -431,6 +467,7 @@ COLUMNS = [
     ("speedup", "speedup", "{:.2f}x"), ("bound_fraction", "of bound", "{:.0%}"), ("overhead_ms", "overhead ms", "{:.1f}"),
     ("branch_hit_rate", "branch hits", "{:.0%}"),
     ("fallbacks", "fallbacks", "{}"), ("max_draft_wait_ms", "max wait ms", "{:.0f}"),
+    ("held_steps", "held", "{}"), ("drafter_batch_rows_mean", "draft rows", "{:.1f}"),
     ("exact", "exact", "{:.0%}"),
 ]
 
@@ -520,7 +557,7 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="qwen-coder", metavar="PAIR",
@@ -539,8 +576,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--systems", help="only these systems (comma list), e.g. target-only,specdec")
     p.add_argument("--workloads", default=None,
-                   help=f"comma list of {', '.join(WORKLOADS)} (see above); default: all (with --prompts-file: code)")
+                   help=f"comma list of {', '.join((*WORKLOADS, SERVE_WORKLOAD))} (see above); default: "
+                        f"{','.join(WORKLOADS)} (with --prompts-file: code)")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--serve-vllm-dtype", metavar="DTYPE", help="serve-c8: vLLM's server's dtype (default: --dtype); "
+                   "`auto` is what `vllm serve` takes when not told: bfloat16 on the CPU")
     p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.png, logs/")
     p.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens: a smoke run (CI)")
     p.set_defaults(func=main)
@@ -564,7 +604,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.quick:
         for k, v in QUICK.items():
-            setattr(args, k, v)
+            if k != "workloads" or args.workloads is None:  # --quick keeps the workloads asked for
+                setattr(args, k, v)
     t_start = time.time()
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -629,18 +670,29 @@ def main(args: argparse.Namespace) -> int:
             try:
                 run_specdec(address, [warmup], 8, run["gamma"], 1)
                 results_of[i] = [run_specdec(address, prompts[run["workload"]], args.max_tokens, run["gamma"], c,
-                                             lambda: bar.update(1)) for c in run["concurrency"]]
+                                             lambda: bar.update(1), cluster.drafter_metrics)
+                                 for c in run["concurrency"]]
             finally:
                 os.sched_setaffinity(0, mine)
     finally:
         bar.close()
         cluster.stop()
+    serve = None
+    if SERVE_WORKLOAD in workloads:  # after the other rows: its servers never share memory with them
+        from benchmarks.serve import run_workload
+
+        print(f"{SERVE_WORKLOAD}: vllm bench serve against vLLM's server, then specdec's REST bridge", file=sys.stderr)
+        serve = run_workload(pair=args.models, target=target, tokenizer=str(found["tokenizer"]), target_ref=args.target,
+                             draft_ref=args.draft, dtype=args.dtype, vllm_dtype=args.serve_vllm_dtype,
+                             output_len=args.max_tokens,
+                             cores=(cpus[0], cpus[-1]), out=out,
+                             verifier_args=QUICK_VERIFIER_ARGS if args.quick else (), prompts=texts[SERVE_WORKLOAD])
     rows.extend(summarise(run, r) for i, run in enumerate(runs) for r in results_of.get(i, []))
     relate(rows, prompts)
     achieved = goals(rows)
     for r in rows:
         r.pop("_tokens", None)
-    report = {
+    report: dict[str, Any] = {
         "meta": {
             "command": "specdec bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
             "models": {"pair": args.models, "target": target_ref, "draft": draft_ref, "dtype": args.dtype},
@@ -654,11 +706,17 @@ def main(args: argparse.Namespace) -> int:
         },
         "rows": rows,
         "goals": achieved,
+        "serve": serve,
     }
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     plot(rows, out / "bench.png")
     print(table(rows))
     print()
+    if serve is not None:
+        from benchmarks.serve import table as serve_table
+
+        print(serve_table(serve))
+        print()
     for name, g in achieved.items():
         value = "n/a" if g["value"] is None else f"{g['value']:.2f}"
         if "target" not in g:

@@ -16,6 +16,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -44,7 +45,9 @@ def main() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[-1]})  # the drafter's core
     torch.set_num_threads(1)
-    model = load_causal_lm(PAIRS[args.models].draft, "float32", args.quantize)
+    # a transformers causal LM, Any here: its `config` is transformers' (torch types Module attributes as
+    # Tensor | Module)
+    model: Any = load_causal_lm(PAIRS[args.models].draft, "float32", args.quantize)
     vocab = int(model.config.vocab_size)
     prompt = [(7 * i + 11) % (min(vocab, 30000) - 200) + 100 for i in range(args.context)]
     s = ModelDraftSession(model, prompt, args.gamma, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8)

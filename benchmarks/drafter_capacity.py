@@ -1,13 +1,15 @@
 """Drafter capacity: draft tokens per second and per-session pace against the number of
 sessions, the batched worker (drafter.batch) against the serial loop, in one run.
 
-    python -m benchmarks.drafter_capacity [--model tiny/draft-mid] [--quantize none]
-        [--sessions 1,2,4,8,16,32] [--out bench-drafter]
+    specdec bench-drafter [--model tiny/draft-mid] [--quantize none]
+        [--sessions 1,2,4,8,16,32] [--core 0] [--out bench-drafter]
+
+(`python -m benchmarks.drafter_capacity` takes the same flags.)
 
 Terms:
     sessions    draft sessions the worker serves at once, all drafting (none held)
     round       one `DraftWorker.advance` over every session: each drafts one token
-    tok/s       draft tokens made per second of wall clock, all sessions together
+    tok/s       draft tokens made per second (CPU time, see below), all sessions together
     pace        ms between two draft tokens of one session (a round's duration): what a
                 verifier waiting for that session's drafts sees
 
@@ -17,7 +19,7 @@ after round. Every `--gamma` tokens a session gets a verdict that accepts `--acc
 drafts and corrects the next, so its cache rolls back and the next step feeds the
 correction, as under a verifier. A mode runs at least `--min-rounds` rounds and `--seconds`
 seconds after `--warmup` rounds. One core, one torch thread (the drafter's default
-`--threads 1`); pin the process too: `taskset -c 0 python -m benchmarks.drafter_capacity`.
+`--threads 1`); pin the process too: `--core 0` (as `taskset -c 0`).
 
 Time is the CPU time of the worker's thread (time.thread_time), so tok/s is per CPU-second of
 one core: on a core shared with other work, wall-clock rates fall with the share the process
@@ -41,18 +43,21 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from drafter.server import DraftWorker
+from drafter.server import DraftWorker, Emit
 from drafter.sessions import DraftSession, ModelDraftSession, Ready
 from specdec.models import load_causal_lm
 
 # Qwen2.5-Coder-0.5B-Instruct's shapes (its config.json), for `--shape qwen2.5-0.5b`.
-QWEN_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+QWEN_05B: dict[str, Any] = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                 tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
 
@@ -87,7 +92,7 @@ def load(args: argparse.Namespace) -> torch.nn.Module:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B)).eval()
+        model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B)).eval()
         if args.quantize == "int8":  # as specdec.models.load_causal_lm quantises
             import warnings
 
@@ -98,10 +103,22 @@ def load(args: argparse.Namespace) -> torch.nn.Module:
     return load_causal_lm(args.model, "float32", args.quantize)
 
 
+def _vocab(model: torch.nn.Module) -> int:
+    """The model's vocabulary size, at most 30,000 (the range the prompts and corrections use)."""
+    config: Any = model.config  # a transformers PretrainedConfig (torch types a Module's attributes as Tensor | Module)
+    return min(int(config.vocab_size), 30000)
+
+
+def _kv(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DynamicCache layer's keys and values, [1, heads, L, dim] each (Any: transformers types a layer as
+    possibly a linear-attention one, and its tensors as optional, which a Qwen2 session's never are)."""
+    return layer.keys, layer.values
+
+
 def make_sessions(model: torch.nn.Module, n: int, args: argparse.Namespace) -> list[ModelDraftSession]:
     """n sessions with ragged prompts, prefilled and started (their first commit given)."""
-    vocab = min(int(model.config.vocab_size), 30000)
-    out = []
+    vocab = _vocab(model)
+    out: list[ModelDraftSession] = []
     for i in range(n):
         prompt = [(7 * j + 13 * i + 11) % (vocab - 200) + 100 for j in range(args.prompt + 8 * i)]
         s = ModelDraftSession(model, prompt, args.gamma, 1 << 20, temperature=0.0, top_k=0, top_p=1.0, seed=i,
@@ -114,7 +131,7 @@ def make_sessions(model: torch.nn.Module, n: int, args: argparse.Namespace) -> l
     return out
 
 
-def verdicts(sessions: list[DraftSession], gamma: int, accept: int, vocab: int) -> None:
+def verdicts(sessions: Sequence[DraftSession], gamma: int, accept: int, vocab: int) -> None:
     """A verdict for each session with gamma drafts past its committed context: accept
     `accept` of them, correct the next (a rollback of gamma - accept tokens)."""
     for s in sessions:
@@ -132,8 +149,8 @@ def _fail(item: object) -> None:
 def measure(model: torch.nn.Module, n: int, batched: bool, args: argparse.Namespace) -> Row:
     sessions = make_sessions(model, n, args)
     worker = DraftWorker(batch=batched)
-    active = [(s, _fail) for s in sessions]
-    vocab = min(int(model.config.vocab_size), 30000)
+    active: list[tuple[DraftSession, Emit]] = [(s, _fail) for s in sessions]
+    vocab = _vocab(model)
     for _ in range(args.warmup):
         worker.advance(active)
         verdicts(sessions, args.gamma, args.accept, vocab)
@@ -166,17 +183,17 @@ def copy_share(model: torch.nn.Module, n: int, args: argparse.Namespace, repeats
         c0 = time.thread_time()
         padded = max(s.cached for s in sessions)
         for layer in range(len(sessions[0].cache.layers)):
-            k0 = sessions[0].cache.layers[layer].keys  # [1, heads, L, dim]
+            k0, _ = _kv(sessions[0].cache.layers[layer])  # [1, heads, L, dim]
             keys = k0.new_zeros(n, k0.shape[1], padded + 1, k0.shape[3])
             values = torch.zeros_like(keys)
             for i, s in enumerate(sessions):
-                own = s.cache.layers[layer]
-                keys[i, :, : own.keys.shape[-2]] = own.keys[0]
-                values[i, :, : own.values.shape[-2]] = own.values[0]
+                own_keys, own_values = _kv(s.cache.layers[layer])
+                keys[i, :, : own_keys.shape[-2]] = own_keys[0]
+                values[i, :, : own_values.shape[-2]] = own_values[0]
             for i, s in enumerate(sessions):
-                own = s.cache.layers[layer]
-                torch.cat([own.keys, keys[i : i + 1, :, -1:]], dim=-2)
-                torch.cat([own.values, values[i : i + 1, :, -1:]], dim=-2)
+                own_keys, own_values = _kv(s.cache.layers[layer])
+                torch.cat([own_keys, keys[i : i + 1, :, -1:]], dim=-2)
+                torch.cat([own_values, values[i : i + 1, :, -1:]], dim=-2)
         copies.append(time.thread_time() - c0)
     return statistics.median(steps) * 1e3, statistics.median(copies) * 1e3
 
@@ -219,12 +236,27 @@ def plot(rows: list[Row], title: str, path: Path) -> bool:
     return True
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+HELP = "the drafter's capacity: draft tokens/s and per-session pace against sessions, batched vs serial"
+
+
+def session_counts(text: str) -> list[int]:
+    """`--sessions`: a comma-separated list of positive session counts."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more session counts, each at least 1")
+    return counts
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (`specdec bench-drafter` and `python -m benchmarks.drafter_capacity`)."""
     ap.add_argument("--model", default="tiny/draft-mid", help="draft model reference (specdec.models)")
     ap.add_argument("--shape", default="", choices=("", "qwen2.5-0.5b"), help="random-init model of these shapes")
     ap.add_argument("--quantize", default="none", choices=("none", "int8"))
-    ap.add_argument("--sessions", default="1,2,4,8,16,32")
+    ap.add_argument("--sessions", type=session_counts, default=session_counts("1,2,4,8,16,32"), metavar="N,N,...",
+                    help="session counts to measure (default: 1,2,4,8,16,32)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens of session 0 (session i: + 8 i)")
     ap.add_argument("--gamma", type=int, default=8)
     ap.add_argument("--accept", type=int, default=4, help="drafts each verdict accepts (of gamma)")
@@ -232,10 +264,44 @@ def main() -> None:
     ap.add_argument("--min-rounds", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=2.0, help="least CPU time measured per (sessions, mode)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--core", type=int, default=None, metavar="N",
+                    help="pin the process to this core first (as `taskset -c N`; default: not pinned)")
     ap.add_argument("--out", default="bench-drafter")
     ap.add_argument("--copies", type=int, default=0,
                     help="instead: time one batched step of this many sessions and its cache copies alone")
-    args = ap.parse_args()
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`specdec bench-drafter`."""
+    p = sub.add_parser("bench-drafter", help=HELP, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=main)
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Values argparse cannot judge alone: a UserError naming the flag."""
+    from specdec.errors import UserError
+
+    if args.core is not None:
+        cores = sorted(os.sched_getaffinity(0))
+        if args.core not in cores:
+            raise UserError(f"--core {args.core}: not one of this process's cores {cores}", "pick one of them")
+    for flag, value, least in (("--prompt", args.prompt, 1), ("--gamma", args.gamma, 1), ("--threads", args.threads, 1),
+                               ("--min-rounds", args.min_rounds, 1), ("--warmup", args.warmup, 0),
+                               ("--copies", args.copies, 0)):
+        if value < least:
+            raise UserError(f"{flag} {value}: must be at least {least}", f"pass {flag} {least} or more")
+    if not 0 <= args.accept < args.gamma:
+        raise UserError(f"--accept {args.accept}: must be 0 to gamma - 1 ({args.gamma - 1})",
+                        "a verdict accepts fewer drafts than gamma and corrects the next")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark (see the module docstring); returns the exit status."""
+    _check(args)
+    if args.core is not None:
+        os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(args.threads)
     model = load(args)
     name = args.shape or args.model
@@ -243,10 +309,10 @@ def main() -> None:
         step_ms, copy_ms = copy_share(model, args.copies, args)
         print(f"{name} ({args.quantize}), {args.copies} sessions, prompts {args.prompt}+: batched step "
               f"{step_ms:.1f} ms CPU, of which cache copies {copy_ms:.1f} ms ({100 * copy_ms / step_ms:.0f} %)")
-        return
+        return 0
     title = f"{name} ({args.quantize}), {args.threads} thread(s), gamma {args.gamma}, accept {args.accept}"
-    rows = []
-    for n in [int(x) for x in args.sessions.split(",")]:
+    rows: list[Row] = []
+    for n in args.sessions:
         for batched in (False, True):
             rows.append(measure(model, n, batched, args))
             r = rows[-1]
@@ -262,11 +328,15 @@ def main() -> None:
             w.writerow([r.sessions, r.mode, r.rounds, r.tokens, f"{r.seconds:.4f}", f"{r.wall_seconds:.4f}",
                         f"{r.tok_s:.2f}", f"{r.pace_ms:.3f}", f"{r.wall_tok_s:.2f}"])
     rates = [asdict(r) | {"tok_s": r.tok_s, "pace_ms": r.pace_ms, "wall_tok_s": r.wall_tok_s} for r in rows]
-    summary = {"title": title, "args": vars(args), "rows": rates}
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "command", "debug")}  # the CLI's own
+    summary = {"title": title, "args": settings, "rows": rates}
     (out / "drafter-capacity.json").write_text(json.dumps(summary, indent=1))
     plotted = plot(rows, title, out / "drafter-capacity.png")
     print(f"\n{title}\n\n{table(rows)}\n\nwrote {out}/drafter-capacity.csv, .json" + (", .png" if plotted else ""))
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `specdec bench-drafter`
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))

@@ -106,9 +106,9 @@ def drive(label: str, draft: Any, target: Any, prompts: list[list[int]], gamma: 
             s = sessions[i]
             drafts = s.context[s.committed : s.committed + gamma]
             committed = s.context[: s.committed]
-            out = verdict(target, committed, drafts)
-            run.rollbacks += len(out) <= len(drafts)
-            s.commit(s.committed, out)
+            verified = verdict(target, committed, drafts)
+            run.rollbacks += len(verified) <= len(drafts)
+            s.commit(s.committed, verified)
             rounds[i] += 1
             if s.committed - len(prompts[i]) >= tokens:
                 live.discard(i)

@@ -58,10 +58,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.netns import Network, unavailable_reason
 from specdec.models import PAIRS
+
+if TYPE_CHECKING:
+    from specdec_cli.launch import Service
 
 QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "rtt_fractions": "0,0.25"}
 DEFAULT_FRACTIONS = "0.1,0.25,0.5"
@@ -253,9 +256,9 @@ class Link:
         self.engine_cpus, self.side_cpus = {cpus[0]}, {cpus[-1]}
         self.pair, self.logs, self.verifier_args = PAIRS[pair], logs, list(verifier_args)
         self.hosts = Hosts()
-        self.verifier: Any = None
-        self.drafter: Any = None
-        self.gateway: Any = None
+        self.verifier: Service | None = None
+        self.drafter: Service | None = None
+        self.gateway: Service | None = None
         self.proxies: list[subprocess.Popen[str]] = []
 
     def __enter__(self) -> Link:
@@ -268,7 +271,7 @@ class Link:
         """Where `kind` listens (its host's address)."""
         return f"{self.hosts.address(kind)}:{PORTS[kind]}"
 
-    def _start(self, kind: str, args: list[str], cpus: set[int], log_dir: Path) -> Any:
+    def _start(self, kind: str, args: list[str], cpus: set[int], log_dir: Path) -> Service:
         from specdec_cli.launch import start_service
 
         service = start_service(kind, PORTS[kind], ["--host", self.hosts.address(kind), *args], log_dir, cpus,
@@ -277,7 +280,7 @@ class Link:
         service.host = self.hosts.address(kind)  # its address on its host (the default is loopback)
         return service
 
-    def wait_ready(self, services: list[Any], timeout_s: float = READY_TIMEOUT_S) -> None:
+    def wait_ready(self, services: list[Service], timeout_s: float = READY_TIMEOUT_S) -> None:
         """Until each service's health check (from the gateway's host) says SERVING; ServiceFailed
         when one exits first, TimeoutError past timeout_s."""
         job = {"addresses": [s.address for s in services], "timeout_s": timeout_s}
@@ -399,7 +402,7 @@ class Link:
 HELP = "specdec's speedup across a delayed network link (namespaces, delay proxies), with and without branches"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench-link", help=HELP, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", choices=sorted(PAIRS), default="qwen-coder")
     p.add_argument("--prompts", type=int, default=3, help="prompts from the built-in code set, each run at batch 1")
@@ -494,9 +497,12 @@ def _run(args: argparse.Namespace, fractions: list[float], variants: dict[str, l
                     bar.set_description(f"{name}: starting the drafter")
                     link.start_drafter(draft, extra, vlogs)
                     for f in fractions:
-                        if f and verify_ref is None:
+                        if not f:
+                            d = 0.0
+                        elif verify_ref is None:
                             raise RuntimeError("no verify step measured at zero delay: cannot set the delays")
-                        d = one_way_delay_ms(f, verify_ref) if f else 0.0
+                        else:
+                            d = one_way_delay_ms(f, verify_ref)
                         bar.set_description(f"{name}: RTT {2 * d:.1f} ms")
                         address = link.start_gateway(d, vlogs / f"rtt-{2 * d:.1f}ms")
                         mjob = {"gateway": address, "prompts": prompts, "warmup": warmup, "max_tokens": args.max_tokens,
@@ -523,7 +529,7 @@ def _run(args: argparse.Namespace, fractions: list[float], variants: dict[str, l
     goals = link_goals(rows, list(variants))
     for r in rows:
         r.pop("_tokens", None)
-    report = {
+    report: dict[str, Any] = {
         "meta": {
             "command": "specdec bench-link " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench-link"] else " ".join(sys.argv),
             "models": {"pair": args.models, "target": pair.target, "draft": pair.draft, "dtype": DTYPE},
@@ -564,7 +570,9 @@ def _ready(job: dict[str, Any]) -> int:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    answer: health_pb2.HealthCheckResponse = stub.Check(  # type: ignore[attr-defined]  # types-grpcio-health-checking's HealthStub lacks Check (the generated __init__ sets it)
+                        health_pb2.HealthCheckRequest(), timeout=2)
+                    if answer.status == health_pb2.HealthCheckResponse.SERVING:
                         break
                 except grpc.RpcError:
                     pass

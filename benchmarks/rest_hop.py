@@ -113,7 +113,7 @@ class Tok:
         return "x" * len(ids)
 
 
-async def _serve(app: Any) -> tuple[uvicorn.Server, asyncio.Task, str]:
+async def _serve(app: Any) -> tuple[uvicorn.Server, asyncio.Task[None], str]:
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     task = asyncio.create_task(server.serve())
@@ -153,11 +153,11 @@ async def measure(requests: int, chunks: int, concurrency: int, rounds: int) -> 
     folder = tempfile.mkdtemp(prefix="specdec-rest-hop-")
     address = f"unix:{folder}/grpc.sock"
     grpc_server = grpc.aio.server(options=grpc_options(GatewayConfig(), server=True))
-    rpc.add_GatewayServiceServicer_to_server(GatewayServicer(core), grpc_server)  # type: ignore[arg-type]  # scripted
+    rpc.add_GatewayServiceServicer_to_server(GatewayServicer(core), grpc_server)  # type: ignore[arg-type]  # a ScriptedCore stands in for the GatewayCore (slots, cfg, generate: what the servicer reads)
     grpc_server.add_insecure_port(address)
     await grpc_server.start()
     hop = GrpcHop(address)
-    servers = {name: await _serve(build_app(c, Tok(), "m"))  # type: ignore[arg-type]  # both fit gateway.core.Core
+    servers = {name: await _serve(build_app(c, Tok(), "m"))  # both are a gateway.core.Core
                for name, c in (("in-process", core), ("grpc hop", hop))}
     per_chunk: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}  # (cpu, wall) per round
     try:

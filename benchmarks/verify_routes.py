@@ -21,9 +21,17 @@ import json
 import os
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 from specdec.config import VerifierConfig
 from specdec.models import resolve
+
+if TYPE_CHECKING:
+    from verifier.engine import EngineFailed, Verdict
+
+# Route B's plain vLLM engine (LLMEngine) and its outputs are Any here: vLLM types step() as generation or
+# pooling outputs and each prompt log-prob as optional, which this greedy, prompt_logprobs=1 use never meets.
+PlainEngine = Any
 
 
 def _drafts(reference: list[int], offset: int, gamma: int, block: int) -> list[int]:
@@ -33,7 +41,7 @@ def _drafts(reference: list[int], offset: int, gamma: int, block: int) -> list[i
     return d
 
 
-def custom_class_route(model: str, prompt: list[int], n_tokens: int, gamma: int) -> tuple[list[int], dict]:
+def custom_class_route(model: str, prompt: list[int], n_tokens: int, gamma: int) -> tuple[list[int], dict[str, Any]]:
     """Drive the served engine in-process: first plain greedy (the reference), then with
     drafts offered on each preview, as the gateway does. Returns (reference, result)."""
     from specdec.wire import pb
@@ -46,7 +54,9 @@ def custom_class_route(model: str, prompt: list[int], n_tokens: int, gamma: int)
     rounds = [0]
     done = threading.Event()
 
-    def on_verdict(v) -> None:  # runs on the engine thread
+    def on_verdict(v: Verdict | EngineFailed) -> None:  # runs on the engine thread
+        if isinstance(v, Exception):
+            raise v  # the engine thread died: the message says why
         if v.preview and reference:
             offset = v.start_position + len(v.token_ids) - len(prompt)
             engine.offer("spec", offset + len(prompt), _drafts(reference, offset, gamma, rounds[0]))
@@ -70,7 +80,7 @@ def custom_class_route(model: str, prompt: list[int], n_tokens: int, gamma: int)
     return reference, {"route": "custom_class", "seconds": elapsed, "rounds": rounds[0]}
 
 
-def _run_one(engine, rid: str, ids: list[int], read_cache: bool):  # -> RequestOutput
+def _run_one(engine: PlainEngine, rid: str, ids: list[int], read_cache: bool) -> Any:  # -> RequestOutput
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False,
@@ -84,7 +94,8 @@ def _run_one(engine, rid: str, ids: list[int], read_cache: bool):  # -> RequestO
     return out
 
 
-def prompt_logprobs_route(engine, prompt: list[int], reference: list[int], gamma: int, vocab: int) -> dict:
+def prompt_logprobs_route(engine: PlainEngine, prompt: list[int], reference: list[int], gamma: int,
+                          vocab: int) -> dict[str, Any]:
     """Each round: prefix + draft as a new request; accept while the draft is the top-1 prompt log-prob.
 
     When the whole prefix is cached, vLLM leaves the first draft position's log-prob

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -55,7 +55,7 @@ class _GatheredLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor] | None], padded: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # transformers leaves CacheLayerMixin.__init__ unannotated
         self.past = past  # per row: (keys [1, heads, L_i, dim], values [1, heads, L_i, dim]) or None (L_i = 0)
         self.padded = padded  # Lp
         self.new: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's (keys, values) [B, heads, T, dim]
@@ -185,7 +185,8 @@ def forward_rows(model: torch.nn.Module, sessions: Sequence[ModelDraftSession]) 
             s.cache.update(keys[i : i + 1, :, t - len(new) :], values[i : i + 1, :, t - len(new) :], layer)
         s.cached = len(s.context)
         s.forward_tokens += len(new)
-    return out.logits[:, -1]  # [B, vocab]
+    logits: torch.Tensor = out.logits  # [B, T, vocab]
+    return logits[:, -1]  # [B, vocab]
 
 
 def batchable(model: torch.nn.Module) -> bool:
@@ -195,10 +196,16 @@ def batchable(model: torch.nn.Module) -> bool:
     return all(t == "full_attention" for t in types) and not getattr(model.config, "use_sliding_window", False)
 
 
-def draft_step(sessions: Sequence[DraftSession]) -> list[tuple[StepResult, BaseException | None]]:
+def draft_step(
+    sessions: Sequence[DraftSession], on_forward: Callable[[int], None] | None = None
+) -> list[tuple[StepResult, BaseException | None]]:
     """One step of each session, as `session.step()` would do it, with the model sessions
     that draft a token batched into one forward per model. Returns, per session in order,
-    (its step's result, None) or (None, the exception that failed it)."""
+    (its step's result, None) or (None, the exception that failed it).
+
+    `on_forward(rows)` is called after each forward of the draft model that drafted tokens:
+    a batched forward with its rows, a model session's own forward with 1 (what the drafter's
+    `specdec:drafter_batch_rows` histogram observes). n-gram sessions make no forward."""
     results: list[tuple[StepResult, BaseException | None]] = [(None, None)] * len(sessions)
     with contextlib.ExitStack() as locks:
         rows: dict[int, list[int]] = {}  # id(model) -> indices of the sessions that draft with it
@@ -218,6 +225,9 @@ def draft_step(sessions: Sequence[DraftSession]) -> list[tuple[StepResult, BaseE
                     results[i] = (s.step_draft_locked(time.perf_counter()), None)
                 except Exception as exc:  # noqa: BLE001
                     results[i] = (None, exc)
+                    continue
+                if on_forward is not None and isinstance(s, ModelDraftSession):
+                    on_forward(1)
         for members in rows.values():
             if len(members) == 1:  # a batch of one: the serial step itself (no mask, no gather)
                 i = members[0]
@@ -225,6 +235,9 @@ def draft_step(sessions: Sequence[DraftSession]) -> list[tuple[StepResult, BaseE
                     results[i] = (sessions[i].step_draft_locked(time.perf_counter()), None)
                 except Exception as exc:  # noqa: BLE001
                     results[i] = (None, exc)
+                    continue
+                if on_forward is not None:
+                    on_forward(1)
                 continue
             batch = [s for i in members if isinstance(s := sessions[i], ModelDraftSession)]
             assert len(batch) == len(members)
@@ -233,6 +246,8 @@ def draft_step(sessions: Sequence[DraftSession]) -> list[tuple[StepResult, BaseE
             try:
                 logits = forward_rows(batch[0].model, batch)
                 share_ms = (time.perf_counter() - t0) * 1e3 / len(batch)  # each row's share of the forward
+                if on_forward is not None:
+                    on_forward(len(batch))
                 for row, (i, s) in enumerate(zip(members, batch)):
                     assert isinstance(s, ModelDraftSession)
                     results[i] = (s.step_draft_locked(t0, s.pick_locked(logits[row]), share_ms), None)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import TypeAlias
 
 import grpc
 import torch
@@ -40,6 +41,20 @@ METHODS = (pb.DRAFT_METHOD_MODEL, pb.DRAFT_METHOD_NGRAM)
 
 Emit = Callable[[BlockOut | Ready | BaseException], None]
 
+# A Draft call's context (a string: the generic is not subscriptable at run time).
+DraftContext: TypeAlias = "grpc.aio.ServicerContext[pb.DraftRequest, pb.DraftResponse]"
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """A transformers causal LM's vocabulary size (its config's `vocab_size`: the logits' last
+    dimension)."""
+    from transformers import PretrainedConfig  # here: importing this module loads no transformers
+
+    config = model.config
+    assert isinstance(config, PretrainedConfig), "a transformers model carries its config"
+    return int(config.vocab_size)
+
+
 # Weight of the newest drafted token in the worker's running cost per token.
 PACE_EWMA = 0.1
 
@@ -54,7 +69,9 @@ class DraftWorker(threading.Thread):
     (seeded by the servicer's calibration; a batched token costs its share of the
     forward); a session's wall-clock cost per token is about token_ms times the sessions
     drafting at once. Each drafted token's
-    compute goes to `metrics.step_seconds` (none when metrics is None).
+    compute goes to `metrics.step_seconds`, and the rows of each forward of the draft model
+    that drafts tokens to `metrics.batch_rows` (1 per session's forward when not batching;
+    none when metrics is None).
     """
 
     def __init__(
@@ -118,7 +135,8 @@ class DraftWorker(threading.Thread):
         if self.batch:
             from drafter import batch  # imports transformers: only a batching worker needs it
 
-            results = batch.draft_step([session for session, _ in active])
+            on_forward = None if self.metrics is None else self.metrics.batch_rows.observe
+            results = batch.draft_step([session for session, _ in active], on_forward)
         else:
             results = [self._serial_step(session) for session, _ in active]
         drafted = 0
@@ -133,6 +151,8 @@ class DraftWorker(threading.Thread):
                 self.token_ms += PACE_EWMA * (session.last_token_ms - self.token_ms) if self.token_ms else session.last_token_ms
                 if self.metrics is not None:
                     self.metrics.step_seconds.observe(session.last_token_ms / 1e3)
+                    if not self.batch and isinstance(session, ModelDraftSession):
+                        self.metrics.batch_rows.observe(1)  # its own forward (batched: draft_step observes)
             if out is not None:
                 emit(out)
         self.last_batch = drafted
@@ -183,7 +203,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.model = model
         self.model_name = cfg.model
         self.vocabulary = vocabulary
-        self.vocab_size = int(model.config.vocab_size)
+        self.vocab_size = vocab_size(model)
         self.tracer = telemetry.setup_tracing("drafter")
         self.metrics = metrics
         self.slots = serving.SessionSlots("drafter", cfg.max_sessions)
@@ -237,11 +257,15 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             allowed_token_ids=sp.allowed_token_ids,
         )
 
-    async def Draft(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    # gRPC asyncio also serves a handler that writes its responses (context.write) and returns None;
+    # the generated base class declares only one that returns them as an iterator
+    async def Draft(  # type: ignore[override]  # noqa: N802  # returns None: see the comment above
+        self, request_iterator: AsyncIterator[pb.DraftRequest], context: DraftContext,
+    ) -> None:
         async with self.slots.hold(context):
             await self._draft(context)
 
-    async def _draft(self, context: grpc.aio.ServicerContext) -> None:
+    async def _draft(self, context: DraftContext) -> None:
         opened, session = await serving.open_session(context, self._open, self.cfg.first_message_timeout_s)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[BlockOut | Ready | BaseException | None] = asyncio.Queue()
@@ -253,13 +277,17 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         )
         self.metrics.sessions.inc()
         self.metrics.requests.inc()
-        self.worker.add(session, lambda item: loop.call_soon_threadsafe(out.put_nowait, item))
+
+        def emit(item: BlockOut | Ready | BaseException) -> None:  # on the worker's thread
+            loop.call_soon_threadsafe(out.put_nowait, item)
+
+        self.worker.add(session, emit)
 
         async def read_commits() -> None:
             try:
                 while True:
                     msg = await context.read()
-                    if msg is grpc.aio.EOF:
+                    if msg is grpc.aio.EOF:  # type: ignore[comparison-overlap]  # grpc's stubs leave EOF out of read()
                         break
                     if msg.WhichOneof("kind") != "commit":
                         raise InvalidField("commit", "only commits may follow `open`")
@@ -325,7 +353,10 @@ class DrafterServicer(rpc.DrafterServiceServicer):
     async def close(self) -> None:
         self.worker.stop()
 
-    async def GetDrafterInfo(self, request, context) -> "pb.GetDrafterInfoResponse":  # noqa: N802
+    async def GetDrafterInfo(  # noqa: N802
+        self, request: pb.GetDrafterInfoRequest,
+        context: grpc.aio.ServicerContext[pb.GetDrafterInfoRequest, pb.GetDrafterInfoResponse],
+    ) -> pb.GetDrafterInfoResponse:
         return pb.GetDrafterInfoResponse(model=self.model_name, vocab_size=self.vocab_size, methods=list(METHODS),
                                          vocabulary=compat.to_pb(self.vocabulary))
 
@@ -351,13 +382,13 @@ def calibrate(model: torch.nn.Module, vocabulary: compat.Vocabulary, q_top_k: in
     greedy steps after a short prefill): the first `ready`'s estimate, before any session ran."""
     import statistics
 
-    vocab_size = int(model.config.vocab_size)
-    prompt = [i % vocab_size for i in range(1, prompt_len + 1)]
+    vocab = vocab_size(model)
+    prompt = [i % vocab for i in range(1, prompt_len + 1)]
     session = ModelDraftSession(model, prompt, gamma=tokens, lookahead=0, temperature=0.0, top_k=0, top_p=1.0,
                                 seed=0, q_top_k=q_top_k, prefill_chunk=prompt_len,
                                 vocab_limit=vocabulary.tokenizer_size)
     session.commit(prompt_len, [1])
-    costs = []
+    costs: list[float] = []
     while len(costs) < tokens:
         out = session.step()
         if session.last_token_ms and not isinstance(out, Ready):
@@ -384,7 +415,7 @@ def build(cfg: DrafterConfig, registry: CollectorRegistry) -> DrafterServicer:
     model = load_causal_lm(cfg.model, placement.dtype, placement.quantize, revision, placement.device)
     token_ms = calibrate(model, vocabulary, cfg.q_top_k)
     log.info("draft model %s loaded from %s (vocab %d, %s, %s, quantize %s, %.1f ms per draft token)", cfg.model,
-             path, int(model.config.vocab_size), placement.device, placement.dtype, placement.quantize, token_ms)
+             path, vocab_size(model), placement.device, placement.dtype, placement.quantize, token_ms)
     return DrafterServicer(cfg, model, vocabulary, telemetry.DrafterMetrics(registry), token_ms)
 
 

@@ -470,9 +470,10 @@ class ModelDraftSession(DraftSession):
             use_cache=True,
             logits_to_keep=1,
         )
+        logits: torch.Tensor = out.logits  # [1, 1, vocab]: logits_to_keep=1 keeps the last position only
         self.cached = upto
         self.forward_tokens += len(new)
-        return out.logits[0, -1]
+        return logits[0, -1]
 
     def _needs_warmup(self) -> bool:
         return self.cached < len(self.context) - 1

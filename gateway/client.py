@@ -151,7 +151,7 @@ class AsyncGatewayClient:
                                         wait_for_ready=self.wait_for_ready, metadata=metadata or self.metadata)
 
     def stream(self, spec: "pb.GenerationSpec", metadata: Any = None, timeout_s: float | None = None,
-               ) -> grpc.aio.UnaryStreamCall:
+               ) -> grpc.aio.UnaryStreamCall[pb.GenerateStreamRequest, pb.GenerateStreamResponse]:
         """The GenerateStream call: `await call.read()` or `async for chunk in call`; cancel() stops it.
         `timeout_s`: this call's deadline (None: the client's timeout_s)."""
         return self.stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), timeout=timeout_s or self.timeout_s,

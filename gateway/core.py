@@ -38,7 +38,7 @@ from gateway.generation import Generation
 from gateway.migration import migrates, resumed_plan
 from gateway.plan import Plan, tenant_of
 from gateway.pool import NoReplica, Pool, Replica
-from gateway.text import TextStream
+from gateway.text import TextStream, Tokenizer
 from specdec import security, serving, telemetry
 from specdec.config import GatewayConfig
 from specdec.models import compat
@@ -94,7 +94,7 @@ class Chunk:
     token_ids: list[int]
     drafted: int
     accepted: int
-    finish_reason: int  # pb.FinishReason; FINISH_REASON_UNSPECIFIED until the final chunk
+    finish_reason: pb.FinishReason.ValueType  # FINISH_REASON_UNSPECIFIED until the final chunk
     logprobs: list["pb.TokenLogprobs"] = field(default_factory=list)  # [len(token_ids)] when asked for
     request_id: str = ""
     # the final chunk's (None / 0 on the others):
@@ -168,9 +168,12 @@ def replica_pools(cfg: GatewayConfig) -> tuple[Pool, Pool]:
     def connect(address: str, server_name: str) -> grpc.aio.Channel:
         return security.client_channel(address, cfg, server_name)
 
-    every = {"health_every_s": cfg.health_every_s, "resolve_every_s": cfg.resolve_every_s}
-    return (Pool(cfg.verifier_address, connect, rpc.VerifierServiceStub, "specdec.v1.VerifierService", **every),
-            Pool(cfg.drafter_address, connect, rpc.DrafterServiceStub, "specdec.v1.DrafterService", **every))
+    def pool(spec: str, make_stub: Callable[[grpc.aio.Channel], Any], service: str) -> Pool:
+        return Pool(spec, connect, make_stub, service, health_every_s=cfg.health_every_s,
+                    resolve_every_s=cfg.resolve_every_s)
+
+    return (pool(cfg.verifier_address, rpc.VerifierServiceStub, "specdec.v1.VerifierService"),
+            pool(cfg.drafter_address, rpc.DrafterServiceStub, "specdec.v1.DrafterService"))
 
 
 class VerifierUnavailable(Exception):
@@ -203,7 +206,7 @@ class GatewayCore:
     whether new ones are taken. Its `metrics` (telemetry.GatewayMetrics) live on a registry that
     the REST bridge's /metrics serves too (`self.metrics.registry`)."""
 
-    def __init__(self, cfg: GatewayConfig, metrics: telemetry.GatewayMetrics, tokenizer: Any,
+    def __init__(self, cfg: GatewayConfig, metrics: telemetry.GatewayMetrics, tokenizer: Tokenizer,
                  pools: PoolFactory | None = None) -> None:
         """A gateway with a loaded `tokenizer` (the target's); `pools(cfg)` makes the verifiers'
         and drafters' replica pools, now and after each certificate rotation (default
@@ -232,9 +235,9 @@ class GatewayCore:
         self._pools: list[Pool] = []
         self._connect()
         for role in ("drafter", "verifier"):  # read at scrape time: a certificate rotation remakes the pools
-            self.metrics.replicas.labels(role, "serving").set_function(lambda role=role: self._pool(role).serving())
-            self.metrics.replicas.labels(role, "not_serving").set_function(
-                lambda role=role: len(self._pool(role).replicas) - self._pool(role).serving())
+            serving_now, not_serving_now = self._replica_gauges(role)
+            self.metrics.replicas.labels(role, "serving").set_function(serving_now)
+            self.metrics.replicas.labels(role, "not_serving").set_function(not_serving_now)
         self._target: TargetInfo | None = None
 
     def _connect(self) -> None:
@@ -252,6 +255,12 @@ class GatewayCore:
     def _pool(self, role: str) -> Pool:
         """The current pool of `role` (drafter | verifier)."""
         return self.drafters if role == "drafter" else self.verifiers
+
+    def _replica_gauges(self, role: str) -> tuple[Callable[[], float], Callable[[], float]]:
+        """The replicas of `role` that serve, and those that do not, counted in its current pool
+        when called (at scrape time)."""
+        return (lambda: self._pool(role).serving(),
+                lambda: len(self._pool(role).replicas) - self._pool(role).serving())
 
     def serving(self) -> bool:
         """False once the drain began (serving.serve, at SIGTERM): new generations are refused."""
@@ -426,13 +435,12 @@ class GatewayCore:
                     drafter.in_flight += 1
                 try:
                     async for v in generation.steps():
-                        preview = isinstance(v, pb.Preview)
-                        if preview and with_logprobs:
+                        if isinstance(v, pb.Preview) and with_logprobs:
                             continue  # the verdict brings these tokens with their logprobs
                         skip = max(0, sent - v.start_position)
                         new = list(v.token_ids[skip:])
                         sent = max(sent, v.start_position + len(v.token_ids))
-                        if preview:
+                        if isinstance(v, pb.Preview):
                             if new:
                                 delta = text.add(new, final=False)
                                 new = new[: text.kept]  # a stop sequence: the tokens up to the one completing it
@@ -492,7 +500,7 @@ class GatewayCore:
             raise GatewayError(ErrorCode.FAILED_PRECONDITION, str(err)) from err
 
     async def generate(self, spec: "pb.GenerationSpec", *, authorization: str | None = None, parent: Any = None,
-                       deadline_s: float | None = None, stream: bool = False) -> AsyncIterator[Chunk]:
+                       deadline_s: float | None = None, stream: bool = False) -> AsyncGenerator[Chunk, None]:
         """One generation (gateway.core.Core.generate): admitted (API key, rate limits, a
         max_inflight slot), validated (`plan`), then its round's chunks, the final one with the
         usage, stats and timings. Every failure is a GatewayError. Leaving the iteration early
@@ -526,7 +534,7 @@ class GatewayCore:
                     yield chunk
         self.metrics.e2e_latency.observe(time.perf_counter() - started)
 
-    async def _generate(self, spec: "pb.GenerationSpec", key: str, parent: Any) -> AsyncIterator[Chunk]:
+    async def _generate(self, spec: "pb.GenerationSpec", key: str, parent: Any) -> AsyncGenerator[Chunk, None]:
         """The chunks of one admitted generation of API key `key` (its id); the final chunk
         (finish reason set) carries usage, stats and the timings from after validation."""
         plan = await self._checked_plan(spec, key)

@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -43,6 +43,9 @@ from specdec import telemetry
 from specdec.stats import SpecStats
 from specdec.steps import Step
 from specdec.wire import pb
+
+if TYPE_CHECKING:
+    from gateway.transport import VerifyCall
 
 log = logging.getLogger("specdec.gateway")
 
@@ -96,12 +99,12 @@ class Generation:
         self.stats = stats or SpecStats(gamma, plan.drafter if gamma else pb.DRAFT_METHOD_NONE)
         self.gamma = self.stats.num_spec_tokens
         self.observer = StatsObserver(plan, self.stats, spikes, metrics, model=model, parent=parent)
-        self._to_verifier = Outbox()
+        self._to_verifier: Outbox[pb.VerifyRequest] = Outbox()
         self.relay = DrafterRelay(plan, self.gamma, self.stats, self._to_verifier, drafter_stub, verifier_stub,
                                   drafter_timeout_s, vocab_size=vocab_size, max_idle_commits=max_idle_commits,
                                   on_unavailable=on_drafter_unavailable)
 
-    async def _write_verifier(self, vcall: grpc.aio.StreamStreamCall) -> None:
+    async def _write_verifier(self, vcall: VerifyCall) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError):
             await self._to_verifier.write_all(vcall)  # errors surface on the read side
 

@@ -24,7 +24,7 @@ class Plan:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     gamma: int
-    drafter: int  # pb.DraftMethod: MODEL, NGRAM or NONE
+    drafter: pb.DraftMethod.ValueType  # MODEL, NGRAM or NONE
     tenant: str = ""
 
     @property

@@ -33,6 +33,7 @@ import random
 import socket
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +84,7 @@ class Pool:
     rng: random.Random = field(default_factory=random.Random)
     replicas: dict[str, Replica] = field(default_factory=dict)
     _names: list[tuple[str, int]] = field(default_factory=list)  # dns:/// entries (host, port)
-    _task: asyncio.Task | None = None
+    _task: asyncio.Task[None] | None = None
     _changed: asyncio.Event | None = None
     _checked: asyncio.Event | None = None  # set once the first pass (resolve + health checks) is over
 
@@ -109,7 +110,8 @@ class Pool:
             except OSError as err:
                 log.warning("cannot resolve %s: %s", host, err)
                 continue
-            found = {f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos}
+            ips = {str(info[4][0]) for info in infos}  # each sockaddr's host: an IPv4 or IPv6 address
+            found = {f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips}
             for address in found - set(self.replicas):
                 self._add(address, host)
                 log.info("replica %s (%s) added", address, host)
@@ -122,7 +124,7 @@ class Pool:
         """One health check: SERVING or not as answered; a refused connection (gone) at once; a
         check that times out (a busy replica) only the SLOW_CHECKS-th time in a row."""
         try:
-            answer = await health_pb2_grpc.HealthStub(r.channel).Check(
+            answer: health_pb2.HealthCheckResponse = await health_pb2_grpc.HealthStub(r.channel).Check(  # type: ignore[attr-defined]  # types-grpcio-health-checking's HealthStub lacks Check (the generated __init__ sets it)
                 health_pb2.HealthCheckRequest(service=self.service), timeout=max(0.5, self.health_every_s))
             r.serving = answer.status == health_pb2.HealthCheckResponse.SERVING
             r.slow_checks = 0
@@ -168,7 +170,7 @@ class Pool:
         """How many replicas answered SERVING to their last health check (and did not fail since)."""
         return sum(r.serving for r in self.replicas.values())
 
-    def choose(self, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]  # immutable default, only read
+    def choose(self, exclude: AbstractSet[str] = frozenset()) -> Replica | None:
         """The power of two choices among healthy replicas (not in `exclude`); None when none."""
         healthy = [r for r in self.replicas.values() if r.address not in exclude and r.serving]
         if not healthy:
@@ -178,7 +180,7 @@ class Pool:
         a, b = self.rng.sample(healthy, 2)
         return a if a.in_flight <= b.in_flight else b
 
-    async def pick(self, timeout_s: float, exclude: set[str] = frozenset()) -> Replica:  # type: ignore[assignment]  # (as choose)
+    async def pick(self, timeout_s: float, exclude: AbstractSet[str] = frozenset()) -> Replica:
         """A replica for one request, waiting up to `timeout_s` for one to be healthy."""
         self.start()
         deadline = time.monotonic() + timeout_s

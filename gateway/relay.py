@@ -42,7 +42,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
@@ -56,9 +56,10 @@ from specdec.validation import (
     max_blocks_per_commit,
     reported_ms,
 )
-from specdec.wire import pb
+from specdec.wire import pb, rpc
 
 if TYPE_CHECKING:
+    from gateway.transport import DraftCall
     from specdec.v1.common_pb2 import DraftBlock, DraftReady
 
 log = logging.getLogger("specdec.gateway")
@@ -68,7 +69,7 @@ VOCAB_TIMEOUT_S = 10.0
 _VOCAB_SIZES: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 
 
-async def verifier_vocab_size(stub: Any) -> int:
+async def verifier_vocab_size(stub: rpc.VerifierServiceAsyncStub) -> int:
     """The verifier's vocabulary size (GetVerifierInfo), asked once per stub; 0 when unknown."""
     try:
         return _VOCAB_SIZES[stub]
@@ -99,7 +100,7 @@ class DrafterRelay:
         plan: Plan,
         gamma: int,
         stats: SpecStats,
-        to_verifier: Outbox,
+        to_verifier: Outbox[pb.VerifyRequest],
         stub: Any,
         verifier_stub: Any,
         timeout_s: float,
@@ -117,8 +118,8 @@ class DrafterRelay:
         self.max_idle_commits = max_idle_commits
         self.on_unavailable = on_unavailable
         self._to_verifier = to_verifier
-        self._to_drafter = Outbox()
-        self._call: grpc.aio.StreamStreamCall | None = None
+        self._to_drafter: Outbox[pb.DraftRequest] = Outbox()
+        self._call: DraftCall | None = None
         self._finished = False  # the generation ended: no more fallbacks, the watch stops
         self._committed = len(plan.prompt_token_ids)  # the drafter has been told up to here
         # monotonic time of the oldest commit the drafter has not answered yet (None: it owes nothing)
@@ -135,7 +136,8 @@ class DrafterRelay:
         self.idle_commits = 0  # idle windows in a row
 
     # ---- life cycle -----------------------------------------------------------------------------
-    def start(self, metadata: tuple[tuple[str, str], ...], trace_context: Mapping[str, str]) -> list[asyncio.Task]:
+    def start(self, metadata: tuple[tuple[str, str], ...],
+              trace_context: Mapping[str, str]) -> list[asyncio.Task[None]]:
         """Open the drafter's call (after the verifier's `open` was queued) and start its tasks,
         which the caller cancels and awaits when the generation ends; none without a drafter."""
         if not self.gamma:
@@ -173,7 +175,7 @@ class DrafterRelay:
             self._call.cancel()
 
     # ---- drafter -> verifier --------------------------------------------------------------------
-    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _write(self, call: DraftCall) -> None:
         try:
             await self._to_drafter.write_all(call)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError) as err:
@@ -218,16 +220,17 @@ class DrafterRelay:
         return pb.DraftReady(prefilled_tokens=ready.prefilled_tokens, prefill_ms=reported_ms(ready.prefill_ms),
                              draft_ms_per_token=reported_ms(ready.draft_ms_per_token))
 
-    async def _relay(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _relay(self, call: DraftCall) -> None:
         """drafter -> verifier: check `ready` and each block as they arrive, relay the valid ones."""
         if self.vocab_size is None:
             self.vocab_size = await verifier_vocab_size(self.verifier_stub)
         try:
             while not self.stats.fallback_reason:
-                resp = await call.read()
-                if resp is grpc.aio.EOF:
+                read = await call.read()
+                if read is grpc.aio.EOF:
                     self.fall_back("drafter ended its stream")
                     return
+                resp = cast(pb.DraftResponse, read)  # grpc-stubs type read() as `object | DraftResponse` (EOF's type)
                 self._owed_since = None  # any message answers what the drafter owed
                 if resp.HasField("ready") == resp.HasField("block"):
                     self._violation("a reply with " + ("both a block and `ready`" if resp.HasField("ready") else

@@ -29,7 +29,7 @@ log = logging.getLogger("specdec.gateway")
 
 
 
-async def abort(context: grpc.aio.ServicerContext, err: GatewayError) -> None:
+async def abort(context: grpc.aio.ServicerContext[Any, Any], err: GatewayError) -> None:
     """End a gRPC call with `err`: its code as the status, "field: message" as the details, and
     `retry-after` (seconds, trailing metadata) when it says when to retry. Raises, as abort does."""
     trailing = (("retry-after", err.retry_after_s),) if err.retry_after_s else ()
@@ -52,24 +52,26 @@ class GatewayServicer(rpc.GatewayServiceServicer):
 
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
-
-    @property
-    def slots(self) -> serving.SessionSlots:
-        """The core's calls, drained at shutdown (serving.serve)."""
-        return self.core.slots
+        self.slots: serving.SessionSlots = core.slots  # the core's calls, drained at shutdown (serving.serve)
 
     async def close(self) -> None:
         await self.core.close()
 
     @staticmethod
-    def _caller(context: grpc.aio.ServicerContext) -> dict[str, Any]:
+    def _caller(context: grpc.aio.ServicerContext[Any, Any]) -> dict[str, Any]:
         """`generate`'s keywords from a call's metadata: its API key and its trace, if any."""
         metadata = context.invocation_metadata()
-        return {"authorization": dict(metadata or ()).get("authorization"),
-                "parent": telemetry.extract_context(metadata)}
+        # its text entries (a `-bin` key's value is bytes), which the key and the trace context are read from
+        text = None if metadata is None else [(key, value) for key, value in metadata if isinstance(value, str)]
+        return {"authorization": dict(text or ()).get("authorization"),
+                "parent": telemetry.extract_context(text)}
 
-    async def Generate(self, request, context) -> "pb.GenerateResponse":  # noqa: N802
-        text, ids, logprobs = [], [], []
+    async def Generate(  # noqa: N802
+            self, request: pb.GenerateRequest,
+            context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse]) -> pb.GenerateResponse:
+        text: list[str] = []
+        ids: list[int] = []
+        logprobs: list[pb.TokenLogprobs] = []
         last = Chunk("", [], 0, 0, pb.FINISH_REASON_UNSPECIFIED)
         try:
             async with contextlib.aclosing(self.core.generate(request.spec, **self._caller(context))) as chunks:
@@ -85,7 +87,9 @@ class GatewayServicer(rpc.GatewayServiceServicer):
             logprobs=logprobs,
         )
 
-    async def GenerateStream(self, request, context) -> None:  # noqa: N802
+    async def GenerateStream(  # type: ignore[override]  # grpc.aio also serves a coroutine that writes with context.write (the write timeout needs it); the stubs type only iterators
+            self, request: pb.GenerateStreamRequest,
+            context: grpc.aio.ServicerContext[pb.GenerateStreamRequest, pb.GenerateStreamResponse]) -> None:
         """Stream the generation's chunks. Each chunk must be taken by the transport within
         `stream_write_timeout_s`: a client that stops reading fills its flow-control window and
         the next write waits; past the timeout the generation stops (the round ends: its verifier
@@ -103,7 +107,8 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         except GatewayError as err:
             await abort(context, err)
 
-    async def _write(self, context: grpc.aio.ServicerContext, msg: "pb.GenerateStreamResponse") -> None:
+    async def _write(self, context: grpc.aio.ServicerContext[pb.GenerateStreamRequest, pb.GenerateStreamResponse],
+                     msg: pb.GenerateStreamResponse) -> None:
         """One stream write within stream_write_timeout_s (0: no limit); past it, ClientStalled."""
         timeout = self.core.cfg.stream_write_timeout_s
         if timeout <= 0:
@@ -141,7 +146,7 @@ async def rest_bridge(cfg: GatewayConfig, core: GatewayCore, stop: asyncio.Event
                     stream_write_timeouts=core.metrics.stream_write_timeouts)
 
     class Server(uvicorn.Server):
-        def capture_signals(self):  # type: ignore[override]  # a no-op context in place of uvicorn's
+        def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]  # a no-op context in place of uvicorn's generator-made one
             return contextlib.nullcontext()  # serving.serve owns SIGINT/SIGTERM
 
     context = ReloadingSSLContext(cfg) if security.tls_enabled(cfg) else None

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
+
+# A Hugging Face tokenizer (transformers' AutoTokenizer.from_pretrained, or a test's stand-in). Any at this
+# one boundary: transformers types decode() as `str | list[str]` (batches) and encode() not at all, so each
+# use types what it reads (a str from decode of one sequence, token ids from encode).
+Tokenizer: TypeAlias = Any
 
 
 class TextStream:
@@ -16,7 +21,7 @@ class TextStream:
     `skip_special_tokens`: leave special tokens' text out (vLLM's default).
     """
 
-    def __init__(self, tokenizer: Any, stops: list[str], include_stop: bool = False,
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], include_stop: bool = False,
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stops = [s for s in stops if s]
@@ -64,7 +69,8 @@ class TextStream:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return text
 
     def _tokens_to_stop(self, before: int) -> int:
         """How many tokens after `before` the text needs to contain a stop sequence."""

@@ -11,28 +11,37 @@ once it owes verdicts, and an early end turned into UNAVAILABLE (the gateway mig
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Generic, TypeAlias, TypeVar, cast
 
 import grpc
 
 from specdec.steps import Step, step_of
+from specdec.wire import pb
+
+if TYPE_CHECKING:
+    # The two bidirectional calls a generation makes (generic only to type checkers).
+    VerifyCall: TypeAlias = grpc.aio.StreamStreamCall[pb.VerifyRequest, pb.VerifyResponse]
+    DraftCall: TypeAlias = grpc.aio.StreamStreamCall[pb.DraftRequest, pb.DraftResponse]
+
+Message = TypeVar("Message")  # what an Outbox writes: pb.VerifyRequest or pb.DraftRequest
+Response = TypeVar("Response")
 
 
-class Outbox:
+class Outbox(Generic[Message]):
     """The one writer of a stream call: `put` queues a message, `close` ends the writing, and
     `write_all(call)` (one task) writes them in order until closed."""
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queue: asyncio.Queue[Message | None] = asyncio.Queue()
 
-    def put(self, msg: Any) -> None:
+    def put(self, msg: Message) -> None:
         self._queue.put_nowait(msg)
 
     def close(self) -> None:
         """Nothing more is written after what was put so far (closing twice is harmless)."""
         self._queue.put_nowait(None)
 
-    async def write_all(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def write_all(self, call: grpc.aio.StreamStreamCall[Message, Response]) -> None:
         while (msg := await self._queue.get()) is not None:
             await call.write(msg)
 
@@ -42,7 +51,7 @@ def unavailable(details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
-async def read_step(vcall: grpc.aio.StreamStreamCall, timeout_s: float = 0.0) -> Step:
+async def read_step(vcall: VerifyCall, timeout_s: float = 0.0) -> Step:
     """The verifier's next step. `timeout_s` > 0: a silence this long raises UNAVAILABLE (the
     caller passes 0 until the first verdict: queueing and prefill never count). The stream
     ending without a finish reason (a shutdown) raises UNAVAILABLE too, so the generation moves."""
@@ -56,4 +65,5 @@ async def read_step(vcall: grpc.aio.StreamStreamCall, timeout_s: float = 0.0) ->
         response = await vcall.read()
     if response is grpc.aio.EOF:
         raise unavailable("the verifier ended the stream without a finish reason")
-    return step_of(response)
+    # grpc-stubs type read() as `object | VerifyResponse` (its EOF sentinel is an `object`): past EOF, a response
+    return step_of(cast(pb.VerifyResponse, response))

@@ -380,7 +380,7 @@ _FLAG_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": 
 _METAVARS: dict[type, str] = {int: "N", float: "X", str: "TEXT"}
 
 
-def _flag_type(f: Field) -> type:
+def _flag_type(f: Field[Any]) -> type:
     """The Python type of a field (annotations are strings here: `from __future__ import annotations`)."""
     name = f.type.removesuffix(" | None") if isinstance(f.type, str) else f.type  # None default: "auto"
     kind = _FLAG_TYPES.get(name) if isinstance(name, str) else name

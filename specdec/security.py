@@ -41,9 +41,16 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
+
+if TYPE_CHECKING:
+    from specdec.config import GatewayConfig, TransportConfig
+
+# A call's context in code that serves every service alike (interceptors, admission, aborts):
+# the messages' types depend on the service, and that code reads none of them.
+AnyContext: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"  # a string: not subscriptable at run time
 
 log = logging.getLogger("specdec.security")
 
@@ -95,12 +102,12 @@ class CertFiles:
 # ---------------------------------------------------------------------------- TLS
 
 
-def tls_enabled(cfg: Any) -> bool:
+def tls_enabled(cfg: TransportConfig) -> bool:
     """A service serves TLS when it has a certificate and its key."""
     return bool(cfg.tls_cert and cfg.tls_key)
 
 
-def check_tls_settings(cfg: Any) -> None:
+def check_tls_settings(cfg: TransportConfig) -> None:
     """Settings that cannot work stop the start-up with a message naming them."""
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ValueError("tls_cert and tls_key: set both (SPECDEC_TLS_CERT, SPECDEC_TLS_KEY) or neither")
@@ -117,13 +124,14 @@ def check_tls_settings(cfg: Any) -> None:
             raise ValueError(f"{name}: {path} is not a readable file")
 
 
-def server_credentials(cfg: Any) -> grpc.ServerCredentials:
+def server_credentials(cfg: TransportConfig) -> grpc.ServerCredentials:
     """TLS credentials for a gRPC server that re-read the files when they change (or on SIGHUP)."""
     files = CertFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca or cfg.tls_ca)
     require = cfg.tls_client_auth == "require"
 
     def configuration() -> Any:
         cert, key, ca = files.read()
+        assert cert is not None and key is not None, "served with TLS only when tls_cert and tls_key are set"
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def fetch() -> Any:  # gRPC calls this at every new handshake: None keeps the current certificates
@@ -158,7 +166,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def grpc_options(cfg: Any, server: bool) -> list[tuple[str, Any]]:
+def grpc_options(cfg: TransportConfig, server: bool) -> list[tuple[str, Any]]:
     """Message-size and keepalive options of a server or a client of this service's settings.
 
     Both sides take the keepalive from the same settings: clients ping every
@@ -186,7 +194,7 @@ def grpc_options(cfg: Any, server: bool) -> list[tuple[str, Any]]:
     return opts
 
 
-def add_port(server: grpc.aio.Server, name: str, address: str, cfg: Any) -> int:
+def add_port(server: grpc.aio.Server, name: str, address: str, cfg: TransportConfig) -> int:
     """Bind `address` with TLS when the service has certificates, else in plaintext; plaintext on
     an address other machines can reach is logged as a warning at start-up."""
     host = address.rsplit(":", 1)[0] if not address.startswith("unix:") else address
@@ -202,7 +210,7 @@ def add_port(server: grpc.aio.Server, name: str, address: str, cfg: Any) -> int:
     return bound
 
 
-def client_channel(address: str, cfg: Any, server_name: str = "") -> grpc.aio.Channel:
+def client_channel(address: str, cfg: TransportConfig, server_name: str = "") -> grpc.aio.Channel:
     """An asyncio channel from one service to another (the gateway to its drafter and verifier):
     TLS when the service has a CA (its own certificate as the client's, for mTLS).
     `server_name`: the name the server's certificate must carry when `address` is an IP that
@@ -234,7 +242,7 @@ def certificate_identities(pem: bytes) -> set[str]:
             | {str(v) for v in san.get_values_for_type(x509.IPAddress)})
 
 
-def allowed_peers(cfg: Any) -> list[str]:
+def allowed_peers(cfg: TransportConfig) -> list[str]:
     return [p.strip() for p in (cfg.tls_allowed_peers or "").split(",") if p.strip()]
 
 
@@ -247,12 +255,11 @@ class PeerIdentityCheck(grpc.aio.ServerInterceptor):
         self.allowed = set(allowed)
         self._seen: dict[bytes, set[str]] = {}  # certificate -> identities (parsed once per certificate)
 
-    def _refusal(self, context: grpc.aio.ServicerContext) -> str | None:
+    def _refusal(self, context: AnyContext) -> str | None:
         """Why this call's peer is refused (None: it is allowed)."""
-        pems = context.auth_context().get("x509_pem_cert") or []
-        if not pems:
+        pem = next(iter(context.auth_context().get("x509_pem_cert") or []), None)
+        if pem is None:
             return "no client certificate"
-        pem = pems[0]
         if pem not in self._seen:
             if len(self._seen) > 1024:
                 self._seen.clear()
@@ -269,27 +276,27 @@ class PeerIdentityCheck(grpc.aio.ServerInterceptor):
         return _guarded(handler, self._refusal, details.method)
 
 
-def _guarded(handler: grpc.RpcMethodHandler, refusal: Callable[[Any], str | None], method: str) -> Any:
+def _guarded(handler: grpc.RpcMethodHandler[Any, Any], refusal: Callable[[Any], str | None], method: str) -> Any:
     """`handler` with `refusal(context)` checked first: PERMISSION_DENIED when it says why."""
     import inspect
 
     kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
     behavior = getattr(handler, kind)
 
-    async def deny(context: grpc.aio.ServicerContext) -> None:
+    async def deny(context: AnyContext) -> None:
         why = refusal(context)
         if why is not None:
             log.warning("refused %s from %s: %s", method, context.peer(), why)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"peer not allowed: {why}")
 
     if inspect.isasyncgenfunction(behavior):
-        async def guarded_gen(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def guarded_gen(request: Any, context: AnyContext) -> Any:
             await deny(context)
             async for item in behavior(request, context):
                 yield item
         wrapped: Any = guarded_gen
     else:
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def guarded(request: Any, context: AnyContext) -> Any:
             await deny(context)
             return await behavior(request, context)
         wrapped = guarded
@@ -298,7 +305,7 @@ def _guarded(handler: grpc.RpcMethodHandler, refusal: Callable[[Any], str | None
                 response_serializer=handler.response_serializer)
 
 
-def server_interceptors(name: str, cfg: Any) -> list[grpc.aio.ServerInterceptor]:
+def server_interceptors(name: str, cfg: TransportConfig) -> list[grpc.aio.ServerInterceptor]:
     """The identity check when `tls_allowed_peers` is set; a warning when client certificates are
     required but any certificate from the CA may call."""
     peers = allowed_peers(cfg)
@@ -335,7 +342,7 @@ class KeyStore:
         self._hashes = sorted({key_hash(k) for k in keys if k})
 
     @classmethod
-    def from_config(cls, cfg: Any) -> KeyStore:
+    def from_config(cls, cfg: GatewayConfig) -> KeyStore:
         keys = [k.strip() for k in (cfg.api_keys or "").split(",")]
         if cfg.api_key_file:
             for line in Path(cfg.api_key_file).read_text().splitlines():
@@ -422,7 +429,7 @@ class RateLimiter:
             b.streams -= 1
 
     @classmethod
-    def from_config(cls, cfg: Any, keys_enabled: bool) -> RateLimiter:
+    def from_config(cls, cfg: GatewayConfig, keys_enabled: bool) -> RateLimiter:
         """The gateway's limiter: `max_streams` is max_streams_per_key (0: none) and, with API keys,
         at most max_inflight_share_per_key of max_inflight (rounded up, at least 1)."""
         streams, setting = cfg.max_streams_per_key, "max_streams_per_key"

@@ -17,8 +17,8 @@ import importlib
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,11 +26,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from specdec import security
+from specdec.config import DrafterConfig, GatewayConfig, VerifierConfig
 from specdec.telemetry import service_registry
 from specdec.validation import InvalidField
 
 log = logging.getLogger("specdec")
 T = TypeVar("T")
+Open = TypeVar("Open")  # a session stream's `open` message: pb.VerifyOpen, pb.DraftOpen
 
 GRACE_S = 1.0  # after the drain: for the calls' last messages
 
@@ -39,15 +41,16 @@ def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-async def abort_invalid(context: grpc.aio.ServicerContext, err: InvalidField) -> None:
+async def abort_invalid(context: security.AnyContext, err: InvalidField) -> NoReturn:
     """End the call with INVALID_ARGUMENT naming the field."""
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
 
-async def open_session(context: grpc.aio.ServicerContext, build: Callable[[Any], T],
-                       timeout_s: float = 0.0) -> tuple[Any, T]:
+async def open_session(context: security.AnyContext, build: Callable[[Open], T],
+                       timeout_s: float = 0.0) -> tuple[Open, T]:
     """Read a session stream's first message, which must be `open`, and build the session
-    from it; a bad one ends the call with INVALID_ARGUMENT naming the field. A stream that
+    from it (`build` takes the `open` message: its type is the stream's); returns both. A bad
+    one ends the call with INVALID_ARGUMENT naming the field. A stream that
     sends nothing for `timeout_s` (first_message_timeout_s; 0: no limit) ends with
     DEADLINE_EXCEEDED, so a half-open stream cannot hold its max_sessions slot."""
     try:
@@ -65,6 +68,14 @@ async def open_session(context: grpc.aio.ServicerContext, build: Callable[[Any],
         raise  # unreachable: abort raises
 
 
+class Aborter(Protocol):
+    """What SessionSlots needs of a call's context: a gRPC servicer context, or an adapter's
+    stand-in that turns the refusal into its own error (gateway.core)."""
+
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: Any = ()) -> Any:
+        """End the call with `code` and `details` (and `trailing_metadata` pairs)."""
+
+
 class SessionSlots:
     """The calls (sessions) a service is serving: admission, and the drain at shutdown.
 
@@ -79,12 +90,12 @@ class SessionSlots:
         self.service, self.limit, self.setting = service, limit, setting
         self.active = 0
         self.draining = False
-        self._calls: dict[asyncio.Task, grpc.aio.ServicerContext] = {}
-        self._expired: set[asyncio.Task] = set()
+        self._calls: dict[asyncio.Task[Any], Aborter] = {}
+        self._expired: set[asyncio.Task[Any]] = set()
         self._timeout_s = 0.0
 
     @contextlib.asynccontextmanager
-    async def hold(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    async def hold(self, context: Aborter) -> AsyncIterator[None]:
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"{self.service}: shutting down (draining); retry, on another replica if there is one")
@@ -107,8 +118,9 @@ class SessionSlots:
             raise
         finally:
             self.active -= 1
-            self._calls.pop(task, None)  # type: ignore[arg-type]  # current_task() is Task | None; in a call it is set
-            self._expired.discard(task)  # type: ignore[arg-type]  # (as above)
+            if task is not None:
+                self._calls.pop(task, None)
+                self._expired.discard(task)
 
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """Refuse new calls, wait up to `timeout_s` for those in flight, end the rest; returns
@@ -165,11 +177,11 @@ S = TypeVar("S", bound=Servicer)
 
 async def serve(
     name: str,
-    cfg: Any,
+    cfg: DrafterConfig | VerifierConfig | GatewayConfig,
     build: Callable[[CollectorRegistry], S],
     add_to_server: Callable[[S, grpc.aio.Server], None],
     service: str,
-    also: Callable[[S, asyncio.Event], Awaitable[None]] | None = None,
+    also: Callable[[S, asyncio.Event], Coroutine[Any, Any, None]] | None = None,
 ) -> None:
     """Run one gRPC service until SIGINT/SIGTERM, then stop gracefully.
 

@@ -82,7 +82,7 @@ class SpecStats:
     on the next verifier goes on counting into it."""
 
     num_spec_tokens: int  # gamma (0: plain target decoding)
-    drafter: int  # pb.DraftMethod (NONE: plain target decoding)
+    drafter: pb.DraftMethod.ValueType  # NONE: plain target decoding
     num_verdicts: int = 0  # target steps, the prefill step included
     num_drafts: int = 0
     num_draft_tokens: int = 0

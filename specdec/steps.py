@@ -24,11 +24,12 @@ _VERDICT_FIELDS = tuple(f.name for f in pb.Verdict.DESCRIPTOR.fields)  # each al
 
 def verify_response(step: Step, typed: bool) -> VerifyResponse:
     """The VerifyResponse that carries `step`: in the oneof (`typed`), else in the legacy flat form."""
-    preview = isinstance(step, pb.Preview)
-    if typed:
-        return pb.VerifyResponse(preview_tokens=step) if preview else pb.VerifyResponse(verdict=step)
-    if preview:
+    if isinstance(step, pb.Preview):
+        if typed:
+            return pb.VerifyResponse(preview_tokens=step)
         return pb.VerifyResponse(start_position=step.start_position, token_ids=step.token_ids, preview=True)
+    if typed:
+        return pb.VerifyResponse(verdict=step)
     return pb.VerifyResponse(**{name: getattr(step, name) for name in _VERDICT_FIELDS})
 
 

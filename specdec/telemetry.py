@@ -41,11 +41,12 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("specdec.telemetry")
 
 SPIKE_WARMUP = 20
+# specdec:drafter_batch_rows: every batch size up to 32 its own bucket, then coarser
+DRAFTER_BATCH_ROWS_BUCKETS: tuple[float, ...] = (*range(1, 33), 48, 64, 128, 256)
 STAGES = ("verify", "draft", "draft_wait", "network")
 
 # ---- tracing ---------------------------------------------------------------------------
@@ -95,6 +98,7 @@ class JsonLinesExporter(SpanExporter):
 def span_record(s: ReadableSpan) -> dict[str, Any]:
     """A span as a plain dict (ids in hex, times in ns since the epoch)."""
     ctx = s.get_span_context()
+    assert ctx is not None, "an ended span (what exporters get) has its context"
     return {
         "name": s.name,
         "service": s.resource.attributes.get("service.name", ""),
@@ -113,11 +117,16 @@ def setup_tracing(service: str) -> trace.Tracer:
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     exporters = [e.strip() for e in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
     if "otlp" in exporters:
+        otlp: SpanExporter
         if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc") == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
+
+            otlp = GrpcSpanExporter()
         else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
+
+            otlp = HttpSpanExporter()
+        provider.add_span_processor(BatchSpanProcessor(otlp))
     if "console" in exporters:
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
@@ -133,15 +142,15 @@ def tracer(service: str) -> trace.Tracer:
     return trace.get_tracer(f"specdec.{service}")
 
 
-def inject_context_of(context: Any) -> dict[str, str]:
+def inject_context_of(context: Context) -> dict[str, str]:
     """A context's W3C trace context (traceparent, tracestate) as a dict."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=context)
     return carrier
 
 
-def extract_context(carrier: Mapping[str, str] | Sequence[tuple[str, str]] | None) -> Any:
-    """An OpenTelemetry context from a trace_context map or gRPC metadata."""
+def extract_context(carrier: Mapping[str, str] | Iterable[tuple[str, str | bytes]] | None) -> Context | None:
+    """An OpenTelemetry context from a trace_context map or gRPC metadata (its binary values skipped)."""
     if carrier is None:
         return None
     items = carrier.items() if isinstance(carrier, Mapping) else carrier
@@ -348,6 +357,8 @@ class DrafterMetrics:
         specdec:drafter_blocks_total    blocks sent
         specdec:drafter_tokens_total    draft tokens sent
         specdec:drafter_step_seconds    histogram: one draft token's compute
+        specdec:drafter_batch_rows      histogram: rows (sessions) per forward of the draft model
+                                        that drafts tokens: the drafter's batch size (see below)
         specdec:drafter_branches_total  pre-drafted branches sent
         specdec:drafter_branch_breaks_total{gamma}
                                         commits that broke a session's draft chain (a rejected
@@ -359,6 +370,13 @@ class DrafterMetrics:
                                         below tau (DrafterConfig.draft_confidence)
         specdec:drafter_block_tau       histogram: tau of each block sent with confidence on
 
+    Batch rows: the draft worker's step drafts one token for each session that has one to
+    make; with batch_drafts those rows share one forward (drafter.batch), which is observed
+    once with its rows. A forward of one session (batching off, a step where one session
+    drafts, a model that cannot batch) is observed as 1. Prefill chunks, branch batches and
+    n-gram sessions (no forward) are not observed. The buckets are the integers 1 to 32
+    (exact counts per batch size up to 32), then 48, 64, 128, 256.
+
     PromQL:
         Draft tokens/s:              rate(specdec:drafter_tokens_total[1m])
         Mean tokens per block:       rate(specdec:drafter_tokens_total[5m]) / rate(specdec:drafter_blocks_total[5m])
@@ -367,6 +385,7 @@ class DrafterMetrics:
         Branch hit rate per gamma:   sum by (gamma) (rate(specdec:drafter_branch_hits_total[5m]))
                                        / sum by (gamma) (rate(specdec:drafter_branch_breaks_total[5m]))
         Mean tau:                    rate(specdec:drafter_block_tau_sum[5m]) / rate(specdec:drafter_block_tau_count[5m])
+        Mean batch size:             rate(specdec:drafter_batch_rows_sum[5m]) / rate(specdec:drafter_batch_rows_count[5m])
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -388,6 +407,10 @@ class DrafterMetrics:
                                        registry=registry)
         self.block_tau = Histogram("specdec:drafter_block_tau", "Tau of each block sent with confidence on",
                                    buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=registry)
+        self.batch_rows = Histogram(
+            "specdec:drafter_batch_rows", "Rows (sessions) per forward of the draft model that drafts tokens",
+            buckets=DRAFTER_BATCH_ROWS_BUCKETS, registry=registry,
+        )
 
 
 class VerifierMetrics:

@@ -30,6 +30,10 @@ import ipaddress
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cryptography import x509
 
 # role -> (URI it is known by, server authentication, client authentication)
 ROLES = {
@@ -43,10 +47,10 @@ FILES = ("ca.pem", "ca-key.pem", *(f"{r}{k}.pem" for r in ROLES for k in ("", "-
          "client-ca-key.pem", "client.pem", "client-key.pem")
 
 
-def _san(hosts: Sequence[str], uri: str = "") -> list:
+def _san(hosts: Sequence[str], uri: str = "") -> list[x509.GeneralName]:
     from cryptography import x509
 
-    names: list = [x509.UniformResourceIdentifier(uri)] if uri else []
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(uri)] if uri else []
     for host in dict.fromkeys([*hosts, "localhost", "127.0.0.1"]):  # ordered, no duplicates
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
@@ -118,8 +122,8 @@ def write_certs(out: Path, hosts: Sequence[str], days: int = 365, overwrite: boo
         )
         return ca, k
 
-    def leaf(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, common_name: str, usages: list,
-             san: list | None) -> tuple[bytes, bytes]:
+    def leaf(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, common_name: str,
+             usages: list[x509.ObjectIdentifier], san: list[x509.GeneralName] | None) -> tuple[bytes, bytes]:
         k = key()
         builder = (
             x509.CertificateBuilder()

@@ -21,6 +21,7 @@ import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import Field, fields
 from pathlib import Path
+from typing import Any
 
 from google.protobuf import descriptor_pb2
 
@@ -46,7 +47,7 @@ def _cell(text: str) -> str:
 
 # --- configuration ---------------------------------------------------------------------------
 
-def _flag(f: Field) -> str:
+def _flag(f: Field[Any]) -> str:
     name = config.flag_name(f.name)
     if config._flag_type(f) is bool:
         return f"`{name}` / `--no-{name[2:]}`"
@@ -55,7 +56,7 @@ def _flag(f: Field) -> str:
     return f"`{name} {f.metadata.get('metavar') or config._METAVARS[config._flag_type(f)]}`"
 
 
-def _settings_table(items: list[Field]) -> list[str]:
+def _settings_table(items: list[Field[Any]]) -> list[str]:
     rows = ["| setting, flag, environment variable | default | meaning |", "| --- | --- | --- |"]
     for f in items:
         rows.append(f"| `{f.name}`<br>{_flag(f)}<br>`{config.env_name(f.name)}` | "
@@ -89,11 +90,10 @@ def proto_files(root: Path = PROTO_ROOT) -> list[Path]:
 
 def descriptor_set(root: Path = PROTO_ROOT) -> descriptor_pb2.FileDescriptorSet:
     """The protos under `root`, compiled by protoc with their comments (source info)."""
-    import importlib
+    import grpc_tools  # grpcio-tools ships no type information: Any (ignore_missing_imports)
+    from grpc_tools import protoc
 
-    from grpc_tools import protoc  # type: ignore[import-untyped]  # grpcio-tools ships no type information
-
-    include = Path(importlib.import_module("grpc_tools").__file__).parent / "_proto"
+    include = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "protos.pb"
         files = [str(p.relative_to(root)) for p in proto_files(root)]
@@ -165,7 +165,8 @@ def grpc_markdown(root: Path = PROTO_ROOT) -> str:
             return f"map&lt;{field_type(key)}, {field_type(value)}&gt;"
         if f.type_name:
             return ref(f.type_name)
-        return "`" + descriptor_pb2.FieldDescriptorProto.Type.Name(f.type)[len("TYPE_"):].lower() + "`"
+        type_name: str = descriptor_pb2.FieldDescriptorProto.Type.Name(f.type)  # "TYPE_INT32", ...
+        return "`" + type_name[len("TYPE_"):].lower() + "`"
 
     out: list[str] = []
     ours = {str(p.relative_to(root)) for p in proto_files(root)}

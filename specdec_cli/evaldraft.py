@@ -227,7 +227,8 @@ def draft_ranks(draft: Any, prompt_ids: list[int], continuation: list[int]) -> l
     with torch.inference_mode():
         logits = draft(input_ids=ids).logits[0, len(prompt_ids) - 1:]  # [len(continuation), vocab]
         chosen = logits.gather(1, torch.tensor(continuation)[:, None])  # [len(continuation), 1]
-        return (logits > chosen).sum(-1).tolist()  # tokens the draft ranks above the target's
+        ranks: list[int] = (logits > chosen).sum(-1).tolist()  # tokens the draft ranks above the target's
+        return ranks
 
 
 def branch_coverage(ranks: Sequence[int], k_max: int = 3) -> list[float | None]:
@@ -406,7 +407,7 @@ def _gammas(text: str) -> list[int]:
     return values
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Register `eval-draft` on the `specdec` subcommands."""
     p = sub.add_parser("eval-draft", help="measure a draft's agreement with the target and predict speedups")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model: registry name or folder")

@@ -33,7 +33,7 @@ class Service:
 
     kind: str
     port: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     log_path: Path | None = None
     metrics_port: int = 0
     rest_port: int = 0  # gateways: the REST bridge
@@ -60,7 +60,8 @@ class Service:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}; log: {self.log_path}")
                 try:
-                    resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    resp: health_pb2.HealthCheckResponse = stub.Check(  # type: ignore[attr-defined]  # types-grpcio-health-checking's HealthStub lacks Check (the generated __init__ sets it)
+                        health_pb2.HealthCheckRequest(), timeout=1.0)
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:

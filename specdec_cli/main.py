@@ -9,6 +9,7 @@
     specdec traces FILE... [--request ID]         slowest rounds, spikes by stage, one request's timeline
     specdec bench [--quick]                       specdec vs vLLM and transformers, side by side
     specdec bench-link [--quick]                  specdec's speedup across a delayed network link
+    specdec bench-drafter [--sessions 1,2,...]    a drafter's draft tokens/s and pace against sessions
 
 An error you can fix prints one line, `specdec: error: <what is wrong>; <what to do>`, and
 exits with status 2 (an unexpected one: status 1, Ctrl-C: 130). `specdec --debug COMMAND`
@@ -27,20 +28,34 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, overload
 
 from specdec import config
 from specdec.errors import UserError
 from specdec.models import check_pair, choose
 
+if TYPE_CHECKING:
+    from specdec.wire import pb
+    from specdec_cli.launch import Cluster
 
-def serve_config(args: argparse.Namespace) -> object:
-    """The config of `specdec serve KIND`: defaults < `SPECDEC_<FIELD>` < the flags given.
+    # argparse's `add_subparsers()` result, which each `add_parser(sub)` extends (generic only to type checkers)
+    SubParsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
+
+T = TypeVar("T")
+
+
+@overload
+def serve_config(args: argparse.Namespace) -> config.TransportConfig: ...
+@overload
+def serve_config(args: argparse.Namespace, cls: type[T]) -> T: ...
+def serve_config(args: argparse.Namespace, cls: type[object] | None = None) -> object:
+    """The config of `specdec serve KIND`: defaults < `SPECDEC_<FIELD>` < the flags given. `cls`:
+    KIND's config dataclass (default: `config.SERVICE_CONFIGS[KIND]`), named to get its type.
 
     A value the config rejects (a `SPECDEC_*` variable argparse never saw) is a UserError."""
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "kind", "func", "debug")}
     try:
-        return config.from_env(config.SERVICE_CONFIGS[args.kind], **overrides)
+        return config.from_env(cls or config.SERVICE_CONFIGS[args.kind], **overrides)
     except ValueError as err:
         raise UserError(f"invalid {args.kind} setting: {err}",
                         f"check its SPECDEC_* environment variables (`specdec serve {args.kind} --help` "
@@ -53,19 +68,21 @@ def _serve(args: argparse.Namespace) -> None:
     from specdec.serving import setup_logging
 
     setup_logging()
-    cfg = serve_config(args)
     if args.kind == "drafter":
-        from drafter import server
+        drafter_cfg = serve_config(args, config.DrafterConfig)
+        from drafter import server as drafter_server
 
-        asyncio.run(server.main(cfg))
+        asyncio.run(drafter_server.main(drafter_cfg))
     elif args.kind == "verifier":
-        from verifier import server
+        verifier_cfg = serve_config(args, config.VerifierConfig)
+        from verifier import server as verifier_server
 
-        asyncio.run(server.main(cfg))
+        asyncio.run(verifier_server.main(verifier_cfg))
     else:
-        from gateway import server
+        gateway_cfg = serve_config(args, config.GatewayConfig)
+        from gateway import server as gateway_server
 
-        asyncio.run(server.main(cfg))
+        asyncio.run(gateway_server.main(gateway_cfg))
 
 
 _SERVE_HELP = {
@@ -80,7 +97,7 @@ a flag given wins over the environment, which wins over the default.
 The flags are generated from the config dataclasses in specdec/config.py."""
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
+def _add_serve(sub: SubParsers) -> None:
     """`specdec serve KIND`: one flag per field of KIND's config dataclass (`config.add_flags`)."""
     p = sub.add_parser("serve", help="start one service",
                        description="Start one service; `specdec serve KIND --help` lists its flags.")
@@ -94,7 +111,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
 
-def _start(cluster: Any) -> None:
+def _start(cluster: Cluster) -> None:
     """Start a `launch.Cluster`; a service that exits or never gets ready is a UserError
     pointing at its log (the cluster has stopped the others)."""
     try:
@@ -148,7 +165,7 @@ def _up(args: argparse.Namespace) -> None:
         cluster.stop()
 
 
-def _spec(args: argparse.Namespace):  # -> pb.GenerationSpec
+def _spec(args: argparse.Namespace) -> pb.GenerationSpec:
     from gateway.client import generation_spec
 
     try:
@@ -165,7 +182,9 @@ def _spec(args: argparse.Namespace):  # -> pb.GenerationSpec
     )
 
 
-def format_stats(stats, usage, total_ms: float, first_ms: float) -> str:
+def format_stats(stats: pb.SpeculationStats, usage: pb.Usage, total_ms: float, first_ms: float) -> str:
+    """`specdec generate`'s summary of a request: its `usage` and speculation `stats` (the last
+    chunk's), `total_ms` from the call to its end and `first_ms` to its first chunk."""
     from gateway.client import stats_dict
 
     s = stats
@@ -202,7 +221,10 @@ def _generate(args: argparse.Namespace) -> int:
                             "start one with `specdec up`, or pass --address HOST:PORT of a running gateway") from None
         t0 = time.perf_counter()
         first_ms = 0.0
-        text, ids, logprobs, last = [], [], [], None
+        text: list[str] = []
+        ids: list[int] = []
+        logprobs: list[dict[str, Any]] = []
+        last: pb.GenerateStreamResponse | None = None
         try:
             for chunk in client.stream(spec):
                 if not first_ms:
@@ -220,6 +242,8 @@ def _generate(args: argparse.Namespace) -> int:
                 print(file=sys.stderr)  # end the partial completion's line
             raise rpc_error(err, f"the gateway at {args.address}") from err
     total_ms = (time.perf_counter() - t0) * 1e3
+    if last is None:  # the gateway ends every stream with a chunk carrying the finish reason
+        raise RuntimeError("the gateway's stream ended without a chunk")
     if args.json:
         print(json.dumps({
             "request_id": last.request_id,
@@ -363,7 +387,7 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_models(sub: argparse._SubParsersAction) -> None:
+def _add_models(sub: SubParsers) -> None:
     """`specdec models list|pull|path`."""
     p = sub.add_parser("models", help="list, pull or locate models",
                        description="The model registry: pairs of a target and its draft (specdec/models/).")
@@ -392,10 +416,11 @@ _TOOLS = {
     "traces": "inspect exported spans: slowest rounds, spikes, one request's timeline",
     "bench": "specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
     "bench-link": "specdec's speedup across a delayed network link (namespaces, delay proxies), with and without branches",
+    "bench-drafter": "the drafter's capacity: draft tokens/s and per-session pace against sessions, batched vs serial",
 }
 
 
-def _add_tool(sub: argparse._SubParsersAction, name: str) -> None:
+def _add_tool(sub: SubParsers, name: str) -> None:
     if name == "eval-draft":
         from specdec_cli import evaldraft
 
@@ -408,6 +433,10 @@ def _add_tool(sub: argparse._SubParsersAction, name: str) -> None:
         from benchmarks import link
 
         link.add_parser(sub)
+    elif name == "bench-drafter":
+        from benchmarks import drafter_capacity
+
+        drafter_capacity.add_parser(sub)
     else:
         from benchmarks import bench
 

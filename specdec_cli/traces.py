@@ -40,7 +40,9 @@ def load(paths: Iterable[str | Path]) -> list[Span]:
 
 
 def _ms(span: Span) -> float:
-    return (span["end_ns"] - span["start_ns"]) / 1e6
+    end_ns: int = span["end_ns"]
+    start_ns: int = span["start_ns"]
+    return (end_ns - start_ns) / 1e6
 
 
 def rounds(spans: list[Span]) -> list[Span]:
@@ -114,7 +116,7 @@ def timeline(spans: list[Span], trace_id: str) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("traces", help="inspect exported spans: slowest rounds, spikes, one request's timeline")
     p.add_argument("files", nargs="+", help="JSON-lines span files (SPECDEC_TRACE_FILE of each service)")
     p.add_argument("--request", help="show this request id's timeline")

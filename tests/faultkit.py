@@ -143,7 +143,7 @@ class Injector:
 
             self._spans_to: Any = None
             self._spans = Forward()
-            trace.get_tracer_provider().add_span_processor(self._spans)  # type: ignore[attr-defined]
+            trace.get_tracer_provider().add_span_processor(self._spans)  # type: ignore[attr-defined]  # the SDK's TracerProvider has it; the API's type does not
         old, self._spans_to = self._spans_to, SimpleSpanProcessor(JsonLinesExporter(path)) if path else None
         if old is not None:
             old.shutdown()  # closes the previous file

@@ -63,6 +63,13 @@ _SERVICE = "a long-running service; `specdec up` (run here) starts the same `spe
 _BENCH = "the full benchmark takes minutes even on tiny; `specdec bench --quick` runs in tests/benchmarks/test_bench.py"
 _LINK = ("makes network namespaces and runs the benchmark across them (minutes); `specdec bench-link --quick` "
          "runs in tests/benchmarks/test_link.py")
+_DRAFTER = ("measures 2 s of CPU time per session count (up to 32) and mode (minutes); "
+            "tests/benchmarks/test_drafter_capacity.py runs `specdec bench-drafter` on the tiny draft "
+            "with tiny settings")
+_DRAFTER_SHAPE = ("builds a random-init model of the Qwen2.5-Coder-0.5B draft's shapes (24 layers, "
+                  "vocab 151,936) and times it: a benchmark of a real-sized model, not run on this shared machine; "
+                  "the same command on the "
+                  "tiny draft runs from the line without --shape")
 _QWEN_DEFAULTS = ("no pair on the line to replace (eval-draft's defaults are the qwen-coder pair); the same "
                   "command on tiny runs from the `specdec eval-draft --target ... --draft ...` line")
 _HF = ("names Hugging Face repo ids that are not in this machine's cache (no hub here); "
@@ -91,8 +98,16 @@ NOT_RUN = {
     "specdec bench --models qwen-coder --workloads long,c8 --systems target-only,specdec --out bench-long-c8": _BENCH,
     "specdec bench --models qwen-coder --prompts-file my-prompts.jsonl --systems target-only,vllm-draft,specdec "
     "--gammas 2,4 --concurrency 1,8 --out bench-mine": _BENCH,
+    "specdec bench --models tiny --systems specdec --workloads code --gammas 4 --concurrency 1,4,16 --prompts 2 "
+    "--max-tokens 16 --out bench-tiny": _BENCH,
     "specdec bench-link --models qwen-coder --out bench-link-results": _LINK,
     "specdec bench-link --quick": _LINK,
+    "specdec bench-drafter --core 0 --out bench-drafter": _DRAFTER,
+    "specdec bench-drafter --core 0 --copies 16 --prompt 256 --shape qwen2.5-0.5b --quantize int8": _DRAFTER_SHAPE,
+    "specdec bench-drafter --core 0 --shape qwen2.5-0.5b --quantize int8 --prompt 32 --seconds 2 --min-rounds 3 "
+    "--warmup 1 --out bench-drafter-qwen": _DRAFTER_SHAPE,
+    "specdec bench-drafter --core 0 --shape qwen2.5-0.5b --quantize int8 --sessions 1,16 --prompt 256 --seconds 2 "
+    "--min-rounds 3 --warmup 1 --out bench-drafter-qwen-256": _DRAFTER_SHAPE,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 64": _QWEN_DEFAULTS,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 48 --limit 4 --gammas 4 --quantize int8":
         _QWEN_DEFAULTS,

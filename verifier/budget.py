@@ -145,7 +145,8 @@ def worth_waiting(
     step_ms = cost.predict_ms(sum(1 + h for h in have))
     rate_now = n_now / (step_ms + waited_ms)
     for i in missing:
-        d = draft_ms[i] if draft_ms[i] is not None else UNMEASURED_DRAFT_FRACTION * step_ms
+        measured = draft_ms[i]
+        d = measured if measured is not None else UNMEASURED_DRAFT_FRACTION * step_ms
         if alphas[i] ** (have[i] + 1) / (d + cost.per_token_ms) > rate_now:
             return True
     return False

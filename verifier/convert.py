@@ -13,17 +13,19 @@ position, drafts included.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from specdec.validation import InvalidField
 from verifier.engine import GenerationRequest
 
-if TYPE_CHECKING:  # the generated stubs' types (specdec.wire.pb holds the same classes)
+if TYPE_CHECKING:  # the generated stubs' types (specdec.wire.pb holds the same classes); vLLM's
+    from vllm import SamplingParams as EngineSamplingParams
+
     from specdec.v1.common_pb2 import SamplingParams as WireSamplingParams
     from specdec.v1.verifier_pb2 import VerifyOpen
 
 
-def engine_params(sp: WireSamplingParams, field: str = "open.sampling") -> Any:  # -> vllm.SamplingParams
+def engine_params(sp: WireSamplingParams, field: str = "open.sampling") -> EngineSamplingParams:
     """The vLLM SamplingParams of a validated wire SamplingParams (unset optional fields take
     vLLM's defaults). Detokenizing is off (the gateway owns the text) and outputs come as deltas
     (each engine step's new tokens). A value vLLM's own checks refuse raises InvalidField naming

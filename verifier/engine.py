@@ -33,9 +33,9 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -46,7 +46,14 @@ from verifier import vllm_hooks
 from verifier.vllm_hooks import configure_vllm_env
 
 if TYPE_CHECKING:  # importing this module starts no thread pools (numpy's): tests/verifier/test_vllm_hooks.py
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     from verifier.proposer import DraftBoard
+
+# A DraftBoard call (offer, ready, end) made with a request's engine id; kept until the engine
+# thread adds the request when it comes before that (_Early).
+BoardCall = Callable[[str], None]
 
 log = logging.getLogger("specdec.verifier")
 
@@ -101,11 +108,13 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     gamma: int
-    params: Any  # vllm.SamplingParams, max_tokens set
+    params: SamplingParams  # max_tokens set
 
     @property
     def max_tokens(self) -> int:
-        return int(self.params.max_tokens)
+        max_tokens = self.params.max_tokens
+        assert max_tokens is not None, "the verifier sets max_tokens on every request (verifier.convert)"
+        return max_tokens
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -117,12 +126,26 @@ class GenerationRequest:
         return self.params.logprobs
 
 
+class StepEngine(Protocol):
+    """What TargetEngine uses of vLLM's LLMEngine (vllm_hooks.build_engine builds it; the unit
+    tests pass a fake with these four methods)."""
+
+    def add_request(self, request_id: str, prompt: TokensPrompt, params: SamplingParams) -> str: ...
+
+    def abort_request(self, request_ids: list[str], internal: bool = False) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    # vLLM's RequestOutputs (a generating engine makes no pooling outputs), read by `_emit`
+    def step(self) -> Sequence[Any]: ...
+
+
 class TargetEngine:
     """Owns the vLLM engine and its stepping thread. `TargetEngine.load(cfg, model_path)` builds
     one for a model; the constructor takes the parts ready-made (tests pass a fake of vLLM's
     LLMEngine and a real DraftBoard)."""
 
-    def __init__(self, cfg: VerifierConfig, engine: Any, board: DraftBoard, metrics: telemetry.VerifierMetrics,
+    def __init__(self, cfg: VerifierConfig, engine: StepEngine, board: DraftBoard, metrics: telemetry.VerifierMetrics,
                  facts: vllm_hooks.ModelFacts) -> None:
         """A TargetEngine over a built vLLM engine (`engine`, whose `custom_class` proposer reads
         `board`) and the facts of its model; `start()` runs its thread. `load` builds all of them."""
@@ -229,48 +252,41 @@ class TargetEngine:
         draft_ms: float = 0.0, branch: bool = False,
     ) -> None:
         """Put a block on the board (see DraftBoard.offer); committed -1 means start."""
-        engine_id = self._engine_id_or_keep(request_id, "offer", (start, tokens, final, committed, draft_ms, branch))
-        if engine_id is not None:
+
+        def call(engine_id: str) -> None:
             self.board.offer(engine_id, start, tokens, final, start if committed < 0 else committed, draft_ms, branch)
+
+        self._call_or_keep(request_id, call)
 
     def drafter_ready(self, request_id: str, pace_ms: float) -> None:
         """The request's drafter has prefilled the prompt (see DraftBoard.ready)."""
-        engine_id = self._engine_id_or_keep(request_id, "ready", (pace_ms,))
-        if engine_id is not None:
-            self.board.ready(engine_id, pace_ms)
+        self._call_or_keep(request_id, lambda engine_id: self.board.ready(engine_id, pace_ms))
 
     def end_drafts(self, request_id: str) -> None:
-        engine_id = self._engine_id_or_keep(request_id, "end", ())
-        if engine_id is not None:
-            self.board.end(engine_id)
+        self._call_or_keep(request_id, self.board.end, end=True)
 
-    def _engine_id_or_keep(self, request_id: str, kind: str, args: tuple) -> str | None:
-        """The request's engine id, or None: gone, or not added yet (then the call is kept, a
-        bounded number of them, and made when the engine thread adds the request)."""
+    def _call_or_keep(self, request_id: str, call: BoardCall, end: bool = False) -> None:
+        """Make `call` with the request's engine id; nothing when the request is gone; when it is
+        not added yet, keep the call (a bounded number of them; `end` only as a flag, never
+        dropped), made when the engine thread adds the request."""
         live = self._live.get(request_id)
-        if live is not None:
-            return live.engine_id
-        with self._early_lock:
-            live = self._live.get(request_id)
-            if live is not None:
-                return live.engine_id
-            early = self._early.get(request_id)
-            if early is not None:
-                early.keep(kind, args)
-        return None
+        if live is None:
+            with self._early_lock:
+                live = self._live.get(request_id)
+                if live is None:
+                    early = self._early.get(request_id)
+                    if early is not None:
+                        early.keep(call, end)
+                    return
+        call(live.engine_id)
 
     def _apply_early(self, req: GenerationRequest, live: "_Live") -> None:
         """The request is added: make it live, then the calls that came before (in order)."""
         with self._early_lock:
             self._live[req.request_id] = live
             early = self._early.pop(req.request_id, None)
-            for kind, args in early.calls if early is not None else ():
-                if kind == "offer":
-                    start, tokens, final, committed, draft_ms, branch = args
-                    self.board.offer(live.engine_id, start, tokens, final, start if committed < 0 else committed,
-                                     draft_ms, branch)
-                elif kind == "ready":
-                    self.board.ready(live.engine_id, *args)
+            for call in early.calls if early is not None else ():
+                call(live.engine_id)
             if early is not None and early.ended:
                 self.board.end(live.engine_id)
 
@@ -299,7 +315,7 @@ class TargetEngine:
                     self.board.unregister(live.engine_id)
                     self._by_engine_id.pop(live.engine_id, None)
 
-    def _add(self, req: GenerationRequest, cb: Callable[[Verdict], None]) -> None:
+    def _add(self, req: GenerationRequest, cb: Callable[[Verdict | EngineFailed], None]) -> None:
         """Add one request to the engine (vLLM validates its SamplingParams here)."""
         live = _Live(req, cb, engine_id="", submitted=time.perf_counter())
         # the engine id gets a random suffix; register drafts under it before any step
@@ -312,10 +328,11 @@ class TargetEngine:
             raise
         live.engine_id = engine_id
         self._by_engine_id[engine_id] = live
-        self.board.register(
-            engine_id, req.gamma, len(req.prompt_token_ids), req.max_tokens,
-            lambda start, tokens, cb=cb, req=req: self._preview(req, cb, start, tokens),
-        )
+
+        def preview(start: int, tokens: list[int]) -> None:
+            self._preview(req, cb, start, tokens)
+
+        self.board.register(engine_id, req.gamma, len(req.prompt_token_ids), req.max_tokens, preview)
         self._apply_early(req, live)
 
     def _collect_burst(self) -> None:
@@ -330,7 +347,8 @@ class TargetEngine:
             if self._commands.qsize() == before:
                 return
 
-    def _preview(self, req: GenerationRequest, cb: Callable[[Verdict], None], start: int, tokens: list[int]) -> None:
+    def _preview(self, req: GenerationRequest, cb: Callable[[Verdict | EngineFailed], None], start: int,
+                 tokens: list[int]) -> None:
         """Send the part of a step's sampled tokens that its verdict is sure to contain: up to
         max_tokens and before any stop id (the engine may cut there)."""
         room = req.max_tokens - (start - len(req.prompt_token_ids))
@@ -458,14 +476,14 @@ class _Early:
     drafts ended (never dropped)."""
 
     limit: int
-    calls: list[tuple[str, tuple]] = field(default_factory=list)
+    calls: list[BoardCall] = field(default_factory=list)
     ended: bool = False
 
-    def keep(self, kind: str, args: tuple) -> None:
-        if kind == "end":
+    def keep(self, call: BoardCall, end: bool) -> None:
+        if end:
             self.ended = True
         elif len(self.calls) < self.limit:
-            self.calls.append((kind, args))
+            self.calls.append(call)
 
 
 @dataclass

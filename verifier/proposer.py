@@ -407,13 +407,14 @@ class DraftBoard:
                     while len(e.missed) > MAX_PROPOSALS:
                         e.missed.discard(min(e.missed))
                 if d:
-                    proposals = self._entries[rid].proposals
+                    entry = self._entries[rid]  # `e` itself: a row with drafts has its entry
+                    proposals = entry.proposals
                     proposals[len(ctx)] = d
-                    if e.hit_at == len(ctx):
-                        e.from_branch.add(len(ctx))
+                    if entry.hit_at == len(ctx):
+                        entry.from_branch.add(len(ctx))
                     while len(proposals) > MAX_PROPOSALS:
                         del proposals[min(proposals)]
-                    e.from_branch &= proposals.keys()
+                    entry.from_branch &= proposals.keys()
         self.waited_s += time.monotonic() - t0
         if withheld:
             self.metrics.withheld_draft_tokens.inc(withheld)

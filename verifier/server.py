@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import TypeAlias
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -38,6 +40,9 @@ log = logging.getLogger("specdec.verifier")
 
 # After the last verdict, how long the caller has to half-close its side of the stream.
 CLOSE_GRACE_S = 10.0
+
+# A Verify call's context (a string: the generic is not subscriptable at run time).
+VerifyContext: TypeAlias = "grpc.aio.ServicerContext[pb.VerifyRequest, pb.VerifyResponse]"
 
 
 def step_pb(v: Verdict) -> Step:
@@ -94,11 +99,15 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                        self.engine.vocab_size)
         return convert.generation_request(req)
 
-    async def Verify(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    # gRPC asyncio also serves a handler that writes its responses (context.write) and returns None;
+    # the generated base class declares only one that returns them as an iterator
+    async def Verify(  # type: ignore[override]  # noqa: N802  # returns None: see the comment above
+        self, request_iterator: AsyncIterator[pb.VerifyRequest], context: VerifyContext,
+    ) -> None:
         async with self.slots.hold(context):
             await self._verify(context)
 
-    async def _verify(self, context: grpc.aio.ServicerContext) -> None:
+    async def _verify(self, context: VerifyContext) -> None:
         if self.engine.failed:  # the process is stopping: say why instead of hanging
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier: {self.engine.failed}")
         opened, req = await serving.open_session(context, self._request, self.cfg.first_message_timeout_s)
@@ -116,7 +125,11 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         self.metrics.sessions.inc()
         self.metrics.requests.inc()
         self._ids.add(req.request_id)
-        self.engine.submit(req, lambda v: loop.call_soon_threadsafe(verdicts.put_nowait, v))
+
+        def on_verdict(v: Verdict | EngineFailed) -> None:  # on the engine's thread
+            loop.call_soon_threadsafe(verdicts.put_nowait, v)
+
+        self.engine.submit(req, on_verdict)
         vocab = self.engine.vocab_size
 
         async def read_blocks() -> None:
@@ -129,7 +142,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
             try:
                 while True:
                     msg = await context.read()
-                    if msg is grpc.aio.EOF:
+                    if msg is grpc.aio.EOF:  # type: ignore[comparison-overlap]  # grpc's stubs leave EOF out of read()
                         return
                     kind = msg.WhichOneof("kind")
                     if kind == "end":
@@ -209,7 +222,10 @@ class VerifierServicer(rpc.VerifierServiceServicer):
     async def close(self) -> None:
         self.engine.stop()
 
-    async def GetVerifierInfo(self, request, context) -> "pb.GetVerifierInfoResponse":  # noqa: N802
+    async def GetVerifierInfo(  # noqa: N802
+        self, request: pb.GetVerifierInfoRequest,
+        context: grpc.aio.ServicerContext[pb.GetVerifierInfoRequest, pb.GetVerifierInfoResponse],
+    ) -> pb.GetVerifierInfoResponse:
         return pb.GetVerifierInfoResponse(
             model=self.model_name,
             vocab_size=self.engine.vocab_size,

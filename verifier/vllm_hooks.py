@@ -65,13 +65,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from specdec.config import MAX_LOGPROBS, VerifierConfig
 
 if TYPE_CHECKING:  # no numpy/torch at import: configure_vllm_env must run before their thread pools start
     import numpy as np
     import torch
+    from vllm.config.model import ModelDType
+    from vllm.v1.engine.llm_engine import LLMEngine
 
     from verifier.proposer import DraftBoard
 
@@ -233,10 +235,13 @@ def apply_cpu_sampler_fix() -> bool:
     if not current_platform.is_cpu():
         return False
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-    if not getattr(rejection_sampler.apply_top_k_top_p, "__wrapped_empty__", False):
-        guarded = top_k_top_p_rows(rejection_sampler.apply_top_k_top_p)
+    # rejection_sampler's own binding of apply_top_k_top_p (imported there, so not its export
+    # for mypy): the one its calls read, rebound in the module's namespace
+    namespace = vars(rejection_sampler)
+    if not getattr(namespace["apply_top_k_top_p"], "__wrapped_empty__", False):
+        guarded = top_k_top_p_rows(namespace["apply_top_k_top_p"])
         guarded.__wrapped_empty__ = True  # type: ignore[attr-defined]  # a marker attribute on a function
-        rejection_sampler.apply_top_k_top_p = guarded
+        namespace["apply_top_k_top_p"] = guarded
     return True
 
 
@@ -261,7 +266,7 @@ def _proposer_board(board: DraftBoard) -> Iterator[None]:
             _board_for_proposer = None
 
 
-def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device: str | None = None) -> Any:
+def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device: str | None = None) -> LLMEngine:
     """vLLM's V1 LLMEngine, in-process, verifying the drafts of `board` (custom_class method),
     with engine_settings for `device` (None: vllm_device()). Sets `board.max_model_len` to the
     engine's context length (the model's own when it was left to vLLM).
@@ -275,8 +280,8 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device
     args = EngineArgs(
         model=model_path,
         tokenizer=model_path,
-        dtype=cfg.dtype,
-        max_model_len=settings.max_model_len,
+        dtype=cast("ModelDType", cfg.dtype),  # the config keeps a str (its flag's type); vLLM checks the name
+        max_model_len=settings.max_model_len,  # type: ignore[arg-type]  # vLLM annotates int, defaults to None (the model's)
         max_num_seqs=settings.max_num_seqs,
         enforce_eager=settings.enforce_eager,
         enable_prefix_caching=cfg.prefix_caching,
@@ -387,7 +392,8 @@ def install_schedule_hook(
 def request_counts(engine: Any) -> tuple[int, int]:
     """(running, waiting) requests in the engine's scheduler (`Scheduler.get_request_counts`);
     plain reads of its queues' lengths, so any thread may call it."""
-    return engine.engine_core.engine_core.scheduler.get_request_counts()
+    counts: tuple[int, int] = engine.engine_core.engine_core.scheduler.get_request_counts()
+    return counts
 
 
 # ---- the custom_class proposer ----------------------------------------------------------------

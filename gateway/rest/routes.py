@@ -23,7 +23,6 @@ The gateway serves it beside its gRPC server (gateway.server.rest_bridge):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any
@@ -31,11 +30,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from prometheus_client import Counter
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.core import Core
 from gateway.rest.protocol import APIError, ChatRequest, CompletionRequest, refuse_surrogates
 from gateway.rest.serving import OpenAIServing
+from gateway.text import Tokenizer
 from specdec.security import KeyStore
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # GatewayConfig.max_request_mb's default
@@ -64,7 +66,8 @@ class Guard:
     /health stays open. Each refusal is counted in `refused` (the gateway's
     `specdec:gateway_refused_total`, by reason), when given."""
 
-    def __init__(self, app: Any, keys: KeyStore | None, max_body: int, metrics_auth: bool, refused: Any = None) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyStore | None, max_body: int, metrics_auth: bool,
+                 refused: Counter | None = None) -> None:
         self.app, self.keys, self.max_body, self.metrics_auth = app, keys, max_body, metrics_auth
         self.refused = refused
 
@@ -77,12 +80,13 @@ class Guard:
             return False
         return path.startswith("/v1/") or path == "/v1" or (self.metrics_auth and path.startswith("/metrics"))
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        if self._needs_key(scope["path"]) and self.keys.identify(headers.get("authorization")) is None:  # type: ignore[union-attr]  # keys is set when _needs_key is true
+        if (self._needs_key(scope["path"]) and self.keys is not None  # (keys is set when _needs_key is true)
+                and self.keys.identify(headers.get("authorization")) is None):
             err = APIError(401, "missing or unknown API key: send `Authorization: Bearer <key>`", None,
                            "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
             self._count("unauthenticated")
@@ -97,7 +101,7 @@ class Guard:
             return
         read = 0
 
-        async def bounded_receive() -> dict[str, Any]:
+        async def bounded_receive() -> Message:
             nonlocal read
             message = await receive()
             if message["type"] == "http.request":
@@ -113,10 +117,11 @@ class Guard:
 # ---------------------------------------------------------------------------- app
 
 
-def build_app(core: Core, tokenizer: Any, model_name: str, keys: KeyStore | None = None,
-              metrics_auth: bool = False, metrics_app: Any = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              tokenizer_executor: Executor | None = None, refused: Any = None, stream_write_timeout_s: float = 0.0,
-              stream_write_timeouts: Any = None) -> FastAPI:
+def build_app(core: Core, tokenizer: Tokenizer, model_name: str, keys: KeyStore | None = None,
+              metrics_auth: bool = False, metrics_app: ASGIApp | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tokenizer_executor: Executor | None = None,
+              refused: Counter | None = None, stream_write_timeout_s: float = 0.0,
+              stream_write_timeouts: Counter | None = None) -> FastAPI:
     """The REST bridge over `core` (a GatewayCore, called in-process). `tokenizer` (the
     target's) renders chat templates; `model_name` is the model id the API reports and accepts.
 

@@ -26,16 +26,18 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import Counter
 
 from gateway import convert
 from gateway.client import stats_dict, vllm_spec_metrics
 from gateway.convert import REFUSED
 from gateway.core import Chunk, Core, ErrorCode, GatewayError
 from gateway.rest.protocol import APIError, ChatRequest, CompletionRequest, GenerationRequest
+from gateway.text import Tokenizer
 from specdec.validation import InvalidField
 from specdec.wire import finish_reason_name, pb
 
@@ -80,7 +82,7 @@ def api_error(err: GatewayError, prompt_param: str = "prompt") -> APIError:
 # ---------------------------------------------------------------------------- prompts
 
 
-def completion_prompt(tokenizer: Any, req: CompletionRequest) -> tuple[list[int], str]:
+def completion_prompt(tokenizer: Tokenizer, req: CompletionRequest) -> tuple[list[int], str]:
     """A completion's prompt as token ids (the text tokenised as vLLM does: special tokens
     added unless add_special_tokens is false) and as text (for `echo`); one prompt per request."""
     prompt = req.prompt
@@ -95,13 +97,14 @@ def completion_prompt(tokenizer: Any, req: CompletionRequest) -> tuple[list[int]
     if isinstance(prompt, str):
         ids = list(tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens is not False))
         return ids, prompt
-    for i, t in enumerate(prompt):  # the gateway checks the vocabulary; these cannot even be decoded
-        if not 0 <= t <= 2**31 - 1:  # type: ignore[operator]  # token ids here: the text forms returned above
+    ids = cast("list[int]", prompt)  # token ids: the text forms (a str, a list of one str) returned above
+    for i, t in enumerate(ids):  # the gateway checks the vocabulary; these cannot even be decoded
+        if not 0 <= t <= 2**31 - 1:
             raise APIError(400, f"prompt: token id {t} at index {i} is outside the vocabulary", "prompt")
-    return list(prompt), tokenizer.decode(prompt)  # type: ignore[arg-type]  # (token ids, as above)
+    return list(ids), tokenizer.decode(ids)
 
 
-def chat_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:
+def chat_prompt(tokenizer: Tokenizer, req: ChatRequest) -> list[int]:
     """The chat rendered by the tokenizer's template, as token ids (the template already
     holds any special tokens, so none are added unless add_special_tokens is true)."""
     if not getattr(tokenizer, "chat_template", None):
@@ -135,20 +138,20 @@ def chat_echo(req: ChatRequest) -> str:
 # ---------------------------------------------------------------------------- logprobs
 
 
-def _token_text(tokenizer: Any, token_id: int, as_id: bool, context: Sequence[int] = ()) -> str:
+def _token_text(tokenizer: Tokenizer, token_id: int, as_id: bool, context: Sequence[int] = ()) -> str:
     """A token as vLLM's server names it: "token_id:N" (return_tokens_as_token_ids), or its own
     text; a token that decodes to an incomplete UTF-8 character (a byte-fallback piece, ending in
     U+FFFD) is decoded after the sampled tokens before it (`context`, at most 4), and is "" when
     they do not complete it (vllm/v1/engine/logprobs.py: _correct_decoded_token)."""
     if as_id:
         return f"token_id:{token_id}"
-    text = tokenizer.decode([token_id])
+    text: str = tokenizer.decode([token_id])
     if not text.endswith("\ufffd"):
         return text
     context = list(context)[-4:]
     for n in range(1, len(context) + 1):
         ctx = context[-n:]
-        full = tokenizer.decode(ctx + [token_id])
+        full: str = tokenizer.decode(ctx + [token_id])
         if full.endswith("\ufffd"):
             continue
         clean_end = len(ctx)  # context tokens that were incomplete themselves belong to this one
@@ -157,7 +160,7 @@ def _token_text(tokenizer: Any, token_id: int, as_id: bool, context: Sequence[in
                 clean_end = j
             else:
                 break
-        prefix = tokenizer.decode(ctx[:clean_end]) if clean_end else ""
+        prefix: str = tokenizer.decode(ctx[:clean_end]) if clean_end else ""
         if full.startswith(prefix):
             return full[len(prefix):]
         common = 0
@@ -188,7 +191,7 @@ class LogprobsShaper:
     (vllm/entrypoints/openai/{completion,chat_completion}/serving.py); `offset` carries the
     completions text offset across a stream's chunks."""
 
-    tokenizer: Any
+    tokenizer: Tokenizer
     top: int  # alternatives asked for
     as_ids: bool = False
     offset: int = 0
@@ -466,8 +469,8 @@ class OpenAIServing:
     within `stream_write_timeout_s` (0: no limit; EventStreamResponse), counted in
     `stream_write_timeouts`."""
 
-    def __init__(self, core: Core, tokenizer: Any, model_name: str, tokenizer_executor: Executor,
-                 stream_write_timeout_s: float = 0.0, stream_write_timeouts: Any = None) -> None:
+    def __init__(self, core: Core, tokenizer: Tokenizer, model_name: str, tokenizer_executor: Executor,
+                 stream_write_timeout_s: float = 0.0, stream_write_timeouts: Counter | None = None) -> None:
         self.core, self.tokenizer, self.model_name = core, tokenizer, model_name
         self.executor = tokenizer_executor
         self.stream_write_timeout_s, self.stream_write_timeouts = stream_write_timeout_s, stream_write_timeouts

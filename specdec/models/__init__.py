@@ -36,11 +36,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdec.config import cache_dir
 from specdec.errors import ModelNotFoundError, UserError
 from specdec.models import hub
+
+if TYPE_CHECKING:  # torch is imported where a model is loaded, not with this module
+    import torch
 
 TINY = "tiny"
 # The pairs file in the working directory, unless SPECDEC_PAIRS names another.
@@ -334,7 +337,7 @@ QUANTIZE = ("none", "int8")
 
 def load_causal_lm(
     ref: str, dtype: str = "float32", quantize: str = "none", revision: str | None = None, device: str = "cpu"
-) -> object:
+) -> torch.nn.Module:
     """A transformers causal LM for a model reference (`revision`: as for `resolve`), in eval
     mode, on `device` ("cpu" or "cuda": see specdec.models.device for choosing it).
 
@@ -351,7 +354,9 @@ def load_causal_lm(
         raise ValueError(f"quantize must be one of {QUANTIZE}, not {quantize!r}")
     if quantize == "int8" and device != "cpu":
         raise ValueError(f"quantize int8 is CPU-only, not for device {device!r}")
-    model = AutoModelForCausalLM.from_pretrained(resolve(ref, revision=revision), dtype=getattr(torch, dtype)).eval()
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+        resolve(ref, revision=revision), dtype=getattr(torch, dtype)
+    ).eval()
     if device != "cpu":
         return model.to(device)
     if quantize == "int8":

@@ -20,6 +20,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 VOCAB_SIZE = 512
 HIDDEN = 128
@@ -58,7 +62,11 @@ def _train_tokenizer(dest: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = [Path(importlib.import_module(m).__file__).read_text() for m in _CORPUS_MODULES]
+    texts = []
+    for name in _CORPUS_MODULES:
+        source = importlib.import_module(name).__file__
+        assert source is not None, f"{name} is a pure-Python standard-library module"
+        texts.append(Path(source).read_text())
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -73,7 +81,7 @@ def _train_tokenizer(dest: Path) -> None:
     fast.save_pretrained(dest)
 
 
-def _config(eos_id: int):  # -> LlamaConfig
+def _config(eos_id: int) -> LlamaConfig:
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -87,7 +95,7 @@ def _config(eos_id: int):  # -> LlamaConfig
         tie_word_embeddings=False,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
-        torch_dtype="float32",
+        dtype="float32",  # torch_dtype before transformers 5; it saves the same config.json
     )
 
 
@@ -97,6 +105,7 @@ def _build_models(tok_dir: Path, out: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    assert isinstance(eos_id, int), "one token, one id"
 
     def make(seed: int) -> LlamaForCausalLM:
         torch.manual_seed(seed)

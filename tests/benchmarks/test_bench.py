@@ -42,6 +42,14 @@ def test_summary_of_known_records() -> None:
     assert row["round_ms"] == pytest.approx(500.0)
     assert row["overhead_ms"] == pytest.approx(100.0)
     assert row["draft_token_ms"] == pytest.approx(50.0)
+    assert row["held_steps"] == 0 and row["drafter_batch_rows_mean"] is None  # not in this result's spec
+    result["spec"] |= {"held_steps": 2.0, "drafter_batch_rows": {"forwards": 4, "mean": 2.5, "max": 3,
+                                                                 "histogram": {"1": 1, "3": 3}}}
+    row = bench.summarise(run, result)
+    assert row["held_steps"] == 2 and isinstance(row["held_steps"], int)
+    assert (row["drafter_forwards"], row["drafter_batch_rows_mean"], row["drafter_batch_rows_max"]) == (4, 2.5, 3)
+    assert row["drafter_batch_rows"] == {"1": 1, "3": 3}
+    assert "| 2 | 2.5 |" in bench.table([row])  # the held and draft rows columns
 
 
 def test_speedup_bound_and_exactness_against_target_only() -> None:
@@ -202,4 +210,22 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
             assert row["fallbacks"] == 0 and row["max_draft_wait_ms"] is not None, row
         if row["workload"] != "code":
             assert row["exact"] == 1.0, row
+    # held steps and the drafter's batch size (its specdec:drafter_batch_rows, read from its /metrics)
+    for row in rows:
+        if not row["system"].startswith("specdec"):
+            assert row["held_steps"] is None and row["drafter_batch_rows"] is None, row
+            continue
+        assert isinstance(row["held_steps"], int) and row["held_steps"] >= 0, row
+        if row["gamma"]:  # drafts were made: draft forwards, of at least one row each
+            assert row["drafter_forwards"] >= 1, row
+            # (not bounded by the concurrency: a finished request's session may draft once more
+            # beside the next request's before the drafter closes it)
+            assert 1 <= row["drafter_batch_rows_mean"] <= row["drafter_batch_rows_max"], row
+            histogram = row["drafter_batch_rows"]
+            assert sum(histogram.values()) == row["drafter_forwards"], row
+            assert max(int(k) for k in histogram) == row["drafter_batch_rows_max"], row
+        else:  # gamma 0: plain decoding, the drafter makes no forward
+            assert row["drafter_forwards"] == 0 and row["drafter_batch_rows_mean"] is None, row
+    # 16 requests verified together commit together: the drafter batches their drafts
+    assert any(r["drafter_batch_rows_max"] > 1 for r in rows if r["system"] == "specdec" and r["concurrency"] == 16)
     assert (quick / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

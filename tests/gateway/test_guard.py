@@ -391,7 +391,7 @@ def test_a_grpc_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(ti
                 finally:
                     closed.set()  # the round's finally: its verifier and drafter calls are cancelled there
 
-            gw.core._generate = endless  # type: ignore[method-assign]
+            gw.core._generate = endless  # type: ignore[method-assign]  # the test replaces the core's generation with an endless stream
             # a small stream window and no BDP growth: the window fills after a few messages
             options = [("grpc.http2.lookahead_bytes", 4096), ("grpc.http2.bdp_probe", 0)]
             async with grpc.aio.insecure_channel(gw.address, options=options) as channel:
@@ -436,7 +436,7 @@ def test_a_rest_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(ti
                 finally:
                     closed.set()
 
-            gw.core._generate = endless  # type: ignore[method-assign]
+            gw.core._generate = endless  # type: ignore[method-assign]  # the test replaces the core's generation with an endless stream
             body = b'{"prompt": [1, 2, 3], "max_tokens": 4, "stream": true}'
             sent_body = False
             bodies = 0

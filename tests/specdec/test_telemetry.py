@@ -95,6 +95,7 @@ FAMILIES = {
         "specdec:drafter_blocks_total",
         "specdec:drafter_tokens_total",
         "specdec:drafter_step_seconds",
+        "specdec:drafter_batch_rows",
         "specdec:drafter_branches_total",
         "specdec:drafter_branch_breaks_total",
         "specdec:drafter_branch_hits_total",

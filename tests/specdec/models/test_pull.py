@@ -246,7 +246,7 @@ def test_pip_stages_on_the_cache_volume_not_in_tmp(cache: Path, monkeypatch: pyt
     target = cache / "pip" / "fake-target"
     pull_mod.pip_install(["fake-part1==1.0"], target, progress=False)
     assert seen["tmp"] == cache / "pip" / "fake-target.tmp" and not Path(str(seen["tmp"])).exists()
-    assert "--target" in seen["cmd"] and str(target) in seen["cmd"]  # type: ignore[operator]
+    assert "--target" in seen["cmd"] and str(target) in seen["cmd"]  # type: ignore[operator]  # seen holds a Path or the command list; this key is the list
 
 
 def test_a_read_only_cache_without_the_model_says_so(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:

