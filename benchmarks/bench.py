@@ -306,7 +306,10 @@ class SpecdecCluster:
                 pair=self.pair, gateway_port=free_port(), drafter_port=free_port(), verifier_port=free_port(),
                 log_dir=self.out / "logs", target=self.target, draft=self.draft,
                 extra_args={"verifier": [*off, "--dtype", self.dtype, "--no-prefix-caching", *self.verifier_args],
-                            "drafter": ["--metrics-port", str(drafter_metrics_port), "--dtype", self.dtype,
+                            # an int8 draft computes in float32 whatever the bench's dtype (it is the
+                            # drafter's default); an unquantised one takes the bench's, as vLLM's draft_model
+                            "drafter": ["--metrics-port", str(drafter_metrics_port),
+                                        *(["--dtype", self.dtype] if quantize == "none" else []),
                                         "--quantize", quantize,
                                         *(["--branches", str(branches)] if branches is not None else [])],
                             "gateway": [*off, "--rest-port", "0"]},

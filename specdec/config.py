@@ -151,8 +151,8 @@ class DrafterConfig(TransportConfig):
     quantize: str = setting(
         "auto",
         "int8: dynamic int8 quantisation of the draft's Linear layers (CPU only; ~3x faster drafting for a "
-        "memory-bound draft, see specdec.models.load_causal_lm); none: as loaded; auto: int8 on the CPU, "
-        "none on a GPU.",
+        "memory-bound draft, see specdec.models.load_causal_lm; its activations are float32, so not with a "
+        "bfloat16/float16 dtype); none: as loaded; auto: int8 for a float32 draft on the CPU, else none.",
         choices=("auto", "none", "int8"))
     lookahead: int = setting(
         -1,
@@ -230,7 +230,12 @@ class VerifierConfig(TransportConfig):
     max_sessions: int = setting(
         512, "Most Verify sessions at once (running and queued in the engine); one more is refused with "
         "RESOURCE_EXHAUSTED naming this limit.")
-    dtype: str = setting("float32", "Target model dtype: float32 or bfloat16.")
+    dtype: str = setting(
+        "auto",
+        "Target model dtype; auto: on a GPU vLLM's own choice (the checkpoint's, as `vllm serve`), on the CPU "
+        "float32. On a CPU with AVX512-BF16 or AMX, bfloat16 steps ~3x faster (docs/performance.md, serve-c8); "
+        "`vllm serve` runs bfloat16 there unless told.",
+        choices=("auto", "float32", "bfloat16", "float16"))
     kv_cache_gib: float = setting(
         0.0, "KV cache size in GiB; 0: on CUDA sized by vLLM from gpu_memory_utilization (as `vllm serve`), "
         "1 GiB on the CPU (where vLLM's utilisation check fails on these VMs).")

@@ -22,8 +22,9 @@ Each hook, why it is needed, and what it touches in vLLM:
                           (CPU top-k takes the max of an empty tensor: top_k_top_p_rows).
   engine_settings         the engine's device-dependent settings (`vllm.platforms.current_platform`
                           says cuda or cpu): on CUDA `vllm serve`'s defaults (KV cache from
-                          gpu_memory_utilization, CUDA graphs, the model's max_model_len), on
-                          the CPU the settings measured there (1 GiB KV cache, eager, 2048).
+                          gpu_memory_utilization, CUDA graphs, the model's max_model_len, the
+                          checkpoint's dtype), on the CPU the settings measured there (1 GiB KV
+                          cache, eager, 2048, float32).
   build_engine            `vllm.v1.engine.llm_engine.LLMEngine.from_engine_args` with the
                           experimental `custom_class` speculative method
                           (`vllm/v1/spec_decode/custom_class_proposer.py: create_custom_proposer`,
@@ -90,6 +91,10 @@ PROPOSER_CLASS = f"{__name__}.ExternalDraftProposer"
 CPU_MAX_MODEL_LEN = 2048
 CPU_KV_CACHE_GIB = 1.0
 CPU_MAX_NUM_SEQS = 32
+# The CPU's dtype when left to "auto": float32, the precision every exactness suite runs at. vLLM's
+# own auto is bfloat16 on x86, ~3x faster where the CPU has AVX512-BF16 or AMX and far slower
+# where it has not (docs/performance.md, serve-c8); `--dtype bfloat16` asks for it.
+CPU_DTYPE = "float32"
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,7 @@ class EngineSettings:
     """
 
     device: str  # "cuda" or "cpu" (vLLM's current_platform.device_type; other accelerators: as cuda)
+    dtype: str  # the target's dtype for vLLM: "auto" is vLLM's own choice (the checkpoint's)
     max_model_len: int | None
     max_num_seqs: int | None
     enforce_eager: bool
@@ -123,6 +129,7 @@ def engine_settings(cfg: VerifierConfig, device: str) -> EngineSettings:
     if device == "cpu":
         return EngineSettings(
             device="cpu",
+            dtype=CPU_DTYPE if cfg.dtype == "auto" else cfg.dtype,
             max_model_len=cfg.max_model_len or CPU_MAX_MODEL_LEN,
             max_num_seqs=cfg.max_num_seqs or CPU_MAX_NUM_SEQS,
             enforce_eager=True if cfg.enforce_eager is None else cfg.enforce_eager,
@@ -131,6 +138,7 @@ def engine_settings(cfg: VerifierConfig, device: str) -> EngineSettings:
         )
     return EngineSettings(
         device=device,
+        dtype=cfg.dtype,
         max_model_len=cfg.max_model_len or None,
         max_num_seqs=cfg.max_num_seqs or None,
         enforce_eager=False if cfg.enforce_eager is None else cfg.enforce_eager,
@@ -280,7 +288,7 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device
     args = EngineArgs(
         model=model_path,
         tokenizer=model_path,
-        dtype=cast("ModelDType", cfg.dtype),  # the config keeps a str (its flag's type); vLLM checks the name
+        dtype=cast("ModelDType", settings.dtype),  # a str (the flag's type); vLLM checks the name
         max_model_len=settings.max_model_len,  # type: ignore[arg-type]  # vLLM annotates int, defaults to None (the model's)
         max_num_seqs=settings.max_num_seqs,
         enforce_eager=settings.enforce_eager,

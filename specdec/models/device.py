@@ -2,7 +2,9 @@
 `quantize` settings with "auto" decided for the host.
 
     cpu    float32 weights with dynamic int8 quantisation of the Linear layers (a CPU drafter
-           is memory-bound: int8 drafts about 3x faster, see specdec.models.load_causal_lm).
+           is memory-bound: int8 drafts about 3x faster, see specdec.models.load_causal_lm);
+           a draft asked for in bfloat16 or float16 runs unquantised (int8's activations are
+           float32: asking for both is a UserError naming the settings).
     cuda   one GPU (cuda:0, or the one CUDA_VISIBLE_DEVICES leaves), bfloat16 weights, or
            float16 on a GPU without bfloat16; int8 dynamic quantisation is CPU-only.
     auto   cuda when torch sees a GPU, else cpu.
@@ -66,4 +68,11 @@ def draft_placement(device: str = "auto", dtype: str = "auto", quantize: str = "
                 "pass --quantize none (or auto) with --device cuda",
             )
         return Placement("cuda", dtype if dtype != "auto" else ("bfloat16" if gpu.bf16 else "float16"), "none")
-    return Placement("cpu", dtype if dtype != "auto" else "float32", "int8" if quantize == "auto" else quantize)
+    dtype = dtype if dtype != "auto" else "float32"
+    if quantize == "int8" and dtype != "float32":
+        raise UserError(
+            f"quantize int8 runs float32 activations (torch's dynamic quantisation), not dtype {dtype}",
+            "pass --quantize none with --dtype bfloat16/float16, or leave --dtype auto",
+        )
+    # auto: int8 for a float32 draft; a draft asked for in bfloat16/float16 runs as loaded
+    return Placement("cpu", dtype, ("int8" if dtype == "float32" else "none") if quantize == "auto" else quantize)

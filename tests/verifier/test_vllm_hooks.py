@@ -257,10 +257,11 @@ def test_the_proposer_reads_the_board_of_its_engine_by_row() -> None:
 # ---- device-aware engine settings (decided without a GPU: the device is a parameter) ----------
 @pytest.mark.e2e  # it reads vLLM's own default (imports vLLM)
 def test_a_cuda_host_gets_vllm_serves_defaults() -> None:
-    """KV cache from gpu_memory_utilization (vLLM 0.32's default, 0.92), CUDA graphs, the model's max_model_len."""
+    """KV cache from gpu_memory_utilization (vLLM 0.32's default, 0.92), CUDA graphs, the model's max_model_len,
+    the checkpoint's dtype (vLLM's auto: a GPU verifier does not run float32)."""
     s = vllm_hooks.engine_settings(VerifierConfig(), "cuda")
-    assert (s.max_model_len, s.enforce_eager, s.kv_cache_memory_bytes, s.gpu_memory_utilization) == (
-        None, False, None, 0.92)
+    assert (s.max_model_len, s.enforce_eager, s.kv_cache_memory_bytes, s.gpu_memory_utilization, s.dtype) == (
+        None, False, None, 0.92, "auto")
     assert s.max_num_seqs is None  # vllm serve's: 256, or 1024 on a GPU of 70 GiB or more
     from vllm.config import CacheConfig
 
@@ -269,12 +270,14 @@ def test_a_cuda_host_gets_vllm_serves_defaults() -> None:
 
 def test_a_cpu_host_keeps_the_cpu_settings() -> None:
     s = vllm_hooks.engine_settings(VerifierConfig(), "cpu")
-    assert (s.max_model_len, s.enforce_eager, s.kv_cache_memory_bytes, s.max_num_seqs) == (2048, True, 1 << 30, 32)
+    assert (s.max_model_len, s.enforce_eager, s.kv_cache_memory_bytes, s.max_num_seqs, s.dtype) == (
+        2048, True, 1 << 30, 32, "float32")
 
 
 def test_settings_given_win_on_either_device() -> None:
     cfg = VerifierConfig(
-        max_model_len=4096, enforce_eager=True, kv_cache_gib=20.0, gpu_memory_utilization=0.8, max_num_seqs=64
+        max_model_len=4096, enforce_eager=True, kv_cache_gib=20.0, gpu_memory_utilization=0.8, max_num_seqs=64,
+        dtype="float32",
     )
     cuda = vllm_hooks.engine_settings(cfg, "cuda")
     assert (
@@ -283,9 +286,12 @@ def test_settings_given_win_on_either_device() -> None:
         cuda.kv_cache_memory_bytes,
         cuda.gpu_memory_utilization,
         cuda.max_num_seqs,
-    ) == (4096, True, 20 << 30, 0.8, 64)
-    cpu = vllm_hooks.engine_settings(VerifierConfig(max_model_len=512, enforce_eager=False, kv_cache_gib=2.5), "cpu")
-    assert (cpu.max_model_len, cpu.enforce_eager, cpu.kv_cache_memory_bytes) == (512, False, int(2.5 * (1 << 30)))
+        cuda.dtype,
+    ) == (4096, True, 20 << 30, 0.8, 64, "float32")
+    cpu = vllm_hooks.engine_settings(
+        VerifierConfig(max_model_len=512, enforce_eager=False, kv_cache_gib=2.5, dtype="bfloat16"), "cpu")
+    assert (cpu.max_model_len, cpu.enforce_eager, cpu.kv_cache_memory_bytes, cpu.dtype) == (
+        512, False, int(2.5 * (1 << 30)), "bfloat16")
 
 
 @pytest.mark.e2e  # it asks vLLM's platform (imports vLLM)

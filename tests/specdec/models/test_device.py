@@ -56,3 +56,11 @@ def test_the_drafter_flag_reaches_the_config() -> None:
     cfg = cli.serve_config(args)
     assert isinstance(cfg, config.DrafterConfig)
     assert (cfg.device, cfg.revision, cfg.dtype, cfg.quantize) == ("cuda", "v2", "auto", "auto")
+
+
+def test_a_cpu_draft_in_bfloat16_is_not_quantised_and_int8_with_it_is_refused() -> None:
+    """int8 dynamic quantisation computes in float32: a bfloat16 draft on the CPU runs as loaded,
+    and asking for both fails at start naming them (it used to crash at the first draft)."""
+    assert draft_placement("cpu", "bfloat16", probe=no_gpu) == Placement("cpu", "bfloat16", "none")
+    with pytest.raises(UserError, match="quantize int8.*dtype bfloat16"):
+        draft_placement("cpu", "bfloat16", "int8", probe=no_gpu)
