@@ -12,12 +12,13 @@ together are pooled into one category, which keeps the chi-square approximation 
 (expected count >= 5 per cell).
 
 Configurations: (draft same | far) x (top_p 1.0 | 0.9) x (stack fixed-gamma | defaults) = 8
-tables here, plus 1 in tests/e2e/test_branches.py and 1 in tests/e2e/test_confidence_drafts.py:
-10 tables per CI run, each failing at p < P_MIN = 5e-6. Under the null (the path is exact)
-each table fails with probability at most 5e-6, so a run's family-wise false-failure rate is
-at most 10 x 5e-6 = 5e-5 < 1e-4 (Bonferroni, valid whatever the tables' dependence). Seeds
-are fixed (reference i: seed i; gateway i: seed 10**6 + i), so a run's draws are fixed as far as vLLM's seeded sampling is
-deterministic across batch compositions.
+tables here, plus 1 in tests/e2e/test_branches.py and 1 in
+tests/e2e/test_confidence_drafts.py: 10 tables per CI run, each failing at p < P_MIN = 5e-6.
+Under the null (the path is exact) each table fails with probability at most 5e-6, so a
+run's family-wise false-failure rate is at most 10 x 5e-6 = 5e-5 < 1e-4 (Bonferroni, valid
+whatever the tables' dependence). Seeds are fixed (reference i: seed i; gateway i: seed
+10**6 + i), so a run's draws are fixed as far as vLLM's seeded sampling is deterministic
+across batch compositions.
 
 On the default stack the generations run DEFAULTS_CONCURRENCY at a time: at the fixed stack's
 32, adaptive gamma rightly backs off to plain decoding on the tiny target (measured: 0 drafts
