@@ -61,6 +61,8 @@ TIMEOUT_S = 300
 # with the reason. test_not_run_lists_only_documented_commands keeps this list honest.
 _SERVICE = "a long-running service; `specdec up` (run here) starts the same `specdec serve` commands"
 _BENCH = "the full benchmark takes minutes even on tiny; `specdec bench --quick` runs in tests/benchmarks/test_bench.py"
+_SERVE_C8 = ("starts vLLM's OpenAI server and the services on the real pair (minutes); "
+             "tests/benchmarks/test_serve.py runs the serve-c8 workload end to end on tiny")
 _LINK = ("makes network namespaces and runs the benchmark across them (minutes); `specdec bench-link --quick` "
          "runs in tests/benchmarks/test_link.py")
 _DRAFTER = ("measures 2 s of CPU time per session count (up to 32) and mode (minutes); "
@@ -85,6 +87,14 @@ NOT_RUN = {
     "specdec serve drafter --model Qwen/Qwen3-0.6B --device cuda": _SERVICE,
     "specdec serve drafter --model Qwen/Qwen3-0.6B --device auto": _SERVICE,
     "specdec serve drafter --no-batch-drafts": _SERVICE,
+    "specdec serve drafter --draft-confidence auto": _SERVICE,
+    "specdec serve drafter --draft-confidence 0.4": _SERVICE,
+    "specdec serve drafter --draft-confidence off": _SERVICE,
+    "specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 --out bench-serve-c8": _SERVE_C8,
+    "specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 --serve-vllm-dtype auto "
+    "--out bench-serve-c8-auto": _SERVE_C8,
+    "specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 --dtype bfloat16 "
+    "--out bench-serve-c8-bf16": _SERVE_C8,
     ".venv/bin/specdec serve drafter --host 0.0.0.0 --port 50052 --model qwen-coder/draft --threads 4": _SERVICE,
     "specdec serve verifier --model qwen-coder/target --port 50053": _SERVICE,
     "specdec serve drafter  --model qwen-coder/draft  --port 50052": _SERVICE,
