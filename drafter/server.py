@@ -189,6 +189,20 @@ class DraftWorker(threading.Thread):
                     return  # a commit came in: its drafts first
 
 
+def emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue[BlockOut | Ready | BaseException | None]) -> Emit:
+    """The worker thread's way into one Draft call: puts each item on `out` in the call's event
+    loop. An item made after that loop closed (the server stopped while the worker was mid-step
+    on the session) has no reader left and is dropped, instead of raising in the worker thread."""
+
+    def emit(item: BlockOut | Ready | BaseException) -> None:  # on the worker's thread
+        try:
+            loop.call_soon_threadsafe(out.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed": the call and its reader are gone
+            log.debug("draft session: an item made after its call's event loop closed is dropped")
+
+    return emit
+
+
 class DrafterServicer(rpc.DrafterServiceServicer):
     """Serves a draft model (method "model") and the n-gram drafter (method "ngram"); its
     metrics (telemetry.DrafterMetrics) live on `registry`."""
@@ -278,9 +292,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.metrics.sessions.inc()
         self.metrics.requests.inc()
 
-        def emit(item: BlockOut | Ready | BaseException) -> None:  # on the worker's thread
-            loop.call_soon_threadsafe(out.put_nowait, item)
-
+        emit = emitter(loop, out)
         self.worker.add(session, emit)
 
         async def read_commits() -> None:

@@ -3,14 +3,15 @@ forward (its batch size), in the drafter's metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from drafter.server import DraftWorker, Emit
-from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession
+from drafter.server import DraftWorker, Emit, emitter
+from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Ready
 from specdec import telemetry
 
 
@@ -100,3 +101,18 @@ def test_each_draft_forward_is_observed_with_its_rows(batched: bool) -> None:
 
 def _no_error(item: object) -> None:
     assert not isinstance(item, BaseException), item
+
+
+def test_an_item_made_after_the_calls_loop_closed_is_dropped_not_raised() -> None:
+    """The worker may finish a step for a session whose call's event loop has already closed
+    (the server stopping mid-step): the item has no reader and is dropped; the worker thread
+    must not die on "Event loop is closed" (seen as an unhandled thread exception)."""
+    loop = asyncio.new_event_loop()
+    out: asyncio.Queue[BlockOut | Ready | BaseException | None] = asyncio.Queue()
+    emit = emitter(loop, out)
+    emit(RuntimeError("delivered"))  # while the loop is open: scheduled onto it
+    loop.run_until_complete(asyncio.sleep(0))
+    assert out.qsize() == 1
+    loop.close()
+    emit(RuntimeError("after close"))  # must not raise
+    assert out.qsize() == 1
