@@ -139,11 +139,7 @@ def test_bounds_are_refused_by_name_before_any_work(tiny_target: Path) -> None:
 def test_bounds_driven_by_hypothesis_over_rest(tiny_target: Path) -> None:
     """Random stop lists, stop_token_ids and request ids through the REST bridge and the gateway:
     400 naming the first field over its bound exactly when one is; otherwise the request passes
-    every check (and, with no verifier, ends 503). One gateway serves every example (a service
-    keeps serving after bad input), on one event loop kept for the test."""
-    loop = asyncio.new_event_loop()
-    stack = contextlib.AsyncExitStack()
-    gw = loop.run_until_complete(stack.enter_async_context(gateway(tiny_target)))
+    every check (and, with no verifier, ends 503)."""
     chars = st.sampled_from("aZ9._:-") | st.sampled_from(" \n\t/\u00e9\x00")
 
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -165,17 +161,17 @@ def test_bounds_driven_by_hypothesis_over_rest(tiny_target: Path) -> None:
         if ids > MAX_STOP_TOKEN_IDS:
             over.append("stop_token_ids")
 
-        r = loop.run_until_complete(gw.rest.post("/v1/completions", json=body))
+        async def post() -> httpx.Response:
+            async with gateway(tiny_target) as gw:
+                return await gw.rest.post("/v1/completions", json=body)
+
+        r = asyncio.run(post())
         if over:
             assert r.status_code == 400 and r.json()["error"]["param"] == over[0], (over, r.text)
         else:
             assert r.status_code == 503, r.text  # every check passed; no verifier serves
 
-    try:
-        check()
-    finally:
-        loop.run_until_complete(stack.aclose())
-        loop.close()
+    check()
 
 
 # ---------------------------------------------------------------------------- no verifier
