@@ -4,7 +4,11 @@ Terms:
     step cost   T(n) = base_ms + per_token_ms * n, the measured time of an engine step that
                 computes n new tokens (every request's 1 + drafts, plus prefill chunks);
                 fitted online by `StepCost` from the engine's own steps.
-    alpha_i     request i's recent per-token acceptance rate (`Acceptance`).
+    alpha_i     request i's recent per-token acceptance rate (`Acceptance`) of the drafts the
+                steps asked for: a step that waited for the row's drafts and got none counts as
+                one rejected draft (`Acceptance.miss`), since drafts that come after their step
+                yield nothing. So a drafter too slow for its target (a loaded drafter host, a
+                queue of sessions) is backed off like an unrelated one, and held.
     gain        verifying request i's j-th draft adds alpha_i^j expected tokens: it counts
                 only when drafts 1..j are all accepted.
     k_i         request i's budget: the number of its drafts the step verifies (<= gamma_i).
@@ -92,6 +96,10 @@ class Acceptance:
         """A verdict: `accepted` of `drafted` drafts; the first rejected one was tried too."""
         self.accepted = DECAY * self.accepted + accepted
         self.tried = DECAY * self.tried + accepted + (1 if accepted < drafted else 0)
+
+    def miss(self) -> None:
+        """A step waited for the request's drafts and none came in time: one rejected draft."""
+        self.record(1, 0)
 
     @property
     def alpha(self) -> float:

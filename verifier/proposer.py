@@ -25,7 +25,9 @@ request's row to the board (`preview`, then `propose_batch`), which:
      with no block in time gets [] and decodes plainly this step. A request adaptive gamma
      gives no drafts at all is `held`: its verdicts say so (VerifyResponse.hold_drafts) and
      its drafter stops drafting until the budget comes back (as its acceptance history
-     fades, verifier.budget.DECAY).
+     fades, verifier.budget.DECAY). A wait that expires with none of a ready drafter's
+     drafts counts against its acceptance (verifier.budget.Acceptance.miss), so a drafter
+     too slow to keep up is held too, rather than drafting blocks that arrive stale.
 vLLM then verifies the drafts in its next step with its own scheduler, KV cache (no
 recompute of verified tokens) and rejection sampler (one-hot q, which is exact).
 
@@ -396,6 +398,8 @@ class DraftBoard:
                 e = self._entries.get(rid)
                 if e is not None and self._wants_more(rid, len(ctx), len(drafts[i]), want[i]):
                     e.late = True
+                    if self.adaptive and e.ready and not drafts[i]:
+                        e.acceptance.miss()  # asked for, none in time: adaptive gamma counts it
             withheld = sum(max(0, len(d) - w) for d, w in zip(drafts, want))
             drafts = [d[:w] for d, w in zip(drafts, want)]
             for (rid, ctx), d in zip(rows, drafts):

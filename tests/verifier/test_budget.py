@@ -157,6 +157,26 @@ def test_a_backed_off_request_holds_its_drafter_until_it_is_retried() -> None:
     assert not b.holding("low")  # re-tried, and that step did not wait for it (never_waits)
 
 
+def test_a_drafter_too_slow_for_the_steps_is_held() -> None:
+    """Its blocks always arrive after their step (stale): each step that waited for them and got
+    none counts as a rejected draft, so adaptive gamma holds it as it would an unrelated drafter.
+    A step that gets its drafts counts nothing of the kind."""
+    b = _adaptive_board(20.0, 10.0, (1, 2, 5, 9))  # batch 1: a first draft pays while alpha > 1/3
+    b.wait_s, b.wait_margin_s = 0.02, 0.01  # real, short waits
+    b.offer("r", 3, [4, 4, 4, 4])  # in time
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[4, 4]]  # the budget at the prior alpha
+    assert b._entries["r"].acceptance.tried == 0 and not b.holding("r")
+    ctx = [1, 2, 5, 4, 4, 9]  # the target took both and added its own token
+    steps = 0
+    while not b.holding("r"):
+        b.offer("r", len(ctx) - 2, [7, 7], final=False, committed=len(ctx) - 2)  # for an old context; more to come
+        assert b.propose_batch([("r", np.array(ctx))], 8) == [[]]
+        ctx.append(9)
+        steps += 1
+        assert steps < 20, b._entries["r"].acceptance.alpha
+    assert b._entries["r"].acceptance.alpha < 1 / 3
+
+
 def test_a_row_at_its_end_is_not_held() -> None:
     b = _adaptive_board(1.0, 10.0, (1, 2, 3, 40))
     b.register("end", gamma=4, prompt_len=2, max_tokens=1)  # nothing left to draft for
