@@ -50,6 +50,9 @@ class Faults:
                                 before its scheduler runs (0: never)
     prefill_delay_ms            verifier: sleep this long in every engine step that starts a new
                                 request's prefill (a long prompt, a queue)
+    token_delay_ms              verifier: sleep token_delay_ms x the tokens each engine step
+                                computes, once scheduled (a step whose cost grows with its batch,
+                                as a saturated verifier's does: adaptive gamma backs off)
     abort_disabled              verifier: a call that ends unfinished (cancelled, past its
                                 deadline) does not abort its engine request, which runs on
     draft_delay_ms, draft_every drafter: sleep draft_delay_ms in every draft_every-th draft
@@ -60,6 +63,7 @@ class Faults:
     step_delay_ms: float = 0.0
     step_every: int = 0
     prefill_delay_ms: float = 0.0
+    token_delay_ms: float = 0.0
     abort_disabled: bool = False
     draft_delay_ms: float = 0.0
     draft_every: int = 0
@@ -97,13 +101,17 @@ class Injector:
 
     # ---- the hooks --------------------------------------------------------------------------
     def engine_step(self, step: int, scheduled: Any) -> None:
-        """TargetEngine.step_hooks: the slow step (before scheduling) and the slow prefill."""
+        """TargetEngine.step_hooks: the slow step (before scheduling), the slow prefill and the
+        per-token cost (after)."""
         f = self.faults
         if scheduled is None:
             if f.step_every and f.step_delay_ms and step % f.step_every == 0:
                 time.sleep(f.step_delay_ms / 1e3)
-        elif f.prefill_delay_ms and scheduled.new_requests:
+            return
+        if f.prefill_delay_ms and scheduled.new_requests:
             time.sleep(f.prefill_delay_ms / 1e3)
+        if f.token_delay_ms and scheduled.total_tokens:
+            time.sleep(f.token_delay_ms * scheduled.total_tokens / 1e3)
 
     def draft_step(self, session: Any) -> None:
         """DrafterServicer.step_hooks: the slow draft step."""

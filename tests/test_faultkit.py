@@ -109,6 +109,17 @@ def test_engine_step_faults_go_through_the_engines_step_hooks(sleeps: list[float
     assert sleeps == [5.0, 0.25, 5.0, 0.25, 0.25]  # prefills at steps 4 and 18; slow steps 10, 20, 30
 
 
+def test_the_token_delay_grows_with_the_steps_tokens(sleeps: list[float]) -> None:
+    from verifier.vllm_hooks import ScheduledStep
+
+    eng = _bare_engine()
+    eng.step_hooks.append(faultkit.Injector(faultkit.Faults(token_delay_ms=2.0)).engine_step)
+    for tokens in (1, 5, 0, 40):
+        eng._before_schedule()
+        eng._on_schedule(ScheduledStep({}, {}, tokens, new_requests=0, waiting=0))
+    assert sleeps == [pytest.approx(0.002), pytest.approx(0.01), pytest.approx(0.08)]  # none for an empty step
+
+
 def test_draft_step_faults_go_through_the_sessions_step_hooks(sleeps: list[float]) -> None:
     from drafter.sessions import NgramDraftSession
 
