@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -36,7 +37,6 @@ from specdec.validation import (
     MAX_STOP_TOKEN_IDS,
 )
 from specdec.wire import pb, rpc
-from specdec_cli.launch import free_port
 
 RETRY_S = 0.3  # verifier_retry_s of these gateways
 KEY = "sk-guard-1"
@@ -72,7 +72,11 @@ class Gateway:
 @contextlib.asynccontextmanager
 async def gateway(tiny_target: Path, keys: str = "", max_request_mb: float = 8.0, **overrides: Any,
                   ) -> AsyncIterator[Gateway]:
-    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
+    # nothing listens there: a port this test holds bound without listening (connections are
+    # refused), so no other process of a busy host can take it and answer as a verifier
+    hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    hold.bind(("127.0.0.1", 0))
+    nowhere = f"127.0.0.1:{hold.getsockname()[1]}"
     cfg = GatewayConfig(**{"tokenizer": str(tiny_target), "verifier_address": nowhere, "drafter_address": nowhere,
                            "verifier_retry_s": RETRY_S, "rest_port": 0, "metrics_port": 0, "api_keys": keys,
                            "max_request_mb": max_request_mb, **overrides})
@@ -93,6 +97,7 @@ async def gateway(tiny_target: Path, keys: str = "", max_request_mb: float = 8.0
     finally:
         await server.stop(0)
         await core.close()
+        hold.close()
 
 
 async def grpc_error(address: str, spec: pb.GenerationSpec, metadata: tuple = ()) -> grpc.aio.AioRpcError:
@@ -139,7 +144,11 @@ def test_bounds_are_refused_by_name_before_any_work(tiny_target: Path) -> None:
 def test_bounds_driven_by_hypothesis_over_rest(tiny_target: Path) -> None:
     """Random stop lists, stop_token_ids and request ids through the REST bridge and the gateway:
     400 naming the first field over its bound exactly when one is; otherwise the request passes
-    every check (and, with no verifier, ends 503)."""
+    every check (and, with no verifier, ends 503). One gateway serves every example (a service
+    keeps serving after bad input), on one event loop kept for the test."""
+    runner = asyncio.Runner()
+    stack = contextlib.AsyncExitStack()
+    gw = runner.run(stack.enter_async_context(gateway(tiny_target)))
     chars = st.sampled_from("aZ9._:-") | st.sampled_from(" \n\t/\u00e9\x00")
 
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -161,17 +170,17 @@ def test_bounds_driven_by_hypothesis_over_rest(tiny_target: Path) -> None:
         if ids > MAX_STOP_TOKEN_IDS:
             over.append("stop_token_ids")
 
-        async def post() -> httpx.Response:
-            async with gateway(tiny_target) as gw:
-                return await gw.rest.post("/v1/completions", json=body)
-
-        r = asyncio.run(post())
+        r = runner.run(gw.rest.post("/v1/completions", json=body))
         if over:
             assert r.status_code == 400 and r.json()["error"]["param"] == over[0], (over, r.text)
         else:
             assert r.status_code == 503, r.text  # every check passed; no verifier serves
 
-    check()
+    try:
+        check()
+    finally:
+        runner.run(stack.aclose())
+        runner.close()
 
 
 # ---------------------------------------------------------------------------- no verifier
