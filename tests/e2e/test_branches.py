@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import Services, injected, vllm_reference
 from gen import generate_all, prompts, scrape, spec
-from test_sampling_lossless import P_MIN, PROMPT, joint_homogeneity_p
+from test_sampling_lossless import P_MIN, sampled_against_vllm
 from transformers import AutoTokenizer
 
 STEP_DELAY_MS = 300  # >> the tiny drafter's whole window plus a branch batch (~50 ms), also on a loaded CI host
@@ -73,16 +73,8 @@ def test_greedy_with_branches_is_exact_and_hits(stack: Services, tiny_target: Pa
 
 
 def test_sampling_with_branches_keeps_the_target_distribution(stack: Services, tiny_target: Path) -> None:
-    prompt = list(AutoTokenizer.from_pretrained(tiny_target).encode(PROMPT))
-    sampling = {"temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
-    reference = vllm_reference(
-        tiny_target,
-        [{"prompt_token_ids": prompt, "max_tokens": SAMPLED_TOKENS, "seed": i, **sampling} for i in range(N_SAMPLED)],
-    )
-    specs = [spec(prompt, SAMPLED_TOKENS, gamma=2, drafter="model", seed=10**6 + i, **sampling)
-             for i in range(N_SAMPLED)]
-    responses = generate_all(stack.gateways["mid"].address, specs, concurrency=32)
+    responses, p = sampled_against_vllm(tiny_target, stack.gateways["mid"].address, N_SAMPLED, SAMPLED_TOKENS,
+                                        gamma=2, concurrency=32)
     assert sum(r.stats.branches_used for r in responses) > 0
     # one test on the joint sequences, at the family-wise level of test_sampling_lossless.py
-    p = joint_homogeneity_p([tuple(r) for r in reference], [tuple(r.token_ids) for r in responses])
     assert p > P_MIN, f"joint sequences: p = {p:.2e}"

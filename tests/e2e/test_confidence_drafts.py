@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import Services, injected, vllm_reference
 from gen import generate_all, prompts, scrape, spec
-from test_sampling_lossless import P_MIN, PROMPT, joint_homogeneity_p
+from test_sampling_lossless import P_MIN, sampled_against_vllm
 from transformers import AutoTokenizer
 
 from specdec.stats import SpecStats, branch_hits_by_gamma
@@ -88,18 +88,10 @@ def test_greedy_with_confidence_cuts_is_exact(stack: Services, tiny_target: Path
 
 
 def test_sampling_with_confidence_cuts_keeps_the_target_distribution(stack: Services, tiny_target: Path) -> None:
-    prompt = list(AutoTokenizer.from_pretrained(tiny_target).encode(PROMPT))
-    sampling = {"temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
-    reference = vllm_reference(
-        tiny_target,
-        [{"prompt_token_ids": prompt, "max_tokens": SAMPLED_TOKENS, "seed": i, **sampling} for i in range(N_SAMPLED)],
-    )
-    specs = [spec(prompt, SAMPLED_TOKENS, gamma=4, drafter="model", seed=10**6 + i, **sampling)
-             for i in range(N_SAMPLED)]
-    responses = generate_all(stack.gateways["mid-fixed"].address, specs, concurrency=32)
+    responses, p = sampled_against_vllm(tiny_target, stack.gateways["mid-fixed"].address, N_SAMPLED, SAMPLED_TOKENS,
+                                        gamma=4, concurrency=32)
     drafted = sum(r.stats.drafted_tokens for r in responses)
     cuts = sum(r.stats.confidence_cuts for r in responses)
     assert drafted > 0 and cuts > 0, (drafted, cuts)
     # one test on the joint sequences, at the family-wise level of test_sampling_lossless.py
-    p = joint_homogeneity_p([tuple(r) for r in reference], [tuple(r.token_ids) for r in responses])
     assert p > P_MIN, f"joint sequences: p = {p:.2e} (drafted {drafted}, cuts {cuts})"

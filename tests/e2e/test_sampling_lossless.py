@@ -30,6 +30,7 @@ This test failed before the CPU rejection-sampler fix (verifier/vllm_hooks.py, a
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,6 +38,8 @@ from conftest import Services, vllm_reference
 from gen import generate_all, scrape, spec
 from scipy.stats import chi2_contingency
 from transformers import AutoTokenizer
+
+from specdec.wire import pb
 
 N = 1500
 MAX_TOKENS = 4
@@ -61,6 +64,22 @@ def joint_homogeneity_p(a: list[tuple[int, ...]], b: list[tuple[int, ...]], min_
     if pooled.shape[1] < 2:
         return 1.0
     return float(chi2_contingency(pooled)[1])
+
+
+def sampled_against_vllm(model: Path, address: str, n: int, max_tokens: int, gamma: int,
+                         concurrency: int) -> tuple[list[pb.GenerationResponse], float]:
+    """`n` seeded generations of PROMPT (temperature 1, top_p 1, ignore_eos) through the gateway
+    at `address`, and the p-value of their joint sequences against `n` from plain vLLM
+    (`joint_homogeneity_p`; seeds as in the module docstring). For the modules with one table
+    of their own (test_branches.py, test_confidence_drafts.py)."""
+    prompt = list(AutoTokenizer.from_pretrained(model).encode(PROMPT))
+    sampling = {"temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
+    reference = vllm_reference(
+        model, [{"prompt_token_ids": prompt, "max_tokens": max_tokens, "seed": i, **sampling} for i in range(n)])
+    specs = [spec(prompt, max_tokens, gamma=gamma, drafter="model", seed=10**6 + i, **sampling) for i in range(n)]
+    responses = generate_all(address, specs, concurrency=concurrency)
+    p = joint_homogeneity_p([tuple(r) for r in reference], [tuple(r.token_ids) for r in responses])
+    return responses, p
 
 
 @pytest.fixture(scope="module")
