@@ -51,10 +51,11 @@ lint-protos: $(BUF)
 lint-imports: setup
 	$(VENV)/bin/lint-imports
 
-# Static checks (docs/contributing.md): ruff's lint rules ([tool.ruff] in pyproject.toml) over
-# the tree, and mypy ([tool.mypy]) over the four packages.
+# Static checks (docs/contributing.md): ruff's lint rules and its formatter's layout ([tool.ruff]
+# in pyproject.toml) over the tree, and mypy ([tool.mypy]) over the packages.
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 typecheck: setup
 	$(VENV)/bin/mypy

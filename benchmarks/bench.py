@@ -92,8 +92,14 @@ import numpy as np
 from specdec.acceptance import expected_tokens  # E(alpha, gamma): tokens per target step
 from specdec.models import check_pair, choose
 
-QUICK = {"models": "tiny", "prompts": 2, "max_tokens": 16, "gammas": "1,2,4,8", "concurrency": "1,4,16",
-         "workloads": "code,long,c8"}
+QUICK = {
+    "models": "tiny",
+    "prompts": 2,
+    "max_tokens": 16,
+    "gammas": "1,2,4,8",
+    "concurrency": "1,4,16",
+    "workloads": "code,long,c8",
+}
 # The smoke run checks that every field is filled: on the tiny pair the target steps faster than
 # the drafter drafts, so adaptive gamma and the pace-capped wait would rightly verify few drafts;
 # here every step verifies, and waits for, its full gamma.
@@ -147,12 +153,16 @@ def file_prompts(path: Path) -> tuple[list[str], list[str]]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as err:
-            raise UserError(f"--prompts-file {path} line {n}: not JSON ({err.msg})",
-                            'each line must be an object like {"prompt": "..."}') from err
+            raise UserError(
+                f"--prompts-file {path} line {n}: not JSON ({err.msg})",
+                'each line must be an object like {"prompt": "..."}',
+            ) from err
         prompt = obj.get("prompt") if isinstance(obj, dict) else None
         if not isinstance(prompt, str) or not prompt:
-            raise UserError(f"--prompts-file {path} line {n}: no `prompt` string",
-                            'each line must be an object like {"prompt": "..."}')
+            raise UserError(
+                f"--prompts-file {path} line {n}: no `prompt` string",
+                'each line must be an object like {"prompt": "..."}',
+            )
         ids.append(f"{path.name}:{n}")
         texts.append(prompt)
     if not texts:
@@ -160,7 +170,9 @@ def file_prompts(path: Path) -> tuple[list[str], list[str]]:
     return ids, texts
 
 
-def workload_prompts(name: str, tokenizer: Any, n_code: int, prompts_file: Path | None = None) -> tuple[list[str], list[str]]:
+def workload_prompts(
+    name: str, tokenizer: Any, n_code: int, prompts_file: Path | None = None
+) -> tuple[list[str], list[str]]:
     """(prompt ids, prompt texts) of a workload (see the module docstring)."""
     if name == "code" and prompts_file is not None:
         return file_prompts(prompts_file)
@@ -180,43 +192,106 @@ def workload_prompts(name: str, tokenizer: Any, n_code: int, prompts_file: Path 
     raise ValueError(f"unknown workload {name!r}; known: {', '.join((*WORKLOADS, SERVE_WORKLOAD))}")
 
 
-def plan(gammas: list[int], concurrency: list[int], cpus: list[int], workloads: tuple[str, ...] = ("code",)) -> list[dict[str, Any]]:
+def plan(
+    gammas: list[int], concurrency: list[int], cpus: list[int], workloads: tuple[str, ...] = ("code",)
+) -> list[dict[str, Any]]:
     """The runs, in order. Each: label, kind, gamma, concurrency list, cores, workload."""
     one, both = [cpus[0]], list(cpus)
     g0 = DEFAULT_GAMMA if DEFAULT_GAMMA in gammas else gammas[len(gammas) // 2]
     runs: list[dict[str, Any]] = []
     if "code" in workloads:
         runs.append({"system": "target-only", "kind": "vllm", "gamma": 0, "concurrency": concurrency, "cores": one})
-        runs.append({"system": "target-only-sync", "kind": "vllm", "async_scheduling": False, "gamma": 0,
-                     "concurrency": [c for c in concurrency if c in (1, max(concurrency))], "cores": one})
+        runs.append(
+            {
+                "system": "target-only-sync",
+                "kind": "vllm",
+                "async_scheduling": False,
+                "gamma": 0,
+                "concurrency": [c for c in concurrency if c in (1, max(concurrency))],
+                "cores": one,
+            }
+        )
         for g in gammas:
-            runs.append({"system": "vllm-draft", "kind": "vllm", "method": "draft_model", "gamma": g,
-                         "concurrency": concurrency if g == g0 else [1], "cores": one})
-        runs.append({"system": "vllm-ngram", "kind": "vllm", "method": "ngram", "gamma": g0, "concurrency": [1], "cores": one})
+            runs.append(
+                {
+                    "system": "vllm-draft",
+                    "kind": "vllm",
+                    "method": "draft_model",
+                    "gamma": g,
+                    "concurrency": concurrency if g == g0 else [1],
+                    "cores": one,
+                }
+            )
+        runs.append(
+            {"system": "vllm-ngram", "kind": "vllm", "method": "ngram", "gamma": g0, "concurrency": [1], "cores": one}
+        )
         if len(both) > 1:
             for method in ("draft_model", "ngram"):
-                runs.append({"system": f"vllm-{'draft' if method == 'draft_model' else 'ngram'}", "kind": "vllm",
-                             "method": method, "gamma": g0, "concurrency": [1], "cores": both})
+                runs.append(
+                    {
+                        "system": f"vllm-{'draft' if method == 'draft_model' else 'ngram'}",
+                        "kind": "vllm",
+                        "method": method,
+                        "gamma": g0,
+                        "concurrency": [1],
+                        "cores": both,
+                    }
+                )
         runs.append({"system": "hf-assisted", "kind": "hf-assisted", "gamma": g0, "concurrency": [1], "cores": one})
         runs.append({"system": "specdec", "kind": "specdec", "gamma": 0, "concurrency": [1], "cores": one})
         for g in gammas:
-            runs.append({"system": "specdec", "kind": "specdec", "gamma": g, "concurrency": concurrency if g == g0 else [1],
-                         "cores": one})
-        runs.append({"system": "specdec-fp32-draft", "kind": "specdec", "quantize": "none", "gamma": g0, "concurrency": [1],
-                     "cores": one})
-        runs.append({"system": "specdec-no-branches", "kind": "specdec", "branches": 0, "gamma": g0, "concurrency": [1],
-                     "cores": one})
+            runs.append(
+                {
+                    "system": "specdec",
+                    "kind": "specdec",
+                    "gamma": g,
+                    "concurrency": concurrency if g == g0 else [1],
+                    "cores": one,
+                }
+            )
+        runs.append(
+            {
+                "system": "specdec-fp32-draft",
+                "kind": "specdec",
+                "quantize": "none",
+                "gamma": g0,
+                "concurrency": [1],
+                "cores": one,
+            }
+        )
+        runs.append(
+            {
+                "system": "specdec-no-branches",
+                "kind": "specdec",
+                "branches": 0,
+                "gamma": g0,
+                "concurrency": [1],
+                "cores": one,
+            }
+        )
         for r in runs:
             r["workload"] = "code"
     for name, c, extra in (("long", 1, [0]), ("c8", C8_REQUESTS, [])):
         if name not in workloads:
             continue
-        runs.append({"system": "target-only", "kind": "vllm", "gamma": 0, "concurrency": [c], "cores": one, "workload": name})
-        runs.append({"system": "vllm-draft", "kind": "vllm", "method": "draft_model", "gamma": g0, "concurrency": [c],
-                     "cores": one, "workload": name})
+        runs.append(
+            {"system": "target-only", "kind": "vllm", "gamma": 0, "concurrency": [c], "cores": one, "workload": name}
+        )
+        runs.append(
+            {
+                "system": "vllm-draft",
+                "kind": "vllm",
+                "method": "draft_model",
+                "gamma": g0,
+                "concurrency": [c],
+                "cores": one,
+                "workload": name,
+            }
+        )
         for g in (*extra, g0):
-            runs.append({"system": "specdec", "kind": "specdec", "gamma": g, "concurrency": [c], "cores": one,
-                         "workload": name})
+            runs.append(
+                {"system": "specdec", "kind": "specdec", "gamma": g, "concurrency": [c], "cores": one, "workload": name}
+            )
     # the in-process baselines first, then the specdec rows: the three services stay up from
     # the first specdec row to the last, and never share the machine's memory with a
     # baseline's engine (the qwen-coder target alone holds ~11 GB)
@@ -263,7 +338,9 @@ def run_children(jobs: list[dict[str, Any]], on_request: Any, log: Path) -> list
         with open(log, "ab") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "benchmarks.systems", json.dumps([jobs[i] for i in group])],
-                stdout=subprocess.PIPE, stderr=err, preexec_fn=_pinned_to(cores),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                preexec_fn=_pinned_to(cores),
                 env={**os.environ, "OMP_NUM_THREADS": str(len(cores))},
             )
             assert proc.stdout is not None
@@ -285,8 +362,15 @@ class SpecdecCluster:
     """The three services for the specdec rows: started on first use, restarted when a row
     needs another drafter setting, stopped at the end."""
 
-    def __init__(self, pair: str, out: Path, dtype: str, verifier_args: tuple[str, ...] = (),
-                 target: str | None = None, draft: str | None = None) -> None:
+    def __init__(
+        self,
+        pair: str,
+        out: Path,
+        dtype: str,
+        verifier_args: tuple[str, ...] = (),
+        target: str | None = None,
+        draft: str | None = None,
+    ) -> None:
         self.pair, self.out, self.dtype, self.verifier_args = pair, out, dtype, list(verifier_args)
         self.target, self.draft = target, draft  # model references replacing the pair's (None: the pair's)
         self.cluster: Any = None
@@ -303,16 +387,27 @@ class SpecdecCluster:
             off = ["--metrics-port", "0"]
             drafter_metrics_port = free_port()
             self.cluster = Cluster(
-                pair=self.pair, gateway_port=free_port(), drafter_port=free_port(), verifier_port=free_port(),
-                log_dir=self.out / "logs", target=self.target, draft=self.draft,
-                extra_args={"verifier": [*off, "--dtype", self.dtype, "--no-prefix-caching", *self.verifier_args],
-                            # an int8 draft computes in float32 whatever the bench's dtype (it is the
-                            # drafter's default); an unquantised one takes the bench's, as vLLM's draft_model
-                            "drafter": ["--metrics-port", str(drafter_metrics_port),
-                                        *(["--dtype", self.dtype] if quantize == "none" else []),
-                                        "--quantize", quantize,
-                                        *(["--branches", str(branches)] if branches is not None else [])],
-                            "gateway": [*off, "--rest-port", "0"]},
+                pair=self.pair,
+                gateway_port=free_port(),
+                drafter_port=free_port(),
+                verifier_port=free_port(),
+                log_dir=self.out / "logs",
+                target=self.target,
+                draft=self.draft,
+                extra_args={
+                    "verifier": [*off, "--dtype", self.dtype, "--no-prefix-caching", *self.verifier_args],
+                    # an int8 draft computes in float32 whatever the bench's dtype (it is the
+                    # drafter's default); an unquantised one takes the bench's, as vLLM's draft_model
+                    "drafter": [
+                        "--metrics-port",
+                        str(drafter_metrics_port),
+                        *(["--dtype", self.dtype] if quantize == "none" else []),
+                        "--quantize",
+                        quantize,
+                        *(["--branches", str(branches)] if branches is not None else []),
+                    ],
+                    "gateway": [*off, "--rest-port", "0"],
+                },
             )
             self.cluster.start()
             self.drafter_setting = (quantize, branches)
@@ -345,20 +440,41 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
     else:
         alpha, mal = None, None
     row: dict[str, Any] = {
-        "system": run["system"], "gamma": gamma, "concurrency": result["concurrency"], "cores": len(run["cores"]),
-        "requests": len(reqs), "tokens": sum(n),
+        "system": run["system"],
+        "gamma": gamma,
+        "concurrency": result["concurrency"],
+        "cores": len(run["cores"]),
+        "requests": len(reqs),
+        "tokens": sum(n),
         "decode_tok_s": sum(x - 1 for x in n) / decode_s if decode_s > 0 else None,
         "throughput_tok_s": sum(n) / result["wall_s"],
         "ttft_ms": 1e3 * float(np.mean([r["ttft"] for r in reqs])),
         "itl_p50_ms": 1e3 * float(np.percentile(gaps, 50)) if gaps else None,
         "itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)) if gaps else None,
         "tpot_ms": 1e3 * float(np.mean([(r["e2e"] - r["ttft"]) / max(1, len(r["tokens"]) - 1) for r in reqs])),
-        "alpha": alpha, "alpha_token": None, "mean_accepted_length": mal, "tokens_per_step": tokens_per_step,
-        "verify_step_ms": None, "draft_token_ms": None, "round_ms": None, "overhead_ms": None, "draft_wait_ms": None,
-        "speedup": None, "bound": None, "bound_fraction": None, "exact": None,
-        "workload": run.get("workload", "code"), "fallbacks": None, "max_draft_wait_ms": None,
-        "branch_hit_rate": None, "branches_drafted": None, "branches_used": None,
-        "held_steps": None, "drafter_forwards": None, "drafter_batch_rows_mean": None, "drafter_batch_rows_max": None,
+        "alpha": alpha,
+        "alpha_token": None,
+        "mean_accepted_length": mal,
+        "tokens_per_step": tokens_per_step,
+        "verify_step_ms": None,
+        "draft_token_ms": None,
+        "round_ms": None,
+        "overhead_ms": None,
+        "draft_wait_ms": None,
+        "speedup": None,
+        "bound": None,
+        "bound_fraction": None,
+        "exact": None,
+        "workload": run.get("workload", "code"),
+        "fallbacks": None,
+        "max_draft_wait_ms": None,
+        "branch_hit_rate": None,
+        "branches_drafted": None,
+        "branches_used": None,
+        "held_steps": None,
+        "drafter_forwards": None,
+        "drafter_batch_rows_mean": None,
+        "drafter_batch_rows_max": None,
         "drafter_batch_rows": None,
     }
     if run["kind"] == "specdec" and spec.get("steps"):  # specdec rows: the per-round breakdown
@@ -406,7 +522,13 @@ def relate(rows: list[dict[str, Any]], prompts: dict[str, list[list[int]]]) -> N
             by_prompt = {i % n: t for i, t in enumerate(ref["_tokens"])}
             r["exact"] = float(np.mean([t == by_prompt.get(i % n) for i, t in enumerate(r["_tokens"])]))
         one = base.get((w, 1))
-        if r["system"].startswith("specdec") and r["gamma"] and r["alpha_token"] is not None and r["verify_step_ms"] and one:
+        if (
+            r["system"].startswith("specdec")
+            and r["gamma"]
+            and r["alpha_token"] is not None
+            and r["verify_step_ms"]
+            and one
+        ):
             round_ms = max(r["verify_step_ms"], r["gamma"] * (r["draft_token_ms"] or 0.0))
             r["bound"] = expected_tokens(r["alpha_token"], r["gamma"]) * one["tpot_ms"] / round_ms
             if r["concurrency"] == 1 and r["speedup"]:
@@ -417,8 +539,11 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's goals, from this run's ratios (None where the run lacks the rows)."""
 
     def pick(system: str, c: int, cores: int = 1) -> list[dict[str, Any]]:
-        return [r for r in rows if r["system"] == system and r["concurrency"] == c and r["cores"] == cores
-                and r["workload"] == "code"]
+        return [
+            r
+            for r in rows
+            if r["system"] == system and r["concurrency"] == c and r["cores"] == cores and r["workload"] == "code"
+        ]
 
     out: dict[str, Any] = {}
     spec1 = [r for r in pick("specdec", 1) if r["gamma"] and r["speedup"]]
@@ -432,22 +557,34 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out[name] = {"value": value, "target": target, "at_most" if at_most else "at_least": True, "met": met, **where}
 
     goal("batch1_speedup_vs_target_only", best["speedup"] if best else None, gamma=best and best["gamma"])
-    goal("batch1_speedup_vs_vllm_draft_model",
-         best["decode_tok_s"] / best_draft["decode_tok_s"] if best and best_draft else None,
-         gamma=best and best["gamma"], vllm_gamma=best_draft and best_draft["gamma"])
+    goal(
+        "batch1_speedup_vs_vllm_draft_model",
+        best["decode_tok_s"] / best_draft["decode_tok_s"] if best and best_draft else None,
+        gamma=best and best["gamma"],
+        vllm_gamma=best_draft and best_draft["gamma"],
+    )
     draft2 = [r for r in pick("vllm-draft", 1, cores=2) if r["decode_tok_s"]]
     best_draft2 = max(draft2, key=lambda r: r["decode_tok_s"], default=None)
-    goal("batch1_speedup_vs_vllm_draft_model_2_cores",
-         best["decode_tok_s"] / best_draft2["decode_tok_s"] if best and best_draft2 else None,
-         gamma=best and best["gamma"], vllm_gamma=best_draft2 and best_draft2["gamma"])
+    goal(
+        "batch1_speedup_vs_vllm_draft_model_2_cores",
+        best["decode_tok_s"] / best_draft2["decode_tok_s"] if best and best_draft2 else None,
+        gamma=best and best["gamma"],
+        vllm_gamma=best_draft2 and best_draft2["gamma"],
+    )
     same = [r for r in pick("specdec-fp32-draft", 1) if r["decode_tok_s"]]
     vd = {r["gamma"]: r for r in draft1}
     pairs = [(r, vd[r["gamma"]]) for r in same if r["gamma"] in vd]
-    goal("batch1_speedup_vs_vllm_draft_model_fp32_draft",
-         pairs[0][0]["decode_tok_s"] / pairs[0][1]["decode_tok_s"] if pairs else None, gamma=pairs and pairs[0][0]["gamma"])
+    goal(
+        "batch1_speedup_vs_vllm_draft_model_fp32_draft",
+        pairs[0][0]["decode_tok_s"] / pairs[0][1]["decode_tok_s"] if pairs else None,
+        gamma=pairs and pairs[0][0]["gamma"],
+    )
     goal("bound_fraction", best["bound_fraction"] if best else None, gamma=best and best["gamma"])
-    out["branch_hit_rate"] = {"value": best and best["branch_hit_rate"], "gamma": best and best["gamma"],
-                              "reported": True}  # no target: reported
+    out["branch_hit_rate"] = {
+        "value": best and best["branch_hit_rate"],
+        "gamma": best and best["gamma"],
+        "reported": True,
+    }  # no target: reported
     s16 = [r for r in pick("specdec", 16) if r["gamma"]]
     t16 = pick("target-only", 16)
     if s16 and t16:
@@ -462,15 +599,29 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
 # ---- reporting -------------------------------------------------------------------------------
 COLUMNS = [
     ("workload", "workload", "{}"),
-    ("system", "system", "{}"), ("gamma", "γ", "{}"), ("concurrency", "c", "{}"), ("cores", "cores", "{}"),
-    ("decode_tok_s", "decode tok/s", "{:.2f}"), ("throughput_tok_s", "thr tok/s", "{:.2f}"),
-    ("ttft_ms", "TTFT ms", "{:.0f}"), ("itl_p50_ms", "ITL p50", "{:.0f}"), ("itl_p99_ms", "ITL p99", "{:.0f}"),
-    ("tpot_ms", "TPOT ms", "{:.0f}"), ("alpha", "α", "{:.2f}"), ("alpha_token", "α tok", "{:.2f}"), ("mean_accepted_length", "MAL", "{:.2f}"),
-    ("verify_step_ms", "verify ms", "{:.0f}"), ("draft_token_ms", "draft ms/tok", "{:.0f}"),
-    ("speedup", "speedup", "{:.2f}x"), ("bound_fraction", "of bound", "{:.0%}"), ("overhead_ms", "overhead ms", "{:.1f}"),
+    ("system", "system", "{}"),
+    ("gamma", "γ", "{}"),
+    ("concurrency", "c", "{}"),
+    ("cores", "cores", "{}"),
+    ("decode_tok_s", "decode tok/s", "{:.2f}"),
+    ("throughput_tok_s", "thr tok/s", "{:.2f}"),
+    ("ttft_ms", "TTFT ms", "{:.0f}"),
+    ("itl_p50_ms", "ITL p50", "{:.0f}"),
+    ("itl_p99_ms", "ITL p99", "{:.0f}"),
+    ("tpot_ms", "TPOT ms", "{:.0f}"),
+    ("alpha", "α", "{:.2f}"),
+    ("alpha_token", "α tok", "{:.2f}"),
+    ("mean_accepted_length", "MAL", "{:.2f}"),
+    ("verify_step_ms", "verify ms", "{:.0f}"),
+    ("draft_token_ms", "draft ms/tok", "{:.0f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("bound_fraction", "of bound", "{:.0%}"),
+    ("overhead_ms", "overhead ms", "{:.1f}"),
     ("branch_hit_rate", "branch hits", "{:.0%}"),
-    ("fallbacks", "fallbacks", "{}"), ("max_draft_wait_ms", "max wait ms", "{:.0f}"),
-    ("held_steps", "held", "{}"), ("drafter_batch_rows_mean", "draft rows", "{:.1f}"),
+    ("fallbacks", "fallbacks", "{}"),
+    ("max_draft_wait_ms", "max wait ms", "{:.0f}"),
+    ("held_steps", "held", "{}"),
+    ("drafter_batch_rows_mean", "draft rows", "{:.1f}"),
     ("exact", "exact", "{:.0%}"),
 ]
 
@@ -507,24 +658,49 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     ax = axes[0]
     for system, style in (("specdec", "o-"), ("vllm-draft", "s--")):  # specdec: int8 draft; vllm-draft: fp32
-        pts = sorted((r["gamma"], r["speedup"]) for r in rows
-                     if r["system"] == system and r["concurrency"] == 1 and r["cores"] == 1 and r["gamma"] and r["speedup"])
+        pts = sorted(
+            (r["gamma"], r["speedup"])
+            for r in rows
+            if r["system"] == system and r["concurrency"] == 1 and r["cores"] == 1 and r["gamma"] and r["speedup"]
+        )
         if pts:
             ax.plot(*zip(*pts), style, label=f"{system} (1 target core)")
     for r in rows:
-        if r["concurrency"] == 1 and r["system"] in ("vllm-ngram", "hf-assisted", "specdec-fp32-draft", "specdec-no-branches") or (r["system"] == "vllm-draft" and r["cores"] > 1):
+        if (
+            r["concurrency"] == 1
+            and r["system"] in ("vllm-ngram", "hf-assisted", "specdec-fp32-draft", "specdec-no-branches")
+            or (r["system"] == "vllm-draft" and r["cores"] > 1)
+        ):
             if r["speedup"]:
-                ax.plot([r["gamma"]], [r["speedup"]], "x", ms=9, label=f"{r['system']} γ={r['gamma']} ({r['cores']} core)")
+                ax.plot(
+                    [r["gamma"]], [r["speedup"]], "x", ms=9, label=f"{r['system']} γ={r['gamma']} ({r['cores']} core)"
+                )
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xlabel="gamma (speculative tokens)", ylabel="decode speedup over vLLM target-only", title="batch 1", xscale="log", xticks=[1, 2, 4, 8])
+    ax.set(
+        xlabel="gamma (speculative tokens)",
+        ylabel="decode speedup over vLLM target-only",
+        title="batch 1",
+        xscale="log",
+        xticks=[1, 2, 4, 8],
+    )
     ax.set_xticklabels(["1", "2", "4", "8"])
     ax.minorticks_off()
     _legend(ax)
-    for ax, key, label in ((axes[1], "throughput_tok_s", "throughput, tokens/s"), (axes[2], "itl_p99_ms", "p99 inter-chunk latency, ms")):
+    for ax, key, label in (
+        (axes[1], "throughput_tok_s", "throughput, tokens/s"),
+        (axes[2], "itl_p99_ms", "p99 inter-chunk latency, ms"),
+    ):
         series: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
-            if r["cores"] == 1 and r[key] is not None and (r["system"] == "target-only" or r["gamma"] == DEFAULT_GAMMA) and r["system"] in ("target-only", "specdec", "vllm-draft"):
-                series.setdefault(f"{r['system']}" + (f" γ={r['gamma']}" if r["gamma"] else ""), []).append((r["concurrency"], r[key]))
+            if (
+                r["cores"] == 1
+                and r[key] is not None
+                and (r["system"] == "target-only" or r["gamma"] == DEFAULT_GAMMA)
+                and r["system"] in ("target-only", "specdec", "vllm-draft")
+            ):
+                series.setdefault(f"{r['system']}" + (f" γ={r['gamma']}" if r["gamma"] else ""), []).append(
+                    (r["concurrency"], r[key])
+                )
         for name, pts in series.items():
             if len(pts) > 1:
                 ax.plot(*zip(*sorted(pts)), "o-", label=name)
@@ -561,29 +737,54 @@ def _cpu_model() -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("bench", help="specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="qwen-coder", metavar="PAIR",
-                   help="a built-in pair (qwen-coder, tiny) or one of your pairs file (specdec.toml or SPECDEC_PAIRS)")
-    p.add_argument("--target", metavar="REF", help="target model replacing the pair's: a folder, PAIR/ROLE or a Hugging "
-                   "Face repo id ORG/NAME[@REVISION]")
+    p = sub.add_parser(
+        "bench",
+        help="specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--models",
+        default="qwen-coder",
+        metavar="PAIR",
+        help="a built-in pair (qwen-coder, tiny) or one of your pairs file (specdec.toml or SPECDEC_PAIRS)",
+    )
+    p.add_argument(
+        "--target",
+        metavar="REF",
+        help="target model replacing the pair's: a folder, PAIR/ROLE or a Hugging Face repo id ORG/NAME[@REVISION]",
+    )
     p.add_argument("--draft", metavar="REF", help="draft model replacing the pair's")
-    p.add_argument("--prompts", type=int, default=None,
-                   help="prompts of the code workload (batch-1 rows run each); default: 3 built-in ones, or all of "
-                        "--prompts-file")
-    p.add_argument("--prompts-file", type=Path, metavar="F.jsonl",
-                   help='your prompts: JSONL, one {"prompt": "..."} per line (vLLM bench serve\'s custom dataset '
-                        "format); they replace the built-in code prompts, and the workloads default to code only")
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help="prompts of the code workload (batch-1 rows run each); default: 3 built-in ones, or all of --prompts-file",
+    )
+    p.add_argument(
+        "--prompts-file",
+        type=Path,
+        metavar="F.jsonl",
+        help='your prompts: JSONL, one {"prompt": "..."} per line (vLLM bench serve\'s custom dataset '
+        "format); they replace the built-in code prompts, and the workloads default to code only",
+    )
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (ignore_eos)")
     p.add_argument("--gammas", default="1,2,4,8")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--systems", help="only these systems (comma list), e.g. target-only,specdec")
-    p.add_argument("--workloads", default=None,
-                   help=f"comma list of {', '.join((*WORKLOADS, SERVE_WORKLOAD))} (see above); default: "
-                        f"{','.join(WORKLOADS)} (with --prompts-file: code)")
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help=f"comma list of {', '.join((*WORKLOADS, SERVE_WORKLOAD))} (see above); default: "
+        f"{','.join(WORKLOADS)} (with --prompts-file: code)",
+    )
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--serve-vllm-dtype", metavar="DTYPE", help="serve-c8: vLLM's server's dtype (default: --dtype); "
-                   "`auto` is what `vllm serve` takes when not told: bfloat16 on the CPU")
+    p.add_argument(
+        "--serve-vllm-dtype",
+        metavar="DTYPE",
+        help="serve-c8: vLLM's server's dtype (default: --dtype); "
+        "`auto` is what `vllm serve` takes when not told: bfloat16 on the CPU",
+    )
     p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.png, logs/")
     p.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens: a smoke run (CI)")
     p.set_defaults(func=main)
@@ -597,9 +798,20 @@ def baseline_job(run: dict[str, Any], common: dict[str, Any], draft: str) -> dic
     if run.get("method") == "draft_model":
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": run["gamma"]}
     elif run.get("method") == "ngram":
-        spec = {"method": "ngram", "num_speculative_tokens": run["gamma"], "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    return {**common, "kind": "vllm", "speculative_config": spec, "kv_cache_gib": 1.0, "max_model_len": 2048,
-            "async_scheduling": run.get("async_scheduling")}
+        spec = {
+            "method": "ngram",
+            "num_speculative_tokens": run["gamma"],
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
+    return {
+        **common,
+        "kind": "vllm",
+        "speculative_config": spec,
+        "kv_cache_gib": 1.0,
+        "max_model_len": 2048,
+        "async_scheduling": run.get("async_scheduling"),
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -619,7 +831,9 @@ def main(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(found["tokenizer"]))
-    workloads = tuple(w for w in (args.workloads or ("code" if args.prompts_file else ",".join(WORKLOADS))).split(",") if w)
+    workloads = tuple(
+        w for w in (args.workloads or ("code" if args.prompts_file else ",".join(WORKLOADS))).split(",") if w
+    )
     if args.prompts_file is not None:
         code_ids, code_texts = file_prompts(args.prompts_file)
         args.prompts = min(args.prompts or len(code_texts), len(code_texts))
@@ -628,8 +842,10 @@ def main(args: argparse.Namespace) -> int:
         args.prompts = args.prompts or 3
         code_ids, code_texts = workload_prompts("code", tokenizer, args.prompts + 1)
         warmup = tokenizer(code_texts[-1])["input_ids"]  # the code prompt after the measured ones
-    texts = {w: (code_ids[:args.prompts], code_texts[:args.prompts]) if w == "code" else workload_prompts(w, tokenizer, 0)
-             for w in workloads}
+    texts = {
+        w: (code_ids[: args.prompts], code_texts[: args.prompts]) if w == "code" else workload_prompts(w, tokenizer, 0)
+        for w in workloads
+    }
     prompts = {w: [tokenizer(t)["input_ids"] for t in ts] for w, (_, ts) in texts.items()}
     gammas = [int(g) for g in args.gammas.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -640,18 +856,28 @@ def main(args: argparse.Namespace) -> int:
         runs = [r for r in runs if r["system"] in keep]
     total = sum(_requests_in(r, len(prompts[r["workload"]])) for r in runs)
     sizes = ", ".join(f"{w}: {len(ps)} x ~{int(np.mean([len(p) for p in ps]))} tokens" for w, ps in prompts.items())
-    print(f"specdec bench: {args.models}, prompts ({sizes}), {args.max_tokens} tokens each, gammas {gammas}, "
-          f"concurrency {concurrency}, {len(runs)} runs, {total} requests; target core {cpus[0]}, "
-          f"drafter core {cpus[-1]}", file=sys.stderr)
+    print(
+        f"specdec bench: {args.models}, prompts ({sizes}), {args.max_tokens} tokens each, gammas {gammas}, "
+        f"concurrency {concurrency}, {len(runs)} runs, {total} requests; target core {cpus[0]}, "
+        f"drafter core {cpus[-1]}",
+        file=sys.stderr,
+    )
     rows: list[dict[str, Any]] = []
-    cluster = SpecdecCluster(args.models, out, args.dtype, QUICK_VERIFIER_ARGS if args.quick else (),
-                             args.target, args.draft)
+    cluster = SpecdecCluster(
+        args.models, out, args.dtype, QUICK_VERIFIER_ARGS if args.quick else (), args.target, args.draft
+    )
     bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
 
     def common(run: dict[str, Any]) -> dict[str, Any]:
-        return {"target": target, "cores": run["cores"], "prompts": prompts[run["workload"]],
-                "max_tokens": args.max_tokens, "dtype": args.dtype, "warmup_prompt": warmup,
-                "concurrency": run["concurrency"]}
+        return {
+            "target": target,
+            "cores": run["cores"],
+            "prompts": prompts[run["workload"]],
+            "max_tokens": args.max_tokens,
+            "dtype": args.dtype,
+            "warmup_prompt": warmup,
+            "concurrency": run["concurrency"],
+        }
 
     baselines = [i for i, r in enumerate(runs) if r["kind"] != "specdec"]
     results_of: dict[int, list[dict[str, Any]]] = {}
@@ -672,9 +898,18 @@ def main(args: argparse.Namespace) -> int:
             os.sched_setaffinity(0, {cpus[-1]})  # the client lives on the drafter's host
             try:
                 run_specdec(address, [warmup], 8, run["gamma"], 1)
-                results_of[i] = [run_specdec(address, prompts[run["workload"]], args.max_tokens, run["gamma"], c,
-                                             lambda: bar.update(1), cluster.drafter_metrics)
-                                 for c in run["concurrency"]]
+                results_of[i] = [
+                    run_specdec(
+                        address,
+                        prompts[run["workload"]],
+                        args.max_tokens,
+                        run["gamma"],
+                        c,
+                        lambda: bar.update(1),
+                        cluster.drafter_metrics,
+                    )
+                    for c in run["concurrency"]
+                ]
             finally:
                 os.sched_setaffinity(0, mine)
     finally:
@@ -685,11 +920,20 @@ def main(args: argparse.Namespace) -> int:
         from benchmarks.serve import run_workload
 
         print(f"{SERVE_WORKLOAD}: vllm bench serve against vLLM's server, then specdec's REST bridge", file=sys.stderr)
-        serve = run_workload(pair=args.models, target=target, tokenizer=str(found["tokenizer"]), target_ref=args.target,
-                             draft_ref=args.draft, dtype=args.dtype, vllm_dtype=args.serve_vllm_dtype,
-                             output_len=args.max_tokens,
-                             cores=(cpus[0], cpus[-1]), out=out,
-                             verifier_args=QUICK_VERIFIER_ARGS if args.quick else (), prompts=texts[SERVE_WORKLOAD])
+        serve = run_workload(
+            pair=args.models,
+            target=target,
+            tokenizer=str(found["tokenizer"]),
+            target_ref=args.target,
+            draft_ref=args.draft,
+            dtype=args.dtype,
+            vllm_dtype=args.serve_vllm_dtype,
+            output_len=args.max_tokens,
+            cores=(cpus[0], cpus[-1]),
+            out=out,
+            verifier_args=QUICK_VERIFIER_ARGS if args.quick else (),
+            prompts=texts[SERVE_WORKLOAD],
+        )
     rows.extend(summarise(run, r) for i, run in enumerate(runs) for r in results_of.get(i, []))
     relate(rows, prompts)
     achieved = goals(rows)
@@ -699,12 +943,19 @@ def main(args: argparse.Namespace) -> int:
         "meta": {
             "command": "specdec bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
             "models": {"pair": args.models, "target": target_ref, "draft": draft_ref, "dtype": args.dtype},
-            "prompts": texts.get("code", ([], []))[0], "prompt_tokens": [len(p) for p in prompts.get("code", [])],
+            "prompts": texts.get("code", ([], []))[0],
+            "prompt_tokens": [len(p) for p in prompts.get("code", [])],
             "prompts_file": str(args.prompts_file) if args.prompts_file else None,
-            "workloads": {w: {"prompts": texts[w][0], "prompt_tokens": [len(p) for p in prompts[w]]} for w in workloads},
-            "max_tokens": args.max_tokens, "gammas": gammas, "concurrency": concurrency,
-            "cores": {"target": cpus[0], "drafter": cpus[-1], "all": cpus}, "cpu": _cpu_model(),
-            "versions": _versions(), "started": dt.datetime.fromtimestamp(t_start, dt.UTC).isoformat(),
+            "workloads": {
+                w: {"prompts": texts[w][0], "prompt_tokens": [len(p) for p in prompts[w]]} for w in workloads
+            },
+            "max_tokens": args.max_tokens,
+            "gammas": gammas,
+            "concurrency": concurrency,
+            "cores": {"target": cpus[0], "drafter": cpus[-1], "all": cpus},
+            "cpu": _cpu_model(),
+            "versions": _versions(),
+            "started": dt.datetime.fromtimestamp(t_start, dt.UTC).isoformat(),
             "duration_s": round(time.time() - t_start, 1),
         },
         "rows": rows,
@@ -726,6 +977,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"{name}: {value} (reported)")
             continue
         sign = "<=" if g.get("at_most") else ">="
-        print(f"goal {name}: {value} ({sign} {g['target']}) {'met' if g['met'] else 'NOT met' if g['met'] is False else ''}")
-    print(f"\n{len(rows)} rows in {report['meta']['duration_s']:.0f} s; wrote {out / 'bench.json'} and {out / 'bench.png'}")
+        print(
+            f"goal {name}: {value} ({sign} {g['target']}) {'met' if g['met'] else 'NOT met' if g['met'] is False else ''}"
+        )
+    print(
+        f"\n{len(rows)} rows in {report['meta']['duration_s']:.0f} s; wrote {out / 'bench.json'} and {out / 'bench.png'}"
+    )
     return 0

@@ -55,8 +55,10 @@ class Row:
         tau = f"{sum(taus) / len(taus):.2f}" if taus else "-"
         per_gamma = branch_hits_by_gamma(self.stats)  # one gamma per row
         branch = "-" if not per_gamma else f"{per_gamma[0].rate:.2f} ({per_gamma[0].hits}/{per_gamma[0].breaks})"
-        return (f"| {self.mode} | {self.gamma} | {self.tokens_per_s:.1f} | {mal:.2f} | {steps:.1f} | {cuts:.1f} | "
-                f"{tau} | {branch} | {self.exact}/{n} |")
+        return (
+            f"| {self.mode} | {self.gamma} | {self.tokens_per_s:.1f} | {mal:.2f} | {steps:.1f} | {cuts:.1f} | "
+            f"{tau} | {branch} | {self.exact}/{n} |"
+        )
 
 
 def run(
@@ -70,8 +72,9 @@ def run(
     t0 = time.perf_counter()
     try:
         for ids in prompts:
-            spec = generation_spec(ids, max_tokens=max_tokens, gamma=gamma, drafter="model" if gamma else "none",
-                                   ignore_eos=True)
+            spec = generation_spec(
+                ids, max_tokens=max_tokens, gamma=gamma, drafter="model" if gamma else "none", ignore_eos=True
+            )
             tokens: list[int] = []
             last = None
             for msg in client.stream(spec):
@@ -110,12 +113,23 @@ def main() -> int:
     for mode in args.modes.split(","):
         off = ["--metrics-port", "0"]
         cluster = Cluster(
-            pair=args.models, gateway_port=free_port(), drafter_port=free_port(), verifier_port=free_port(),
+            pair=args.models,
+            gateway_port=free_port(),
+            drafter_port=free_port(),
+            verifier_port=free_port(),
             log_dir=Path(args.out) / "logs",
-            extra_args={"verifier": [*off, *shlex.split(args.verifier_args)],
-                        "drafter": [*off, "--draft-confidence", mode, "--branches", str(args.branches),
-                                    *shlex.split(args.drafter_args)],
-                        "gateway": [*off, "--rest-port", "0"]},
+            extra_args={
+                "verifier": [*off, *shlex.split(args.verifier_args)],
+                "drafter": [
+                    *off,
+                    "--draft-confidence",
+                    mode,
+                    "--branches",
+                    str(args.branches),
+                    *shlex.split(args.drafter_args),
+                ],
+                "gateway": [*off, "--rest-port", "0"],
+            },
         )
         cluster.start()
         try:
@@ -132,8 +146,10 @@ def main() -> int:
         finally:
             cluster.stop()
     print(f"\n{args.models}, {len(prompts)} prompts x {args.max_tokens} tokens, one request at a time")
-    print("| draft_confidence | γ | tok/s | MAL | target steps / req | cuts / req | mean τ "
-          "| branch hit rate (hits/breaks) | exact |")
+    print(
+        "| draft_confidence | γ | tok/s | MAL | target steps / req | cuts / req | mean τ "
+        "| branch hit rate (hits/breaks) | exact |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(row.line())

@@ -51,8 +51,9 @@ class DelayProxy:
     `await start()` binds (port 0 picks a free one: `port` says which), `await close()` stops
     listening and ends the connections in flight."""
 
-    def __init__(self, listen_host: str, listen_port: int, upstream_host: str, upstream_port: int,
-                 delay_ms: float) -> None:
+    def __init__(
+        self, listen_host: str, listen_port: int, upstream_host: str, upstream_port: int, delay_ms: float
+    ) -> None:
         if delay_ms < 0:
             raise ValueError(f"delay_ms must be >= 0, not {delay_ms}")
         self.listen_host, self.listen_port = listen_host, listen_port
@@ -97,7 +98,10 @@ class DelayProxy:
             except OSError:
                 client_w.close()  # the upstream refused: the client sees its connection end
                 return
-            pipes = [asyncio.ensure_future(self._pipe(client_r, up_w)), asyncio.ensure_future(self._pipe(up_r, client_w))]
+            pipes = [
+                asyncio.ensure_future(self._pipe(client_r, up_w)),
+                asyncio.ensure_future(self._pipe(up_r, client_w)),
+            ]
             try:
                 await asyncio.gather(*pipes)
             except (OSError, asyncio.IncompleteReadError):
@@ -162,8 +166,11 @@ async def _run(proxy: DelayProxy) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The process entry point (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.delay_proxy", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.delay_proxy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to accept connections on")
     p.add_argument("--upstream", required=True, metavar="HOST:PORT", help="address each connection is relayed to")
     p.add_argument("--delay-ms", type=float, required=True, help="one-way delay added in each direction, ms")

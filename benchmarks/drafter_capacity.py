@@ -57,9 +57,18 @@ from drafter.sessions import DraftSession, ModelDraftSession, Ready
 from specdec.models import load_causal_lm
 
 # Qwen2.5-Coder-0.5B-Instruct's shapes (its config.json), for `--shape qwen2.5-0.5b`.
-QWEN_05B: dict[str, Any] = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
+QWEN_05B: dict[str, Any] = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
 
 
 @dataclass
@@ -121,8 +130,18 @@ def make_sessions(model: torch.nn.Module, n: int, args: argparse.Namespace) -> l
     out: list[ModelDraftSession] = []
     for i in range(n):
         prompt = [(7 * j + 13 * i + 11) % (vocab - 200) + 100 for j in range(args.prompt + 8 * i)]
-        s = ModelDraftSession(model, prompt, args.gamma, 1 << 20, temperature=0.0, top_k=0, top_p=1.0, seed=i,
-                              q_top_k=8, prefill_chunk=1 << 20)
+        s = ModelDraftSession(
+            model,
+            prompt,
+            args.gamma,
+            1 << 20,
+            temperature=0.0,
+            top_k=0,
+            top_p=1.0,
+            seed=i,
+            q_top_k=8,
+            prefill_chunk=1 << 20,
+        )
         s.flush_ms = 1e9  # blocks at gamma drafts: no timer in the measurement
         while not isinstance(s.step(), Ready):
             pass
@@ -200,12 +219,15 @@ def copy_share(model: torch.nn.Module, n: int, args: argparse.Namespace, repeats
 
 def table(rows: list[Row]) -> str:
     by = {(r.sessions, r.mode): r for r in rows}
-    lines = ["| sessions | serial tok/s | batched tok/s | batched / serial | serial pace ms | batched pace ms |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| sessions | serial tok/s | batched tok/s | batched / serial | serial pace ms | batched pace ms |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for n in sorted({r.sessions for r in rows}):
         s, b = by[(n, "serial")], by[(n, "batched")]
-        lines.append(f"| {n} | {s.tok_s:.0f} | {b.tok_s:.0f} | {b.tok_s / s.tok_s:.2f}x | {s.pace_ms:.1f} | "
-                     f"{b.pace_ms:.1f} |")
+        lines.append(
+            f"| {n} | {s.tok_s:.0f} | {b.tok_s:.0f} | {b.tok_s / s.tok_s:.2f}x | {s.pace_ms:.1f} | {b.pace_ms:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -255,8 +277,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="tiny/draft-mid", help="draft model reference (specdec.models)")
     ap.add_argument("--shape", default="", choices=("", "qwen2.5-0.5b"), help="random-init model of these shapes")
     ap.add_argument("--quantize", default="none", choices=("none", "int8"))
-    ap.add_argument("--sessions", type=session_counts, default=session_counts("1,2,4,8,16,32"), metavar="N,N,...",
-                    help="session counts to measure (default: 1,2,4,8,16,32)")
+    ap.add_argument(
+        "--sessions",
+        type=session_counts,
+        default=session_counts("1,2,4,8,16,32"),
+        metavar="N,N,...",
+        help="session counts to measure (default: 1,2,4,8,16,32)",
+    )
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens of session 0 (session i: + 8 i)")
     ap.add_argument("--gamma", type=int, default=8)
     ap.add_argument("--accept", type=int, default=4, help="drafts each verdict accepts (of gamma)")
@@ -264,17 +291,27 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--min-rounds", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=2.0, help="least CPU time measured per (sessions, mode)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--core", type=int, default=None, metavar="N",
-                    help="pin the process to this core first (as `taskset -c N`; default: not pinned)")
+    ap.add_argument(
+        "--core",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pin the process to this core first (as `taskset -c N`; default: not pinned)",
+    )
     ap.add_argument("--out", default="bench-drafter")
-    ap.add_argument("--copies", type=int, default=0,
-                    help="instead: time one batched step of this many sessions and its cache copies alone")
+    ap.add_argument(
+        "--copies",
+        type=int,
+        default=0,
+        help="instead: time one batched step of this many sessions and its cache copies alone",
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`specdec bench-drafter`."""
-    p = sub.add_parser("bench-drafter", help=HELP, description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench-drafter", help=HELP, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p)
     p.set_defaults(func=main)
 
@@ -287,14 +324,21 @@ def _check(args: argparse.Namespace) -> None:
         cores = sorted(os.sched_getaffinity(0))
         if args.core not in cores:
             raise UserError(f"--core {args.core}: not one of this process's cores {cores}", "pick one of them")
-    for flag, value, least in (("--prompt", args.prompt, 1), ("--gamma", args.gamma, 1), ("--threads", args.threads, 1),
-                               ("--min-rounds", args.min_rounds, 1), ("--warmup", args.warmup, 0),
-                               ("--copies", args.copies, 0)):
+    for flag, value, least in (
+        ("--prompt", args.prompt, 1),
+        ("--gamma", args.gamma, 1),
+        ("--threads", args.threads, 1),
+        ("--min-rounds", args.min_rounds, 1),
+        ("--warmup", args.warmup, 0),
+        ("--copies", args.copies, 0),
+    ):
         if value < least:
             raise UserError(f"{flag} {value}: must be at least {least}", f"pass {flag} {least} or more")
     if not 0 <= args.accept < args.gamma:
-        raise UserError(f"--accept {args.accept}: must be 0 to gamma - 1 ({args.gamma - 1})",
-                        "a verdict accepts fewer drafts than gamma and corrects the next")
+        raise UserError(
+            f"--accept {args.accept}: must be 0 to gamma - 1 ({args.gamma - 1})",
+            "a verdict accepts fewer drafts than gamma and corrects the next",
+        )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -307,8 +351,10 @@ def main(args: argparse.Namespace) -> int:
     name = args.shape or args.model
     if args.copies:
         step_ms, copy_ms = copy_share(model, args.copies, args)
-        print(f"{name} ({args.quantize}), {args.copies} sessions, prompts {args.prompt}+: batched step "
-              f"{step_ms:.1f} ms CPU, of which cache copies {copy_ms:.1f} ms ({100 * copy_ms / step_ms:.0f} %)")
+        print(
+            f"{name} ({args.quantize}), {args.copies} sessions, prompts {args.prompt}+: batched step "
+            f"{step_ms:.1f} ms CPU, of which cache copies {copy_ms:.1f} ms ({100 * copy_ms / step_ms:.0f} %)"
+        )
         return 0
     title = f"{name} ({args.quantize}), {args.threads} thread(s), gamma {args.gamma}, accept {args.accept}"
     rows: list[Row] = []
@@ -316,17 +362,32 @@ def main(args: argparse.Namespace) -> int:
         for batched in (False, True):
             rows.append(measure(model, n, batched, args))
             r = rows[-1]
-            print(f"{n:3d} sessions {r.mode:8s} {r.tok_s:8.1f} tok/s  pace {r.pace_ms:7.1f} ms  ({r.rounds} rounds; "
-                  f"wall clock {r.wall_tok_s:.1f} tok/s)", flush=True)
+            print(
+                f"{n:3d} sessions {r.mode:8s} {r.tok_s:8.1f} tok/s  pace {r.pace_ms:7.1f} ms  ({r.rounds} rounds; "
+                f"wall clock {r.wall_tok_s:.1f} tok/s)",
+                flush=True,
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "drafter-capacity.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["sessions", "mode", "rounds", "tokens", "cpu_seconds", "wall_seconds", "tok_s", "pace_ms",
-                    "wall_tok_s"])
+        w.writerow(
+            ["sessions", "mode", "rounds", "tokens", "cpu_seconds", "wall_seconds", "tok_s", "pace_ms", "wall_tok_s"]
+        )
         for r in rows:
-            w.writerow([r.sessions, r.mode, r.rounds, r.tokens, f"{r.seconds:.4f}", f"{r.wall_seconds:.4f}",
-                        f"{r.tok_s:.2f}", f"{r.pace_ms:.3f}", f"{r.wall_tok_s:.2f}"])
+            w.writerow(
+                [
+                    r.sessions,
+                    r.mode,
+                    r.rounds,
+                    r.tokens,
+                    f"{r.seconds:.4f}",
+                    f"{r.wall_seconds:.4f}",
+                    f"{r.tok_s:.2f}",
+                    f"{r.pace_ms:.3f}",
+                    f"{r.wall_tok_s:.2f}",
+                ]
+            )
     rates = [asdict(r) | {"tok_s": r.tok_s, "pace_ms": r.pace_ms, "wall_tok_s": r.wall_tok_s} for r in rows]
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "command", "debug")}  # the CLI's own
     summary = {"title": title, "args": settings, "rows": rates}

@@ -65,13 +65,16 @@ def verdict(target: Any, context: list[int], drafts: list[int]) -> list[int]:
     return out + [preds[len(drafts)]]
 
 
-def drive(label: str, draft: Any, target: Any, prompts: list[list[int]], gamma: int, tokens: int,
-          branches: int) -> Run:
+def drive(label: str, draft: Any, target: Any, prompts: list[list[int]], gamma: int, tokens: int, branches: int) -> Run:
     """Run one draft-model placement through `prompts` (one session each) until each has
     `tokens` committed tokens past its prompt."""
     run = Run(label)
-    sessions = [ModelDraftSession(draft, p, gamma, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8,
-                                  vocab_limit=tiny.VOCAB_SIZE) for p in prompts]
+    sessions = [
+        ModelDraftSession(
+            draft, p, gamma, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8, vocab_limit=tiny.VOCAB_SIZE
+        )
+        for p in prompts
+    ]
     for s in sessions:
         s.branches = branches
         s.flush_ms = float("inf")  # blocks at gamma drafts or when the window is full, never on a timer
@@ -119,16 +122,21 @@ def drive(label: str, draft: Any, target: Any, prompts: list[list[int]], gamma: 
 def _ms(run: Run) -> str:
     med = statistics.median(run.token_ms) if run.token_ms else float("nan")
     per_branch = run.branch_ms / run.branch_tokens if run.branch_tokens else float("nan")
-    return (f"{run.label:<28} draft {med:7.2f} ms/token (median of {len(run.token_ms)}), branches "
-            f"{per_branch:6.2f} ms/token ({run.branch_tokens}), {len(run.blocks)} blocks, {run.rollbacks} rollbacks, "
-            f"{run.wall_s:.1f} s")
+    return (
+        f"{run.label:<28} draft {med:7.2f} ms/token (median of {len(run.token_ms)}), branches "
+        f"{per_branch:6.2f} ms/token ({run.branch_tokens}), {len(run.blocks)} blocks, {run.rollbacks} rollbacks, "
+        f"{run.wall_s:.1f} s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="the placement checked (default: cuda)")
-    ap.add_argument("--dtypes", default="float32,bfloat16",
-                    help="dtypes on --device; float32 must equal the CPU drafter, the others report agreement")
+    ap.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="dtypes on --device; float32 must equal the CPU drafter, the others report agreement",
+    )
     ap.add_argument("--draft", default="tiny/draft-mid", help="draft model reference (default: tiny/draft-mid)")
     ap.add_argument("--target", default="tiny/target", help="the verdicts' model (default: tiny/target)")
     ap.add_argument("--sessions", type=int, default=4, help="sessions drafted together (default: 4)")
@@ -163,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         ref, got = reference.tokens(), run.tokens()
         same = sum(a == b for a, b in zip(ref, got))
         equal = run.blocks == reference.blocks
-        print(f"  draft tokens equal to the CPU drafter's: {'yes' if equal else 'NO'} "
-              f"({same}/{max(len(ref), len(got))} tokens agree, {len(run.blocks)} vs {len(reference.blocks)} blocks)")
+        print(
+            f"  draft tokens equal to the CPU drafter's: {'yes' if equal else 'NO'} "
+            f"({same}/{max(len(ref), len(got))} tokens agree, {len(run.blocks)} vs {len(reference.blocks)} blocks)"
+        )
         if dtype == "float32" and not equal:
             failed = True
     if failed:

@@ -141,19 +141,41 @@ def link_goals(rows: list[dict[str, Any]], variants: list[str]) -> list[dict[str
     out = []
     for variant in variants:
         for fraction, target in GOALS.items():
-            row = next((r for r in rows if r.get("variant") == variant and r.get("rtt_fraction") is not None
-                        and math.isclose(r["rtt_fraction"], fraction)), None)
+            row = next(
+                (
+                    r
+                    for r in rows
+                    if r.get("variant") == variant
+                    and r.get("rtt_fraction") is not None
+                    and math.isclose(r["rtt_fraction"], fraction)
+                ),
+                None,
+            )
             value = row.get("of_zero") if row else None
-            out.append({"variant": variant, "rtt_fraction": fraction, "target": target, "value": value,
-                        "met": None if value is None else value >= target})
+            out.append(
+                {
+                    "variant": variant,
+                    "rtt_fraction": fraction,
+                    "target": target,
+                    "value": value,
+                    "met": None if value is None else value >= target,
+                }
+            )
     return out
 
 
 COLUMNS = [
-    ("rtt_ms", "RTT ms", "{:.1f}"), ("rtt_pct", "RTT / verify", "{:.0f}%"), ("variant", "variant", "{}"),
-    ("decode_tok_s", "decode tok/s", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"), ("of_zero", "of 0-delay", "{:.0%}"),
-    ("exact", "exact", "{:.0%}"), ("branch_hit_rate", "branch hits", "{:.0%}"), ("verify_step_ms", "verify ms", "{:.0f}"),
-    ("round_ms", "round ms", "{:.0f}"), ("fallbacks", "fallbacks", "{}"),
+    ("rtt_ms", "RTT ms", "{:.1f}"),
+    ("rtt_pct", "RTT / verify", "{:.0f}%"),
+    ("variant", "variant", "{}"),
+    ("decode_tok_s", "decode tok/s", "{:.2f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("of_zero", "of 0-delay", "{:.0%}"),
+    ("exact", "exact", "{:.0%}"),
+    ("branch_hit_rate", "branch hits", "{:.0%}"),
+    ("verify_step_ms", "verify ms", "{:.0f}"),
+    ("round_ms", "round ms", "{:.0f}"),
+    ("fallbacks", "fallbacks", "{}"),
 ]
 
 
@@ -178,8 +200,10 @@ def goal_lines(goals: list[dict[str, Any]], failed: dict[str, str] | None = None
         missing = "n/a (the variant failed)" if g["variant"] in (failed or {}) else "n/a (not run)"
         value = missing if g["value"] is None else f"{g['value']:.2f}"
         verdict = "" if g["met"] is None else " met" if g["met"] else " NOT met"
-        out.append(f"goal RTT {g['rtt_fraction']:.0%} of the verify step, {g['variant']}: {value} of the zero-delay "
-                   f"speedup (>= {g['target']:.2f}){verdict}")
+        out.append(
+            f"goal RTT {g['rtt_fraction']:.0%} of the verify step, {g['variant']}: {value} of the zero-delay "
+            f"speedup (>= {g['target']:.2f}){verdict}"
+        )
     return out
 
 
@@ -195,26 +219,48 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     variants = list(dict.fromkeys(r["variant"] for r in rows if r.get("variant")))
     for i, v in enumerate(variants):
         color = f"C{i}"
-        pts = sorted((r["rtt_pct"], r["speedup"], r["of_zero"]) for r in rows
-                     if r.get("variant") == v and r.get("rtt_pct") is not None and r.get("speedup"))
+        pts = sorted(
+            (r["rtt_pct"], r["speedup"], r["of_zero"])
+            for r in rows
+            if r.get("variant") == v and r.get("rtt_pct") is not None and r.get("speedup")
+        )
         if not pts:
             continue
         x, y, frac = zip(*pts)
         ax.plot(x, y, "o-", color=color, label=v)
-        bx.plot([a for a, f in zip(x, frac) if f is not None], [f for f in frac if f is not None], "o-", color=color,
-                label=v)
+        bx.plot(
+            [a for a, f in zip(x, frac) if f is not None],
+            [f for f in frac if f is not None],
+            "o-",
+            color=color,
+            label=v,
+        )
         zero = next((s for p, s, _ in pts if p == 0), None)
         if zero:
             for f, target in GOALS.items():
-                ax.plot([100 * f], [target * zero], "v", color=color, mfc="none", ms=10,
-                        label=f"goals ({v})" if f == min(GOALS) else None)
+                ax.plot(
+                    [100 * f],
+                    [target * zero],
+                    "v",
+                    color=color,
+                    mfc="none",
+                    ms=10,
+                    label=f"goals ({v})" if f == min(GOALS) else None,
+                )
     for f, target in GOALS.items():
         bx.plot([100 * f], [target], "v", color="k", mfc="none", ms=10, label="goals" if f == min(GOALS) else None)
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xlabel="RTT, % of the verify step", ylabel="decode speedup over vLLM target-only",
-           title="specdec across a delayed link (batch 1)")
-    bx.set(xlabel="RTT, % of the verify step", ylabel="fraction of the zero-delay speedup", ylim=(0, 1.1),
-           title="what the link keeps")
+    ax.set(
+        xlabel="RTT, % of the verify step",
+        ylabel="decode speedup over vLLM target-only",
+        title="specdec across a delayed link (batch 1)",
+    )
+    bx.set(
+        xlabel="RTT, % of the verify step",
+        ylabel="fraction of the zero-delay speedup",
+        ylim=(0, 1.1),
+        title="what the link keeps",
+    )
     for a in (ax, bx):
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=8)
@@ -274,9 +320,16 @@ class Link:
     def _start(self, kind: str, args: list[str], cpus: set[int], log_dir: Path) -> Service:
         from specdec_cli.launch import start_service
 
-        service = start_service(kind, PORTS[kind], ["--host", self.hosts.address(kind), *args], log_dir, cpus,
-                                env={"PYTHONPATH": _child_env()["PYTHONPATH"]}, metrics_port=0,
-                                prefix=self.hosts.prefix(kind))
+        service = start_service(
+            kind,
+            PORTS[kind],
+            ["--host", self.hosts.address(kind), *args],
+            log_dir,
+            cpus,
+            env={"PYTHONPATH": _child_env()["PYTHONPATH"]},
+            metrics_port=0,
+            prefix=self.hosts.prefix(kind),
+        )
         service.host = self.hosts.address(kind)  # its address on its host (the default is loopback)
         return service
 
@@ -284,15 +337,21 @@ class Link:
         """Until each service's health check (from the gateway's host) says SERVING; ServiceFailed
         when one exits first, TimeoutError past timeout_s."""
         job = {"addresses": [s.address for s in services], "timeout_s": timeout_s}
-        probe = subprocess.Popen([*self.hosts.prefix("gateway"), sys.executable, "-m", "benchmarks.link", "ready",
-                                  json.dumps(job)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                 env=_child_env(), preexec_fn=_pin(self.side_cpus))
+        probe = subprocess.Popen(
+            [*self.hosts.prefix("gateway"), sys.executable, "-m", "benchmarks.link", "ready", json.dumps(job)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=_child_env(),
+            preexec_fn=_pin(self.side_cpus),
+        )
         try:
             while probe.poll() is None:
                 for s in services:
                     if s.proc.poll() is not None:
-                        raise ServiceFailed(f"{s.kind} exited with {s.proc.returncode}: {_error_line(s.log_path)} "
-                                            f"(log: {s.log_path})")
+                        raise ServiceFailed(
+                            f"{s.kind} exited with {s.proc.returncode}: {_error_line(s.log_path)} (log: {s.log_path})"
+                        )
                 time.sleep(0.2)
             out = probe.stdout.read() if probe.stdout else ""
             if probe.returncode != 0:
@@ -306,17 +365,34 @@ class Link:
 
     def start_verifier(self, target: str) -> None:
         """The verifier on its host: its engine on the first core, its gRPC threads on the last."""
-        self.verifier = self._start("verifier", [
-            "--model", target, "--threads", str(len(self.engine_cpus)),
-            "--io-cpus", ",".join(map(str, sorted(self.side_cpus))), "--dtype", DTYPE, "--no-prefix-caching",
-            *self.verifier_args], self.engine_cpus, self.logs)
+        self.verifier = self._start(
+            "verifier",
+            [
+                "--model",
+                target,
+                "--threads",
+                str(len(self.engine_cpus)),
+                "--io-cpus",
+                ",".join(map(str, sorted(self.side_cpus))),
+                "--dtype",
+                DTYPE,
+                "--no-prefix-caching",
+                *self.verifier_args,
+            ],
+            self.engine_cpus,
+            self.logs,
+        )
         self.wait_ready([self.verifier])
 
     def start_drafter(self, draft: str, extra: list[str], log_dir: Path) -> None:
         """(Re)start the drafter with a variant's extra flags; ServiceFailed if it does not start."""
         self.stop_drafter()
-        self.drafter = self._start("drafter", ["--model", draft, "--threads", "1", "--dtype", DTYPE,
-                                               "--quantize", "int8", *extra], self.side_cpus, log_dir)
+        self.drafter = self._start(
+            "drafter",
+            ["--model", draft, "--threads", "1", "--dtype", DTYPE, "--quantize", "int8", *extra],
+            self.side_cpus,
+            log_dir,
+        )
         self.wait_ready([self.drafter])
 
     def start_gateway(self, delay_ms: float, log_dir: Path) -> str:
@@ -327,17 +403,43 @@ class Link:
         for kind in ("drafter", "verifier"):
             with open(log_dir / f"proxy-{kind}.log", "ab") as err:
                 proc = subprocess.Popen(
-                    [*self.hosts.prefix("gateway"), sys.executable, "-m", "benchmarks.delay_proxy",
-                     "--listen", f"127.0.0.1:{PROXY_PORTS[kind]}", "--upstream", self.address(kind),
-                     "--delay-ms", repr(delay_ms)],
-                    stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env(), preexec_fn=_pin(self.side_cpus))
+                    [
+                        *self.hosts.prefix("gateway"),
+                        sys.executable,
+                        "-m",
+                        "benchmarks.delay_proxy",
+                        "--listen",
+                        f"127.0.0.1:{PROXY_PORTS[kind]}",
+                        "--upstream",
+                        self.address(kind),
+                        "--delay-ms",
+                        repr(delay_ms),
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                    env=_child_env(),
+                    preexec_fn=_pin(self.side_cpus),
+                )
             self.proxies.append(proc)
             assert proc.stdout is not None
             if proc.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"the delay proxy to the {kind} did not start; log: {log_dir / f'proxy-{kind}.log'}")
-        self.gateway = self._start("gateway", [
-            "--tokenizer", self.pair.tokenizer, "--drafter-address", f"127.0.0.1:{PROXY_PORTS['drafter']}",
-            "--verifier-address", f"127.0.0.1:{PROXY_PORTS['verifier']}", "--rest-port", "0"], self.side_cpus, log_dir)
+        self.gateway = self._start(
+            "gateway",
+            [
+                "--tokenizer",
+                self.pair.tokenizer,
+                "--drafter-address",
+                f"127.0.0.1:{PROXY_PORTS['drafter']}",
+                "--verifier-address",
+                f"127.0.0.1:{PROXY_PORTS['verifier']}",
+                "--rest-port",
+                "0",
+            ],
+            self.side_cpus,
+            log_dir,
+        )
         self.wait_ready([self.gateway])
         return self.gateway.address
 
@@ -346,9 +448,14 @@ class Link:
         from benchmarks.bench import read_events
 
         with open(log, "ab") as err:
-            proc = subprocess.Popen([*self.hosts.prefix("gateway"), sys.executable, "-m", "benchmarks.link", "measure",
-                                     json.dumps(job)], stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env(),
-                                    preexec_fn=_pin(self.side_cpus))
+            proc = subprocess.Popen(
+                [*self.hosts.prefix("gateway"), sys.executable, "-m", "benchmarks.link", "measure", json.dumps(job)],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=_child_env(),
+                preexec_fn=_pin(self.side_cpus),
+            )
             assert proc.stdout is not None
             results = read_events(proc.stdout, on_request)
             result = results[-1] if results else None
@@ -403,19 +510,28 @@ HELP = "specdec's speedup across a delayed network link (namespaces, delay proxi
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("bench-link", help=HELP, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench-link", help=HELP, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--models", choices=sorted(PAIRS), default="qwen-coder")
     p.add_argument("--prompts", type=int, default=3, help="prompts from the built-in code set, each run at batch 1")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (ignore_eos)")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per target step")
-    p.add_argument("--rtt-fractions", default=DEFAULT_FRACTIONS,
-                   help=f"RTTs as fractions of the verify step (0 is always run); default {DEFAULT_FRACTIONS}")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma list of NAME or NAME=DRAFTER FLAGS; known: " +
-                        "; ".join(f"{k} ({shlex.join(v) or 'no flags'})" for k, v in VARIANTS.items()))
+    p.add_argument(
+        "--rtt-fractions",
+        default=DEFAULT_FRACTIONS,
+        help=f"RTTs as fractions of the verify step (0 is always run); default {DEFAULT_FRACTIONS}",
+    )
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma list of NAME or NAME=DRAFTER FLAGS; known: "
+        + "; ".join(f"{k} ({shlex.join(v) or 'no flags'})" for k, v in VARIANTS.items()),
+    )
     p.add_argument("--out", default="bench-link-results", help="folder for link.json, link.png, logs/")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny pair, 2 prompts x 16 tokens, RTT fractions 0,0.25: a smoke run (CI)")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens, RTT fractions 0,0.25: a smoke run (CI)"
+    )
     p.set_defaults(func=main)
 
 
@@ -436,8 +552,9 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(str(err), "see `specdec bench-link --help`") from err
     reason = unavailable_reason()
     if reason is not None:
-        raise UserError(f"bench-link cannot make network namespaces ({reason})",
-                        "run it as root on Linux with iproute2 installed")
+        raise UserError(
+            f"bench-link cannot make network namespaces ({reason})", "run it as root on Linux with iproute2 installed"
+        )
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return _run(args, fractions, variants)
@@ -468,22 +585,33 @@ def _run(args: argparse.Namespace, fractions: list[float], variants: dict[str, l
     target, draft = str(resolve(pair.target)), str(resolve(pair.draft))
     tokenizer = AutoTokenizer.from_pretrained(str(resolve(pair.tokenizer)))
     ids, texts = workload_prompts("code", tokenizer, args.prompts + 1)
-    prompts = [tokenizer(t)["input_ids"] for t in texts[:args.prompts]]
+    prompts = [tokenizer(t)["input_ids"] for t in texts[: args.prompts]]
     warmup = tokenizer(texts[-1])["input_ids"]  # the code prompt after the measured ones
     cpus = sorted(os.sched_getaffinity(0))
     points = len(variants) * len(fractions)
-    print(f"specdec bench-link: {args.models}, {len(prompts)} prompts x {args.max_tokens} tokens, gamma {args.gamma}, "
-          f"RTT fractions {fractions}, variants {list(variants)}; engine core {cpus[0]}, other core {cpus[-1]}",
-          file=sys.stderr)
+    print(
+        f"specdec bench-link: {args.models}, {len(prompts)} prompts x {args.max_tokens} tokens, gamma {args.gamma}, "
+        f"RTT fractions {fractions}, variants {list(variants)}; engine core {cpus[0]}, other core {cpus[-1]}",
+        file=sys.stderr,
+    )
     bar = tqdm(total=len(prompts) * (1 + points), unit="req", file=sys.stderr, dynamic_ncols=True)
     rows: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
     verify_ref: float | None = None
     try:
         bar.set_description("target-only")
-        job = {"kind": "vllm", "target": target, "prompts": prompts, "max_tokens": args.max_tokens,
-               "dtype": DTYPE, "warmup_prompt": warmup, "concurrency": [1], "speculative_config": None,
-               "kv_cache_gib": 1.0, "max_model_len": 2048}
+        job = {
+            "kind": "vllm",
+            "target": target,
+            "prompts": prompts,
+            "max_tokens": args.max_tokens,
+            "dtype": DTYPE,
+            "warmup_prompt": warmup,
+            "concurrency": [1],
+            "speculative_config": None,
+            "kv_cache_gib": 1.0,
+            "max_model_len": 2048,
+        }
         base_run = {"system": "target-only", "kind": "vllm", "gamma": 0, "cores": [cpus[0]], "workload": "code"}
         base = summarise(base_run, _run_child(job, [cpus[0]], lambda: bar.update(1), logs / "baseline.log")[0])
         rows.append(base)
@@ -505,8 +633,13 @@ def _run(args: argparse.Namespace, fractions: list[float], variants: dict[str, l
                             d = one_way_delay_ms(f, verify_ref)
                         bar.set_description(f"{name}: RTT {2 * d:.1f} ms")
                         address = link.start_gateway(d, vlogs / f"rtt-{2 * d:.1f}ms")
-                        mjob = {"gateway": address, "prompts": prompts, "warmup": warmup, "max_tokens": args.max_tokens,
-                                "gamma": args.gamma}
+                        mjob = {
+                            "gateway": address,
+                            "prompts": prompts,
+                            "warmup": warmup,
+                            "max_tokens": args.max_tokens,
+                            "gamma": args.gamma,
+                        }
                         result = link.measure(mjob, lambda: bar.update(1), vlogs / "client.log")
                         row = summarise(spec_run, result)
                         row.update(variant=name, drafter_flags=extra, rtt_fraction=f, delay_ms=d, rtt_ms=2 * d)
@@ -531,14 +664,26 @@ def _run(args: argparse.Namespace, fractions: list[float], variants: dict[str, l
         r.pop("_tokens", None)
     report: dict[str, Any] = {
         "meta": {
-            "command": "specdec bench-link " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench-link"] else " ".join(sys.argv),
+            "command": "specdec bench-link " + " ".join(sys.argv[2:])
+            if sys.argv[1:2] == ["bench-link"]
+            else " ".join(sys.argv),
             "models": {"pair": args.models, "target": pair.target, "draft": pair.draft, "dtype": DTYPE},
-            "prompts": ids[:args.prompts], "prompt_tokens": [len(p) for p in prompts], "max_tokens": args.max_tokens,
-            "gamma": args.gamma, "rtt_fractions": fractions, "variants": variants, "verify_step_ms": verify_ref,
+            "prompts": ids[: args.prompts],
+            "prompt_tokens": [len(p) for p in prompts],
+            "max_tokens": args.max_tokens,
+            "gamma": args.gamma,
+            "rtt_fractions": fractions,
+            "variants": variants,
+            "verify_step_ms": verify_ref,
             "delays_ms": {str(f): one_way_delay_ms(f, verify_ref) if verify_ref else None for f in fractions},
-            "topology": {"hosts": list(HOSTS), "proxies": "on the gateway's host, one per link (gateway-drafter, "
-                         "gateway-verifier), one-way delay d each direction: RTT 2d"},
-            "cores": {"engine": cpus[0], "other": cpus[-1], "all": cpus}, "cpu": _cpu_model(), "versions": _versions(),
+            "topology": {
+                "hosts": list(HOSTS),
+                "proxies": "on the gateway's host, one per link (gateway-drafter, "
+                "gateway-verifier), one-way delay d each direction: RTT 2d",
+            },
+            "cores": {"engine": cpus[0], "other": cpus[-1], "all": cpus},
+            "cpu": _cpu_model(),
+            "versions": _versions(),
             "started": dt.datetime.fromtimestamp(t_start, dt.UTC).isoformat(),
             "duration_s": round(time.time() - t_start, 1),
         },
@@ -554,7 +699,9 @@ def _run(args: argparse.Namespace, fractions: list[float], variants: dict[str, l
     print(f"verify step (reference, zero delay): {ref}")
     for line in goal_lines(goals, failed):
         print(line)
-    print(f"\n{len(rows)} rows in {report['meta']['duration_s']:.0f} s; wrote {out / 'link.json'} and {out / 'link.png'}")
+    print(
+        f"\n{len(rows)} rows in {report['meta']['duration_s']:.0f} s; wrote {out / 'link.json'} and {out / 'link.png'}"
+    )
     return 0
 
 
@@ -571,7 +718,8 @@ def _ready(job: dict[str, Any]) -> int:
             while True:
                 try:
                     answer: health_pb2.HealthCheckResponse = stub.Check(  # type: ignore[attr-defined]  # types-grpcio-health-checking's HealthStub lacks Check (the generated __init__ sets it)
-                        health_pb2.HealthCheckRequest(), timeout=2)
+                        health_pb2.HealthCheckRequest(), timeout=2
+                    )
                     if answer.status == health_pb2.HealthCheckResponse.SERVING:
                         break
                 except grpc.RpcError:
@@ -590,8 +738,16 @@ def _measure(job: dict[str, Any]) -> int:
     from benchmarks.systems import _emit_stdout, run_specdec
 
     run_specdec(job["gateway"], [job["warmup"]], 8, job["gamma"], 1)
-    _emit_stdout(run_specdec(job["gateway"], job["prompts"], job["max_tokens"], job["gamma"], 1,
-                             lambda: _emit_stdout({"event": "request"})))
+    _emit_stdout(
+        run_specdec(
+            job["gateway"],
+            job["prompts"],
+            job["max_tokens"],
+            job["gamma"],
+            1,
+            lambda: _emit_stdout({"event": "request"}),
+        )
+    )
     return 0
 
 

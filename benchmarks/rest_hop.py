@@ -61,15 +61,29 @@ class ScriptedCore:
     def serving(self) -> bool:
         return True
 
-    async def generate(self, spec: pb.GenerationSpec, *, authorization: str | None = None, parent: Any = None,
-                       deadline_s: float | None = None, stream: bool = False) -> AsyncGenerator[Chunk, None]:
+    async def generate(
+        self,
+        spec: pb.GenerationSpec,
+        *,
+        authorization: str | None = None,
+        parent: Any = None,
+        deadline_s: float | None = None,
+        stream: bool = False,
+    ) -> AsyncGenerator[Chunk, None]:
         for i in range(self.n):
             if i < self.n - 1:
                 yield Chunk("x", [7], 0, 0, pb.FINISH_REASON_UNSPECIFIED, request_id=spec.request_id)
             else:
-                yield Chunk("x", [7], 0, 0, pb.FINISH_REASON_LENGTH, request_id=spec.request_id,
-                            usage=pb.Usage(prompt_tokens=len(spec.prompt_token_ids), completion_tokens=self.n),
-                            stats=pb.SpeculationStats())
+                yield Chunk(
+                    "x",
+                    [7],
+                    0,
+                    0,
+                    pb.FINISH_REASON_LENGTH,
+                    request_id=spec.request_id,
+                    usage=pb.Usage(prompt_tokens=len(spec.prompt_token_ids), completion_tokens=self.n),
+                    stats=pb.SpeculationStats(),
+                )
 
     async def close(self) -> None:
         pass
@@ -85,21 +99,47 @@ class GrpcHop:
     def serving(self) -> bool:
         return True
 
-    async def generate(self, spec: pb.GenerationSpec, *, authorization: str | None = None, parent: Any = None,
-                       deadline_s: float | None = None, stream: bool = False) -> AsyncGenerator[Chunk, None]:
+    async def generate(
+        self,
+        spec: pb.GenerationSpec,
+        *,
+        authorization: str | None = None,
+        parent: Any = None,
+        deadline_s: float | None = None,
+        stream: bool = False,
+    ) -> AsyncGenerator[Chunk, None]:
         metadata = (("authorization", authorization),) if authorization else ()
         try:
             if not stream:
                 r = await self.client.generate(spec, metadata=metadata, timeout_s=deadline_s)
-                yield Chunk(r.text, list(r.token_ids), 0, 0, r.finish_reason, list(r.logprobs), r.request_id,
-                            usage=r.usage, stats=r.stats, first_token_ms=r.first_token_ms, total_ms=r.total_ms)
+                yield Chunk(
+                    r.text,
+                    list(r.token_ids),
+                    0,
+                    0,
+                    r.finish_reason,
+                    list(r.logprobs),
+                    r.request_id,
+                    usage=r.usage,
+                    stats=r.stats,
+                    first_token_ms=r.first_token_ms,
+                    total_ms=r.total_ms,
+                )
                 return
             call = self.client.stream(spec, metadata=metadata, timeout_s=deadline_s)
             try:
                 async for m in call:
-                    yield Chunk(m.text, list(m.token_ids), m.drafted, m.accepted, m.finish_reason, list(m.logprobs),
-                                m.request_id, usage=m.usage if m.HasField("usage") else None,
-                                stats=m.stats if m.HasField("stats") else None)
+                    yield Chunk(
+                        m.text,
+                        list(m.token_ids),
+                        m.drafted,
+                        m.accepted,
+                        m.finish_reason,
+                        list(m.logprobs),
+                        m.request_id,
+                        usage=m.usage if m.HasField("usage") else None,
+                        stats=m.stats if m.HasField("stats") else None,
+                    )
             finally:
                 call.cancel()
         except grpc.aio.AioRpcError as err:
@@ -124,8 +164,9 @@ async def _serve(app: Any) -> tuple[uvicorn.Server, asyncio.Task[None], str]:
     return server, task, f"http://127.0.0.1:{port}"
 
 
-async def _round(client: httpx.AsyncClient, url: str, requests: int, concurrency: int,
-                 chunks: int) -> tuple[float, float]:
+async def _round(
+    client: httpx.AsyncClient, url: str, requests: int, concurrency: int, chunks: int
+) -> tuple[float, float]:
     """(CPU seconds, wall seconds) per chunk of one round: `requests` streamed completions,
     `concurrency` at a time."""
     gate = asyncio.Semaphore(concurrency)
@@ -157,8 +198,10 @@ async def measure(requests: int, chunks: int, concurrency: int, rounds: int) -> 
     grpc_server.add_insecure_port(address)
     await grpc_server.start()
     hop = GrpcHop(address)
-    servers = {name: await _serve(build_app(c, Tok(), "m"))  # both are a gateway.core.Core
-               for name, c in (("in-process", core), ("grpc hop", hop))}
+    servers = {
+        name: await _serve(build_app(c, Tok(), "m"))  # both are a gateway.core.Core
+        for name, c in (("in-process", core), ("grpc hop", hop))
+    }
     per_chunk: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}  # (cpu, wall) per round
     try:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -194,10 +237,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     result = asyncio.run(measure(args.requests, args.chunks, args.concurrency, args.rounds))
     for kind in ("cpu", "wall"):
-        print(f"{kind:>4}: in-process {result[f'in_process_{kind}_us_per_chunk']:.1f} us per REST chunk, "
-              f"grpc hop {result[f'grpc_hop_{kind}_us_per_chunk']:.1f} us: "
-              f"the hop costs {result[f'{kind}_ratio']:.2f}x "
-              f"({result[f'saved_{kind}_us_per_chunk']:.1f} us saved per chunk)")
+        print(
+            f"{kind:>4}: in-process {result[f'in_process_{kind}_us_per_chunk']:.1f} us per REST chunk, "
+            f"grpc hop {result[f'grpc_hop_{kind}_us_per_chunk']:.1f} us: "
+            f"the hop costs {result[f'{kind}_ratio']:.2f}x "
+            f"({result[f'saved_{kind}_us_per_chunk']:.1f} us saved per chunk)"
+        )
     print(json.dumps(result))
     return result
 

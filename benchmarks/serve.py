@@ -111,10 +111,14 @@ def sharegpt_dataset(prompts: Sequence[str], path: Path) -> None:
     """Write `prompts` as a ShareGPT-format file for `vllm bench serve --dataset-name sharegpt`
     (its `custom` JSONL dataset needs pandas, which vLLM's CPU wheel does not install). The
     second turn only sets a length, which --sharegpt-output-len overrides."""
-    path.write_text(json.dumps([
-        {"id": str(i), "conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "pass\n"}]}
-        for i, p in enumerate(prompts)
-    ]))
+    path.write_text(
+        json.dumps(
+            [
+                {"id": str(i), "conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "pass\n"}]}
+                for i, p in enumerate(prompts)
+            ]
+        )
+    )
 
 
 # ---- the servers --------------------------------------------------------------------------------
@@ -142,10 +146,26 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: floa
 def vllm_server_command(target: str, port: int, dtype: str) -> list[str]:
     """vLLM's OpenAI server on `target` with the settings of the bench's target-only rows."""
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "2048",
-        "--max-num-seqs", "32", "--enforce-eager", "--no-enable-prefix-caching",
-        "--kv-cache-memory-bytes", str(1 << 30), "--disable-uvicorn-access-log",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        target,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "32",
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--kv-cache-memory-bytes",
+        str(1 << 30),
+        "--disable-uvicorn-access-log",
     ]
 
 
@@ -158,8 +178,14 @@ def vllm_server(target: str, dtype: str, core: int, log: Path) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, **VLLM_CPU_ENV, "OMP_NUM_THREADS": "1"}
     with open(log, "ab") as out:
-        proc = subprocess.Popen(vllm_server_command(target, port, dtype), stdout=out, stderr=subprocess.STDOUT,
-                                env=env, preexec_fn=_pinned({core}), start_new_session=True)
+        proc = subprocess.Popen(
+            vllm_server_command(target, port, dtype),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_pinned({core}),
+            start_new_session=True,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, READY_TIMEOUT_S, log)
@@ -179,8 +205,15 @@ def vllm_server(target: str, dtype: str, core: int, log: Path) -> Iterator[str]:
 
 
 @contextmanager
-def specdec_services(pair: str, target: str | None, draft: str | None, dtype: str, cores: tuple[int, int],
-                     log_dir: Path, verifier_args: Sequence[str] = ()) -> Iterator[str]:
+def specdec_services(
+    pair: str,
+    target: str | None,
+    draft: str | None,
+    dtype: str,
+    cores: tuple[int, int],
+    log_dir: Path,
+    verifier_args: Sequence[str] = (),
+) -> Iterator[str]:
     """The three services as `specdec up` starts them (their defaults; the verifier at the bench's
     dtype with the prefix cache off, the drafter at its own default: int8 dynamic quantisation of
     the float32 draft on the CPU), the verifier on cores[0], drafter and gateway on cores[1];
@@ -190,10 +223,18 @@ def specdec_services(pair: str, target: str | None, draft: str | None, dtype: st
     rest = free_port()
     off = ["--metrics-port", "0"]
     cluster = Cluster(
-        pair=pair, target=target, draft=draft, gateway_port=free_port(), drafter_port=free_port(),
-        verifier_port=free_port(), log_dir=log_dir,
-        extra_args={"verifier": [*off, "--dtype", dtype, "--no-prefix-caching", *verifier_args],
-                    "drafter": off, "gateway": [*off, "--rest-port", str(rest)]},
+        pair=pair,
+        target=target,
+        draft=draft,
+        gateway_port=free_port(),
+        drafter_port=free_port(),
+        verifier_port=free_port(),
+        log_dir=log_dir,
+        extra_args={
+            "verifier": [*off, "--dtype", dtype, "--no-prefix-caching", *verifier_args],
+            "drafter": off,
+            "gateway": [*off, "--rest-port", str(rest)],
+        },
     )
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, set(cores))  # Cluster gives the verifier all but the last core, the rest the last
@@ -217,8 +258,11 @@ def served_model(url: str) -> str:
 
 def warm_up(url: str, model: str, prompt: str) -> None:
     """One short greedy completion (WARMUP_TOKENS tokens), not measured."""
-    resp = httpx.post(f"{url}/v1/completions", timeout=READY_TIMEOUT_S, json={
-        "model": model, "prompt": prompt, "max_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True})
+    resp = httpx.post(
+        f"{url}/v1/completions",
+        timeout=READY_TIMEOUT_S,
+        json={"model": model, "prompt": prompt, "max_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True},
+    )
     resp.raise_for_status()
 
 
@@ -238,19 +282,53 @@ def scrape(url: str) -> dict[str, float]:
 
 
 # ---- the client ---------------------------------------------------------------------------------
-def bench_serve_command(url: str, model: str, tokenizer: str, dataset: Path, n: int, output_len: int,
-                        result_dir: Path, filename: str) -> list[str]:
+def bench_serve_command(
+    url: str, model: str, tokenizer: str, dataset: Path, n: int, output_len: int, result_dir: Path, filename: str
+) -> list[str]:
     """`vllm bench serve` arguments: every prompt of `dataset` in file order, all at once, greedy,
     exactly `output_len` tokens each, per-request results saved."""
     return [
-        "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url,
-        "--model", model, "--tokenizer", tokenizer,
-        "--dataset-name", "sharegpt", "--dataset-path", str(dataset), "--sharegpt-output-len", str(output_len),
-        "--disable-shuffle", "--num-prompts", str(n), "--max-concurrency", str(n), "--request-rate", "inf",
-        "--temperature", "0", "--ignore-eos", "--ready-check-timeout-sec", "0",
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-        "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result_dir),
-        "--result-filename", filename,
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--endpoint",
+        "/v1/completions",
+        "--base-url",
+        url,
+        "--model",
+        model,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(dataset),
+        "--sharegpt-output-len",
+        str(output_len),
+        "--disable-shuffle",
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(n),
+        "--request-rate",
+        "inf",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--ready-check-timeout-sec",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--disable-tqdm",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        filename,
     ]
 
 
@@ -258,8 +336,15 @@ def run_bench_serve(args: list[str], core: int, log: Path, result: Path, timeout
     """Run `vllm ARGS` pinned to `core`; its saved result (JSON)."""
     env = {**os.environ, **VLLM_CPU_ENV, "OMP_NUM_THREADS": "1"}
     with open(log, "ab") as out:
-        proc = subprocess.run([sys.executable, "-c", CLI_SHIM, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                              preexec_fn=_pinned({core}), timeout=timeout_s, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", CLI_SHIM, *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_pinned({core}),
+            timeout=timeout_s,
+            check=False,
+        )
     if proc.returncode != 0 or not result.exists():
         raise RuntimeError(f"vllm bench serve exited with {proc.returncode}; see {log}")
     data: dict[str, Any] = json.loads(result.read_text())
@@ -269,9 +354,15 @@ def run_bench_serve(args: list[str], core: int, log: Path, result: Path, timeout
 # ---- the report ---------------------------------------------------------------------------------
 def row(system: str, result: dict[str, Any], counters: dict[str, float] | None) -> dict[str, Any]:
     """One system's figures from vLLM's saved result (and specdec's counter differences)."""
-    out: dict[str, Any] = {"workload": NAME, "system": system, "concurrency": int(result.get("max_concurrency") or 0),
-                           "completed": result["completed"], "failed": result["failed"],
-                           "output_tokens": result["total_output_tokens"], "duration_s": result["duration"]}
+    out: dict[str, Any] = {
+        "workload": NAME,
+        "system": system,
+        "concurrency": int(result.get("max_concurrency") or 0),
+        "completed": result["completed"],
+        "failed": result["failed"],
+        "output_tokens": result["total_output_tokens"],
+        "duration_s": result["duration"],
+    }
     for key, src, _, _ in FIGURES:
         out[key] = result.get(src)
     out["itl_p50_ms"] = result.get("p50_itl_ms")
@@ -306,28 +397,49 @@ def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     """A Markdown table: one row per system, then the ratios."""
-    cols = [*((k, h, f) for k, _, h, f in FIGURES), ("events_per_token", "events/token", "{:.2f}"),
-            ("fallbacks", "fallbacks", "{}"), ("mean_accepted_length", "MAL", "{:.2f}")]
+    cols = [
+        *((k, h, f) for k, _, h, f in FIGURES),
+        ("events_per_token", "events/token", "{:.2f}"),
+        ("fallbacks", "fallbacks", "{}"),
+        ("mean_accepted_length", "MAL", "{:.2f}"),
+    ]
 
     def cell(value: Any, fmt: str) -> str:
         return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
 
-    lines = [f"{NAME}: vllm bench serve, c = {report['concurrency']}, {report['output_len']} tokens each",
-             "| system | " + " | ".join(h for _, h, _ in cols) + " |", "|---|" + "---|" * len(cols)]
+    lines = [
+        f"{NAME}: vllm bench serve, c = {report['concurrency']}, {report['output_len']} tokens each",
+        "| system | " + " | ".join(h for _, h, _ in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
     for r in report["rows"]:
         lines.append(f"| {r['system']} | " + " | ".join(cell(r[k], f) for k, _, f in cols) + " |")
     ratios = report.get("ratios") or {}
     if ratios:
-        lines.append("| specdec / target-only | " + " | ".join(
-            cell(ratios.get(k), "{:.2f}x") if k in ratios else "" for k, _, _ in cols) + " |")
+        lines.append(
+            "| specdec / target-only | "
+            + " | ".join(cell(ratios.get(k), "{:.2f}x") if k in ratios else "" for k, _, _ in cols)
+            + " |"
+        )
         lines.append(f"\nexact: {report['exact']:.0%} of specdec's outputs equal target-only's")
     return "\n".join(lines)
 
 
-def run_workload(*, pair: str, target: str, tokenizer: str, target_ref: str | None, draft_ref: str | None,
-                 dtype: str, output_len: int, cores: tuple[int, int], out: Path, vllm_dtype: str | None = None,
-                 verifier_args: Sequence[str] = (), prompts: tuple[list[str], list[str]] | None = None,
-                 ) -> dict[str, Any]:
+def run_workload(
+    *,
+    pair: str,
+    target: str,
+    tokenizer: str,
+    target_ref: str | None,
+    draft_ref: str | None,
+    dtype: str,
+    output_len: int,
+    cores: tuple[int, int],
+    out: Path,
+    vllm_dtype: str | None = None,
+    verifier_args: Sequence[str] = (),
+    prompts: tuple[list[str], list[str]] | None = None,
+) -> dict[str, Any]:
     """Both systems, one after the other; the report: rows, ratios, exact, and the command per row.
 
     dtype: the services' and (unless `vllm_dtype`) vLLM's server's; cores: (the target's core,
@@ -358,7 +470,14 @@ def run_workload(*, pair: str, target: str, tokenizer: str, target_ref: str | No
         measure("target-only", url)
     with specdec_services(pair, target_ref, draft_ref, dtype, cores, logs, verifier_args) as url:
         measure("specdec", url)
-    return {"workload": NAME, "prompts": ids, "concurrency": len(texts), "output_len": output_len,
-            "dtype": {"target-only": vllm_dtype or dtype, "specdec": dtype},
-            "cores": {"target": cores[0], "drafter_and_client": cores[1]}, "rows": rows, **compare(rows),
-            "commands": commands}
+    return {
+        "workload": NAME,
+        "prompts": ids,
+        "concurrency": len(texts),
+        "output_len": output_len,
+        "dtype": {"target-only": vllm_dtype or dtype, "specdec": dtype},
+        "cores": {"target": cores[0], "drafter_and_client": cores[1]},
+        "rows": rows,
+        **compare(rows),
+        "commands": commands,
+    }

@@ -73,15 +73,28 @@ def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=job["target"], tokenizer=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"],
-        max_num_seqs=32, enforce_eager=True, enable_prefix_caching=False,
-        kv_cache_memory_bytes=int(job["kv_cache_gib"] * (1 << 30)),
-        speculative_config=job["speculative_config"], disable_log_stats=False,
-        async_scheduling=job.get("async_scheduling"),  # None: vLLM's default (on where supported)
-    ))
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False,
-                            output_kind=RequestOutputKind.DELTA)
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=job["target"],
+            tokenizer=job["target"],
+            dtype=job["dtype"],
+            max_model_len=job["max_model_len"],
+            max_num_seqs=32,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            kv_cache_memory_bytes=int(job["kv_cache_gib"] * (1 << 30)),
+            speculative_config=job["speculative_config"],
+            disable_log_stats=False,
+            async_scheduling=job.get("async_scheduling"),  # None: vLLM's default (on where supported)
+        )
+    )
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=job["max_tokens"],
+        ignore_eos=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
     counter = [0]
 
     def run(batch: list[list[int]], max_tokens: int | None = None, report: bool = True) -> list[dict[str, Any]]:
@@ -117,8 +130,11 @@ def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
     def spec_counters() -> dict[str, float] | None:
         if job["speculative_config"] is None:
             return None
-        names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens": "accepted"}
+        names = {
+            "vllm:spec_decode_num_drafts": "drafts",
+            "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens": "accepted",
+        }
         found = {names[m.name]: float(m.value) for m in engine.get_metrics() if m.name in names and hasattr(m, "value")}
         return found if len(found) == 3 else None
 
@@ -177,12 +193,21 @@ def run_hf_assisted(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
         clock = Clock(t0)
         with torch.inference_mode():
             target.generate(
-                input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                assistant_model=draft, do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                streamer=clock, pad_token_id=0,
+                input_ids=torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                assistant_model=draft,
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                streamer=clock,
+                pad_token_id=0,
             )
-        return {"chunks": clock.chunks, "tokens": clock.tokens, "ttft": clock.chunks[0][0],
-                "e2e": time.perf_counter() - t0}
+        return {
+            "chunks": clock.chunks,
+            "tokens": clock.tokens,
+            "ttft": clock.chunks[0][0],
+            "e2e": time.perf_counter() - t0,
+        }
 
     generate(job["warmup_prompt"], 8)
     t0 = time.perf_counter()
@@ -248,13 +273,22 @@ def batch_rows(before: Histogram, after: Histogram) -> dict[str, Any]:
             histogram["+Inf" if le == float("inf") else f"{le:g}"] = gained - below
         below = gained
     top = next(reversed(histogram), None)  # more than the last finite bound (256): no max to give
-    return {"forwards": forwards, "mean": (after.sum - before.sum) / forwards if forwards else None,
-            "max": int(float(top)) if top is not None and top != "+Inf" else None, "histogram": histogram}
+    return {
+        "forwards": forwards,
+        "mean": (after.sum - before.sum) / forwards if forwards else None,
+        "max": int(float(top)) if top is not None and top != "+Inf" else None,
+        "histogram": histogram,
+    }
 
 
 def run_specdec(
-    gateway: str, prompts: list[list[int]], max_tokens: int, gamma: int, concurrency: int,
-    on_request: Callable[[], None] = lambda: None, drafter_metrics: str | None = None,
+    gateway: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    gamma: int,
+    concurrency: int,
+    on_request: Callable[[], None] = lambda: None,
+    drafter_metrics: str | None = None,
 ) -> dict[str, Any]:
     """One workload through a running gateway; per-request chunks and speculation stats.
     `drafter_metrics`: the drafter's /metrics URL, to record its batch size over the workload
@@ -264,8 +298,9 @@ def run_specdec(
     client = GatewayClient(gateway)  # one channel for the workload, as a client service keeps
 
     def one(ids: list[int], out: dict[str, Any]) -> None:
-        spec = generation_spec(ids, max_tokens=max_tokens, gamma=gamma, drafter="model" if gamma else "none",
-                               ignore_eos=True)
+        spec = generation_spec(
+            ids, max_tokens=max_tokens, gamma=gamma, drafter="model" if gamma else "none", ignore_eos=True
+        )
         chunks: list[list[float]] = []  # [seconds since t0, new tokens] per message
         tokens: list[int] = []
         last: pb.GenerateStreamResponse | None = None
@@ -279,14 +314,29 @@ def run_specdec(
         if last is None:  # the gateway ends every stream with a chunk carrying the finish reason
             raise RuntimeError("the gateway's stream ended without a chunk")
         s = last.stats
-        out.update(chunks=chunks, tokens=tokens, ttft=chunks[0][0], e2e=e2e, stats={
-            "drafts": s.speculative_steps, "draft_tokens": s.drafted_tokens, "accepted": s.accepted_tokens,
-            "steps": s.target_steps, "verify_ms": s.verify_ms, "draft_wait_ms": s.draft_wait_ms,
-            "draft_ms": s.draft_ms, "draft_tokens_sent": s.tokens_received, "rejections": s.rejected_steps,
-            "fallback": s.fallback_reason, "max_draft_wait_ms": s.max_draft_wait_ms,
-            "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "branch_misses": s.branch_misses,
-            "held_steps": s.held_steps,
-        })
+        out.update(
+            chunks=chunks,
+            tokens=tokens,
+            ttft=chunks[0][0],
+            e2e=e2e,
+            stats={
+                "drafts": s.speculative_steps,
+                "draft_tokens": s.drafted_tokens,
+                "accepted": s.accepted_tokens,
+                "steps": s.target_steps,
+                "verify_ms": s.verify_ms,
+                "draft_wait_ms": s.draft_wait_ms,
+                "draft_ms": s.draft_ms,
+                "draft_tokens_sent": s.tokens_received,
+                "rejections": s.rejected_steps,
+                "fallback": s.fallback_reason,
+                "max_draft_wait_ms": s.max_draft_wait_ms,
+                "branches_drafted": s.branches_drafted,
+                "branches_used": s.branches_used,
+                "branch_misses": s.branch_misses,
+                "held_steps": s.held_steps,
+            },
+        )
         on_request()
 
     rows_before = scrape_histogram(drafter_metrics, BATCH_ROWS) if drafter_metrics else None
@@ -304,8 +354,21 @@ def run_specdec(
         requests.extend(outs)
     wall = time.perf_counter() - t0
     client.close()
-    keys = ("drafts", "draft_tokens", "accepted", "steps", "verify_ms", "draft_wait_ms", "draft_ms", "draft_tokens_sent",
-            "rejections", "branches_drafted", "branches_used", "branch_misses", "held_steps")
+    keys = (
+        "drafts",
+        "draft_tokens",
+        "accepted",
+        "steps",
+        "verify_ms",
+        "draft_wait_ms",
+        "draft_ms",
+        "draft_tokens_sent",
+        "rejections",
+        "branches_drafted",
+        "branches_used",
+        "branch_misses",
+        "held_steps",
+    )
     spec: dict[str, Any] = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
     if drafter_metrics and rows_before is not None:
         spec["drafter_batch_rows"] = batch_rows(rows_before, scrape_histogram(drafter_metrics, BATCH_ROWS))
@@ -335,8 +398,11 @@ def run_jobs(jobs: list[dict[str, Any]], emit: Emit = _emit_stdout) -> None:
 def child_groups(jobs: list[dict[str, Any]]) -> list[list[int]]:
     """Which jobs (indices) share a child: every job in one, except that an n-gram vLLM job
     ends its child (see the module docstring), so a second one starts another."""
-    ngram = [i for i, j in enumerate(jobs) if j["kind"] == "vllm" and (j.get("speculative_config") or {}).get("method")
-             == "ngram"]
+    ngram = [
+        i
+        for i, j in enumerate(jobs)
+        if j["kind"] == "vllm" and (j.get("speculative_config") or {}).get("method") == "ngram"
+    ]
     rest = [i for i in range(len(jobs)) if i not in ngram]
     groups = [rest + ngram[:1], *([i] for i in ngram[1:])]
     return [g for g in groups if g]

@@ -83,8 +83,9 @@ def custom_class_route(model: str, prompt: list[int], n_tokens: int, gamma: int)
 def _run_one(engine: PlainEngine, rid: str, ids: list[int], read_cache: bool) -> Any:  # -> RequestOutput
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False,
-                            skip_reading_prefix_cache=not read_cache)
+    params = SamplingParams(
+        max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False, skip_reading_prefix_cache=not read_cache
+    )
     engine.add_request(rid, {"prompt_token_ids": ids}, params)
     out = None
     while engine.has_unfinished_requests():
@@ -94,8 +95,9 @@ def _run_one(engine: PlainEngine, rid: str, ids: list[int], read_cache: bool) ->
     return out
 
 
-def prompt_logprobs_route(engine: PlainEngine, prompt: list[int], reference: list[int], gamma: int,
-                          vocab: int) -> dict[str, Any]:
+def prompt_logprobs_route(
+    engine: PlainEngine, prompt: list[int], reference: list[int], gamma: int, vocab: int
+) -> dict[str, Any]:
     """Each round: prefix + draft as a new request; accept while the draft is the top-1 prompt log-prob.
 
     When the whole prefix is cached, vLLM leaves the first draft position's log-prob
@@ -147,19 +149,39 @@ def main() -> None:
     model = str(resolve(args.model))
     prompt = [(37 * i) % 400 + 10 for i in range(args.prompt_len)]
     reference, route_a = custom_class_route(model, prompt, args.tokens, args.gamma)
-    plain = LLMEngine.from_engine_args(EngineArgs(
-        model=model, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=True,
-        kv_cache_memory_bytes=1 << 30, disable_log_stats=True))
+    plain = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=model,
+            dtype="float32",
+            max_model_len=2048,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            kv_cache_memory_bytes=1 << 30,
+            disable_log_stats=True,
+        )
+    )
     route_b = prompt_logprobs_route(plain, prompt, reference, args.gamma, plain.model_config.get_vocab_size())
     results = [route_b, route_a]
     for r in results:
         r["ms_per_round"] = 1e3 * r["seconds"] / r["rounds"]
         r["tokens_per_s"] = args.tokens / r["seconds"]
-    print(json.dumps({"model": args.model, "prompt_len": args.prompt_len, "tokens": args.tokens, "gamma": args.gamma,
-                      "routes": results}, indent=1))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "prompt_len": args.prompt_len,
+                "tokens": args.tokens,
+                "gamma": args.gamma,
+                "routes": results,
+            },
+            indent=1,
+        )
+    )
     a, b = results
-    print(f"custom_class is {b['tokens_per_s'] / a['tokens_per_s']:.2f}x the tokens/s of prompt_logprobs "
-          f"({b['ms_per_round']:.1f} vs {a['ms_per_round']:.1f} ms per round)")
+    print(
+        f"custom_class is {b['tokens_per_s'] / a['tokens_per_s']:.2f}x the tokens/s of prompt_logprobs "
+        f"({b['ms_per_round']:.1f} vs {a['ms_per_round']:.1f} ms per round)"
+    )
 
 
 if __name__ == "__main__":

@@ -91,8 +91,14 @@ class _GatheredLayer(CacheLayerMixin):
 
 
 def _rows_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs: object
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """Attention for a batched step, in plain matrix products with the query heads grouped by
     their KV head (grouped-query attention without repeating the keys). transformers' sdpa

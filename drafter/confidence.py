@@ -134,8 +134,9 @@ class ConfidencePolicy:
             self.calibration.record(reach, survived)
         if tokens > 0:
             n = float(tokens)
-            self.tokens_per_commit = n if not self.tokens_per_commit else (
-                self.tokens_per_commit + COST_EWMA * (n - self.tokens_per_commit))
+            self.tokens_per_commit = (
+                n if not self.tokens_per_commit else (self.tokens_per_commit + COST_EWMA * (n - self.tokens_per_commit))
+            )
             if self._last_commit is not None:
                 ms = (now - self._last_commit) * 1e3
                 self.commit_ms = ms if not self.commit_ms else self.commit_ms + COST_EWMA * (ms - self.commit_ms)

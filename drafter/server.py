@@ -148,7 +148,9 @@ class DraftWorker(threading.Thread):
                 continue
             if session.steps > before and session.last_token_ms > 0:  # the step drafted a token
                 drafted += 1
-                self.token_ms += PACE_EWMA * (session.last_token_ms - self.token_ms) if self.token_ms else session.last_token_ms
+                self.token_ms += (
+                    PACE_EWMA * (session.last_token_ms - self.token_ms) if self.token_ms else session.last_token_ms
+                )
                 if self.metrics is not None:
                     self.metrics.step_seconds.observe(session.last_token_ms / 1e3)
                     if not self.batch and isinstance(session, ModelDraftSession):
@@ -207,8 +209,14 @@ class DrafterServicer(rpc.DrafterServiceServicer):
     """Serves a draft model (method "model") and the n-gram drafter (method "ngram"); its
     metrics (telemetry.DrafterMetrics) live on `registry`."""
 
-    def __init__(self, cfg: DrafterConfig, model: torch.nn.Module, vocabulary: compat.Vocabulary,
-                 metrics: telemetry.DrafterMetrics, token_ms: float = 0.0) -> None:
+    def __init__(
+        self,
+        cfg: DrafterConfig,
+        model: torch.nn.Module,
+        vocabulary: compat.Vocabulary,
+        metrics: telemetry.DrafterMetrics,
+        token_ms: float = 0.0,
+    ) -> None:
         """A servicer over a loaded draft `model` (a transformers causal LM; its `vocabulary` is
         what the gateway checks against the target) and its draft worker (started here).
         `token_ms`: the measured cost of one draft token (`calibrate`), the first `ready`'s
@@ -244,7 +252,9 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         prompt = list(req.prompt_token_ids)
         lookahead = req.gamma + 1 if self.cfg.lookahead < 0 else self.cfg.lookahead
         if method == pb.DRAFT_METHOD_NGRAM:
-            session: DraftSession = NgramDraftSession(prompt, req.gamma, lookahead, self.cfg.ngram_max, self.cfg.ngram_min)
+            session: DraftSession = NgramDraftSession(
+                prompt, req.gamma, lookahead, self.cfg.ngram_max, self.cfg.ngram_min
+            )
         else:
             session = self._model_session(req, prompt, lookahead)
             if self.confidence != "off":
@@ -274,7 +284,9 @@ class DrafterServicer(rpc.DrafterServiceServicer):
     # gRPC asyncio also serves a handler that writes its responses (context.write) and returns None;
     # the generated base class declares only one that returns them as an iterator
     async def Draft(  # type: ignore[override]  # noqa: N802  # returns None: see the comment above
-        self, request_iterator: AsyncIterator[pb.DraftRequest], context: DraftContext,
+        self,
+        request_iterator: AsyncIterator[pb.DraftRequest],
+        context: DraftContext,
     ) -> None:
         async with self.slots.hold(context):
             await self._draft(context)
@@ -286,8 +298,11 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         span = self.tracer.start_span(
             "specdec.draft_session",
             context=telemetry.extract_context(opened.trace_context or context.invocation_metadata()),
-            attributes={"specdec.request_id": opened.request_id, "specdec.gamma": opened.gamma,
-                        "specdec.method": draft_method_name(opened.method or pb.DRAFT_METHOD_MODEL)},
+            attributes={
+                "specdec.request_id": opened.request_id,
+                "specdec.gamma": opened.gamma,
+                "specdec.method": draft_method_name(opened.method or pb.DRAFT_METHOD_MODEL),
+            },
         )
         self.metrics.sessions.inc()
         self.metrics.requests.inc()
@@ -310,9 +325,11 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                     # context (past the prompt), never beyond it (positions are uint32 on the wire)
                     prompt_len, known = len(opened.prompt_token_ids), len(session.context)
                     if not prompt_len <= c.start_position <= known:
-                        raise InvalidField("commit.start_position",
-                                           f"{c.start_position} is outside [{prompt_len}, {known}] (from the "
-                                           "prompt's end to the context's end)")
+                        raise InvalidField(
+                            "commit.start_position",
+                            f"{c.start_position} is outside [{prompt_len}, {known}] (from the "
+                            "prompt's end to the context's end)",
+                        )
                     if c.gamma and not 1 <= c.gamma <= MAX_GAMMA_LIMIT:
                         raise InvalidField("commit.gamma", f"{c.gamma} is out of range [1, {MAX_GAMMA_LIMIT}]")
                     gamma, breaks, hits = session.gamma, session.breaks, session.branches_adopted
@@ -338,12 +355,20 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                 if isinstance(item, BaseException):
                     await context.abort(grpc.StatusCode.INTERNAL, f"drafting failed: {item}")
                 if isinstance(item, Ready):
-                    ready = pb.DraftReady(prefilled_tokens=item.prefilled_tokens, prefill_ms=item.prefill_ms,
-                                          draft_ms_per_token=self.worker.pace_ms())
+                    ready = pb.DraftReady(
+                        prefilled_tokens=item.prefilled_tokens,
+                        prefill_ms=item.prefill_ms,
+                        draft_ms_per_token=self.worker.pace_ms(),
+                    )
                     await context.write(pb.DraftResponse(ready=ready))
-                    span.add_event("ready", {"specdec.prefilled_tokens": item.prefilled_tokens,
-                                             "specdec.prefill_ms": item.prefill_ms,
-                                             "specdec.draft_ms_per_token": ready.draft_ms_per_token})
+                    span.add_event(
+                        "ready",
+                        {
+                            "specdec.prefilled_tokens": item.prefilled_tokens,
+                            "specdec.prefill_ms": item.prefill_ms,
+                            "specdec.draft_ms_per_token": ready.draft_ms_per_token,
+                        },
+                    )
                     continue
                 sequence += 1
                 await context.write(pb.DraftResponse(block=_block_pb(item, sequence)))
@@ -353,9 +378,15 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                     self.metrics.confidence_cuts.inc()
                 if item.tau and not item.branch:
                     self.metrics.block_tau.observe(item.tau)
-                span.add_event("block", {"specdec.start_position": item.start_position,
-                                         "specdec.tokens": len(item.drafts), "specdec.draft_ms": item.draft_ms,
-                                         "specdec.branch": item.branch})
+                span.add_event(
+                    "block",
+                    {
+                        "specdec.start_position": item.start_position,
+                        "specdec.tokens": len(item.drafts),
+                        "specdec.draft_ms": item.draft_ms,
+                        "specdec.branch": item.branch,
+                    },
+                )
         finally:
             span.end()
             self.metrics.sessions.dec()
@@ -366,11 +397,16 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.worker.stop()
 
     async def GetDrafterInfo(  # noqa: N802
-        self, request: pb.GetDrafterInfoRequest,
+        self,
+        request: pb.GetDrafterInfoRequest,
         context: grpc.aio.ServicerContext[pb.GetDrafterInfoRequest, pb.GetDrafterInfoResponse],
     ) -> pb.GetDrafterInfoResponse:
-        return pb.GetDrafterInfoResponse(model=self.model_name, vocab_size=self.vocab_size, methods=list(METHODS),
-                                         vocabulary=compat.to_pb(self.vocabulary))
+        return pb.GetDrafterInfoResponse(
+            model=self.model_name,
+            vocab_size=self.vocab_size,
+            methods=list(METHODS),
+            vocabulary=compat.to_pb(self.vocabulary),
+        )
 
 
 def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":
@@ -388,17 +424,28 @@ def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":
     return msg
 
 
-def calibrate(model: torch.nn.Module, vocabulary: compat.Vocabulary, q_top_k: int = 0, prompt_len: int = 32,
-              tokens: int = 6) -> float:
+def calibrate(
+    model: torch.nn.Module, vocabulary: compat.Vocabulary, q_top_k: int = 0, prompt_len: int = 32, tokens: int = 6
+) -> float:
     """Warm the model up and measure its cost per draft token, milliseconds (median of a few
     greedy steps after a short prefill): the first `ready`'s estimate, before any session ran."""
     import statistics
 
     vocab = vocab_size(model)
     prompt = [i % vocab for i in range(1, prompt_len + 1)]
-    session = ModelDraftSession(model, prompt, gamma=tokens, lookahead=0, temperature=0.0, top_k=0, top_p=1.0,
-                                seed=0, q_top_k=q_top_k, prefill_chunk=prompt_len,
-                                vocab_limit=vocabulary.tokenizer_size)
+    session = ModelDraftSession(
+        model,
+        prompt,
+        gamma=tokens,
+        lookahead=0,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=0,
+        q_top_k=q_top_k,
+        prefill_chunk=prompt_len,
+        vocab_limit=vocabulary.tokenizer_size,
+    )
     session.commit(prompt_len, [1])
     costs: list[float] = []
     while len(costs) < tokens:
@@ -426,13 +473,24 @@ def build(cfg: DrafterConfig, registry: CollectorRegistry) -> DrafterServicer:
     placement = draft_placement(cfg.device, cfg.dtype, cfg.quantize)
     model = load_causal_lm(cfg.model, placement.dtype, placement.quantize, revision, placement.device)
     token_ms = calibrate(model, vocabulary, cfg.q_top_k)
-    log.info("draft model %s loaded from %s (vocab %d, %s, %s, quantize %s, %.1f ms per draft token)", cfg.model,
-             path, vocab_size(model), placement.device, placement.dtype, placement.quantize, token_ms)
+    log.info(
+        "draft model %s loaded from %s (vocab %d, %s, %s, quantize %s, %.1f ms per draft token)",
+        cfg.model,
+        path,
+        vocab_size(model),
+        placement.device,
+        placement.dtype,
+        placement.quantize,
+        token_ms,
+    )
     return DrafterServicer(cfg, model, vocabulary, telemetry.DrafterMetrics(registry), token_ms)
 
 
 async def main(cfg: DrafterConfig) -> None:
     await serving.serve(
-        "drafter", cfg, lambda registry: build(cfg, registry), rpc.add_DrafterServiceServicer_to_server,
-        "specdec.v1.DrafterService"
+        "drafter",
+        cfg,
+        lambda registry: build(cfg, registry),
+        rpc.add_DrafterServiceServicer_to_server,
+        "specdec.v1.DrafterService",
     )

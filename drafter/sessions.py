@@ -167,15 +167,16 @@ class DraftSession:
     def confidence_cut(self) -> bool:
         """Whether the session stops drafting past its context for this round: drafts sized
         by confidence are on, it has drafted past the committed context, and the reach is below tau."""
-        return (self.confidence is not None and len(self.context) > self.committed
-                and self.reach() < self.confidence.tau)
+        return self.confidence is not None and len(self.context) > self.committed and self.reach() < self.confidence.tau
 
     def urgent(self) -> bool:
         """Whether the verifier is (about to be) waiting for this session's drafts: the target
         has produced its first token (the session started) and fewer than gamma drafts lie past
         the committed context. A prefill before the first commit is not urgent: it overlaps the
         target's own prefill, and drafts other verifiers are waiting for come first."""
-        return self.started and self.wants_work() and (not self.ready or len(self.context) - self.committed < self.gamma)
+        return (
+            self.started and self.wants_work() and (not self.ready or len(self.context) - self.committed < self.gamma)
+        )
 
     def commit(self, start: int, tokens: list[int], gamma: int = 0, hold: bool = False) -> None:
         """Apply a target verdict: context[:start] + tokens is now verified. `hold`: the
@@ -187,7 +188,11 @@ class DraftSession:
                 self.gamma = gamma
             end = start + len(tokens)
             agree = 0
-            while agree < len(tokens) and start + agree < len(self.context) and self.context[start + agree] == tokens[agree]:
+            while (
+                agree < len(tokens)
+                and start + agree < len(self.context)
+                and self.context[start + agree] == tokens[agree]
+            ):
                 agree += 1
             if self.confidence is not None:
                 self.confidence.observe_commit(time.perf_counter(), len(tokens), self._decided(start, tokens, agree))
@@ -269,7 +274,10 @@ class DraftSession:
         return DRAFT_NEEDED
 
     def step_draft_locked(
-        self, t0: float, draft: Draft | None | Literal[_Step.DRAFT_NEEDED] = DRAFT_NEEDED, compute_ms: float | None = None
+        self,
+        t0: float,
+        draft: Draft | None | Literal[_Step.DRAFT_NEEDED] = DRAFT_NEEDED,
+        compute_ms: float | None = None,
     ) -> BlockOut | None:
         """The rest of a step that drafts a token (started at perf_counter `t0`): `draft`, or
         the session's own `_next_token()` when not given. `compute_ms`: the token's compute
@@ -312,8 +320,15 @@ class DraftSession:
         waited_ms = (time.perf_counter() - self._pending_since) * 1e3
         if not (force or now) and len(self._pending) < self.gamma and waited_ms < self.flush_ms:
             return None
-        block = BlockOut(self.sent, self._pending, self._pending_ms, final=force, committed_length=self.committed,
-                         confidence_cut=cut, tau=self.confidence.tau if self.confidence is not None else 0.0)
+        block = BlockOut(
+            self.sent,
+            self._pending,
+            self._pending_ms,
+            final=force,
+            committed_length=self.committed,
+            confidence_cut=cut,
+            tau=self.confidence.tau if self.confidence is not None else 0.0,
+        )
         self.sent += len(self._pending)
         self._pending = []
         return block
@@ -349,9 +364,16 @@ class DraftSession:
         """Whether the session has branch work: it is idle otherwise (its window is full) and
         a candidate branch is not drafted yet."""
         with self.lock:
-            return (self.branches > 0 and self.ready and self.started and not self.closed and not self.held
-                    and not self.wants_work() and not self._resend
-                    and (self._branch_job is not None or self._next_branches() is not None))
+            return (
+                self.branches > 0
+                and self.ready
+                and self.started
+                and not self.closed
+                and not self.held
+                and not self.wants_work()
+                and not self._resend
+                and (self._branch_job is not None or self._next_branches() is not None)
+            )
 
     def branch_step(self) -> list[BlockOut]:
         """One unit of branch work (one batched draft step); the branch blocks finished by it."""
@@ -374,8 +396,9 @@ class DraftSession:
             for (p, t), cont in zip(rows, conts):
                 self._branches[(p, t)] = cont
                 self.branches_drafted += 1
-                blocks.append(BlockOut(p, [Draft(t, 1.0, None), *cont], draft_ms / len(rows), False,
-                                       self.committed, branch=True))
+                blocks.append(
+                    BlockOut(p, [Draft(t, 1.0, None), *cont], draft_ms / len(rows), False, self.committed, branch=True)
+                )
             return blocks
 
     def _begin_branches(self, position: int, corrections: list[int]) -> object:
@@ -555,12 +578,20 @@ class ModelDraftSession(DraftSession):
             positions[i, :pad] = base  # padding queries: any position (their outputs are dropped)
             keep[i, base : base + pad] = 0
         ragged = t_max > 1
-        return {"rows": rows, "cache": cache, "ms": 0.0, "next": ids.to(self.device),
-                "mask": keep.to(self.device) if ragged else None, "positions": positions.to(self.device),
-                "conts": [[] for _ in rows], "fed": sum(len(n) for n in news),
-                # drafts sized by confidence: each row's reach over its drafts after the correction, and
-                # where it was cut (-1: not yet)
-                "reach": [1.0] * len(rows), "ends": [-1] * len(rows)}
+        return {
+            "rows": rows,
+            "cache": cache,
+            "ms": 0.0,
+            "next": ids.to(self.device),
+            "mask": keep.to(self.device) if ragged else None,
+            "positions": positions.to(self.device),
+            "conts": [[] for _ in rows],
+            "fed": sum(len(n) for n in news),
+            # drafts sized by confidence: each row's reach over its drafts after the correction, and
+            # where it was cut (-1: not yet)
+            "reach": [1.0] * len(rows),
+            "ends": [-1] * len(rows),
+        }
 
     @torch.inference_mode()
     def _advance_branches(self) -> tuple[list[tuple[int, int]], list[list[Draft]], float] | None:
@@ -570,12 +601,12 @@ class ModelDraftSession(DraftSession):
         mask = job["mask"]
         ragged = {} if mask is None else {"attention_mask": mask, "position_ids": job["positions"]}
         # [B, T] -> logits [B, 1, vocab] (T = 1 after the first step)
-        out = self.model(input_ids=job["next"], past_key_values=job["cache"], use_cache=True, logits_to_keep=1,
-                         **ragged)
+        out = self.model(
+            input_ids=job["next"], past_key_values=job["cache"], use_cache=True, logits_to_keep=1, **ragged
+        )
         self.forward_tokens += job["fed"]
         # with confidence on, each pick's conf (an adopted branch's drafts count in the reach)
-        picks = [self._pick(out.logits[b, -1], with_alts=self.confidence is not None)
-                 for b in range(len(job["rows"]))]
+        picks = [self._pick(out.logits[b, -1], with_alts=self.confidence is not None) for b in range(len(job["rows"]))]
         for cont, d in zip(job["conts"], picks):
             cont.append(d)
         job["next"] = torch.tensor([[d.token_id] for d in picks], dtype=torch.long, device=self.device)  # [B, 1]
@@ -584,7 +615,9 @@ class ModelDraftSession(DraftSession):
             job["mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             job["positions"] = job["positions"][:, -1:] + 1
         job["ms"] += (time.perf_counter() - t0) * 1e3
-        if self.confidence is not None:  # a branch is sized by confidence too: a row ends where its reach fell below tau
+        if (
+            self.confidence is not None
+        ):  # a branch is sized by confidence too: a row ends where its reach fell below tau
             for i, d in enumerate(picks):
                 if job["ends"][i] < 0:
                     job["reach"][i] *= d.conf

@@ -101,23 +101,36 @@ class GatewayClient:
     `tls_ca` (and `tls_cert` + `tls_key` for mTLS): connect with TLS; `api_key`: sent as
     `authorization: Bearer KEY` with every call."""
 
-    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, tls_ca: str = "", tls_cert: str = "",
-                 tls_key: str = "", api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        api_key: str | None = None,
+    ) -> None:
         creds = _credentials(tls_ca, tls_cert, tls_key)
-        self.channel = (grpc.secure_channel(address, creds, options=_channel_options()) if creds
-                        else grpc.insecure_channel(address, options=_channel_options()))
+        self.channel = (
+            grpc.secure_channel(address, creds, options=_channel_options())
+            if creds
+            else grpc.insecure_channel(address, options=_channel_options())
+        )
         self.stub = rpc.GatewayServiceStub(self.channel)
         self.timeout_s = timeout_s
         self.metadata = _auth(api_key)
 
     def generate(self, spec: "pb.GenerationSpec") -> "pb.GenerateResponse":
-        return self.stub.Generate(pb.GenerateRequest(spec=spec), wait_for_ready=True, timeout=self.timeout_s,
-                                  metadata=self.metadata)
+        return self.stub.Generate(
+            pb.GenerateRequest(spec=spec), wait_for_ready=True, timeout=self.timeout_s, metadata=self.metadata
+        )
 
     def stream(self, spec: "pb.GenerationSpec") -> Iterator["pb.GenerateStreamResponse"]:
         """Chunks as the gateway sends them; the last one carries the finish reason, usage and stats."""
-        return self.stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), wait_for_ready=True,
-                                        timeout=self.timeout_s, metadata=self.metadata)
+        return self.stub.GenerateStream(
+            pb.GenerateStreamRequest(spec=spec), wait_for_ready=True, timeout=self.timeout_s, metadata=self.metadata
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -134,28 +147,56 @@ class AsyncGatewayClient:
     loop that uses it (a grpc.aio channel belongs to one loop). TLS and `api_key` as in
     GatewayClient; a call's own `metadata` (the REST bridge forwards its caller's key) wins."""
 
-    def __init__(self, address: str, timeout_s: float | None = DEFAULT_TIMEOUT_S, wait_for_ready: bool = True, *,
-                 tls_ca: str = "", tls_cert: str = "", tls_key: str = "", api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        wait_for_ready: bool = True,
+        *,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        api_key: str | None = None,
+    ) -> None:
         creds = _credentials(tls_ca, tls_cert, tls_key)
-        self.channel = (grpc.aio.secure_channel(address, creds, options=_channel_options()) if creds
-                        else grpc.aio.insecure_channel(address, options=_channel_options()))
+        self.channel = (
+            grpc.aio.secure_channel(address, creds, options=_channel_options())
+            if creds
+            else grpc.aio.insecure_channel(address, options=_channel_options())
+        )
         self.stub = rpc.GatewayServiceStub(self.channel)
         self.timeout_s = timeout_s
         self.wait_for_ready = wait_for_ready
         self.metadata = _auth(api_key)
 
-    async def generate(self, spec: "pb.GenerationSpec", metadata: Any = None, timeout_s: float | None = None,
-                       ) -> "pb.GenerateResponse":
+    async def generate(
+        self,
+        spec: "pb.GenerationSpec",
+        metadata: Any = None,
+        timeout_s: float | None = None,
+    ) -> "pb.GenerateResponse":
         """Generate; `timeout_s`: this call's deadline (None: the client's timeout_s)."""
-        return await self.stub.Generate(pb.GenerateRequest(spec=spec), timeout=timeout_s or self.timeout_s,
-                                        wait_for_ready=self.wait_for_ready, metadata=metadata or self.metadata)
+        return await self.stub.Generate(
+            pb.GenerateRequest(spec=spec),
+            timeout=timeout_s or self.timeout_s,
+            wait_for_ready=self.wait_for_ready,
+            metadata=metadata or self.metadata,
+        )
 
-    def stream(self, spec: "pb.GenerationSpec", metadata: Any = None, timeout_s: float | None = None,
-               ) -> grpc.aio.UnaryStreamCall[pb.GenerateStreamRequest, pb.GenerateStreamResponse]:
+    def stream(
+        self,
+        spec: "pb.GenerationSpec",
+        metadata: Any = None,
+        timeout_s: float | None = None,
+    ) -> grpc.aio.UnaryStreamCall[pb.GenerateStreamRequest, pb.GenerateStreamResponse]:
         """The GenerateStream call: `await call.read()` or `async for chunk in call`; cancel() stops it.
         `timeout_s`: this call's deadline (None: the client's timeout_s)."""
-        return self.stub.GenerateStream(pb.GenerateStreamRequest(spec=spec), timeout=timeout_s or self.timeout_s,
-                                        wait_for_ready=self.wait_for_ready, metadata=metadata or self.metadata)
+        return self.stub.GenerateStream(
+            pb.GenerateStreamRequest(spec=spec),
+            timeout=timeout_s or self.timeout_s,
+            wait_for_ready=self.wait_for_ready,
+            metadata=metadata or self.metadata,
+        )
 
     async def chunks(self, spec: "pb.GenerationSpec") -> AsyncIterator["pb.GenerateStreamResponse"]:
         async for chunk in self.stream(spec):

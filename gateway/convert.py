@@ -36,13 +36,20 @@ UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 # vLLM 0.32 request fields the bridge does not honour: field -> (the values that mean "off",
 # which are accepted as vLLM's defaults, the reason any other value is refused).
 _TEXT_ONLY = "specdec serves text and token-id prompts only (no multimodal or embedding inputs)"
-_NO_CONSTRAINTS = ("token constraints are not carried to the verifier yet; vLLM's rejection sampler "
-                   "supports them, so this can come later")
+_NO_CONSTRAINTS = (
+    "token constraints are not carried to the verifier yet; vLLM's rejection sampler "
+    "supports them, so this can come later"
+)
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "min_p": ((None, 0, 0.0), "vLLM does not support min_p with speculative decoding "
-              "(SamplingParams._validate_spec_decode), and every specdec request runs on a speculative engine"),
-    "logit_bias": ((None, {}), "vLLM does not support logit_bias with speculative decoding "
-                   "(SamplingParams._validate_spec_decode)"),
+    "min_p": (
+        (None, 0, 0.0),
+        "vLLM does not support min_p with speculative decoding "
+        "(SamplingParams._validate_spec_decode), and every specdec request runs on a speculative engine",
+    ),
+    "logit_bias": (
+        (None, {}),
+        "vLLM does not support logit_bias with speculative decoding (SamplingParams._validate_spec_decode)",
+    ),
     "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported, as in vLLM"),
     "best_of": ((None, 1), "best_of is not supported (vLLM 0.32 dropped it too); send n=1"),
     "use_beam_search": ((False,), "beam search is not speculative decoding: run it on vLLM itself"),
@@ -75,8 +82,11 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": ((None, []), "tool calling is not supported by the bridge"),
     "tool_choice": ((None, "none"), "tool calling is not supported by the bridge"),
     "reasoning_effort": ((None,), "reasoning controls are not supported by the bridge"),
-    "chat_template": ((None,), "request-supplied chat templates are refused (vLLM also refuses them unless "
-                      "started with --trust-request-chat-template)"),
+    "chat_template": (
+        (None,),
+        "request-supplied chat templates are refused (vLLM also refuses them unless "
+        "started with --trust-request-chat-template)",
+    ),
 }
 
 
@@ -144,8 +154,13 @@ def sampling_params(req: GenerationFields) -> SamplingParams:
         skip_special_tokens=req.skip_special_tokens,
         allowed_token_ids=req.allowed_token_ids or [],
     )
-    for name, value in (("max_tokens", req.token_limit()), ("top_p", req.top_p), ("seed", req.seed),
-                        ("repetition_penalty", req.repetition_penalty), ("logprobs", req.top_logprobs_count())):
+    for name, value in (
+        ("max_tokens", req.token_limit()),
+        ("top_p", req.top_p),
+        ("seed", req.seed),
+        ("repetition_penalty", req.repetition_penalty),
+        ("logprobs", req.top_logprobs_count()),
+    ):
         if value is not None:  # proto3 `optional`: unset means the default
             setattr(sampling, name, value)
     return sampling
@@ -161,10 +176,13 @@ def generation_spec(req: GenerationFields, prompt: str | list[int], request_id: 
     if req.n not in (None, 1):
         raise InvalidField("n", f"only n=1 is supported, got {req.n}")
     if req.response_format is not None and req.response_format.get("type") != "text":
-        raise InvalidField("response_format", "only {\"type\": \"text\"} is supported: structured outputs "
-                                              "(json_object, json_schema, structural_tag) are not")
-    spec = pb.GenerationSpec(sampling=sampling_params(req), drafter=draft_method(req.drafter or ""),
-                             request_id=request_id)
+        raise InvalidField(
+            "response_format",
+            'only {"type": "text"} is supported: structured outputs (json_object, json_schema, structural_tag) are not',
+        )
+    spec = pb.GenerationSpec(
+        sampling=sampling_params(req), drafter=draft_method(req.drafter or ""), request_id=request_id
+    )
     if isinstance(prompt, str):
         spec.prompt_text = prompt
     else:

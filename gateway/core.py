@@ -80,8 +80,9 @@ class GatewayError(Exception):
 
     str() is "field: message" (the gRPC details), or the message alone."""
 
-    def __init__(self, code: ErrorCode, message: str, field: str | None = None,
-                 retry_after_s: str | None = None) -> None:
+    def __init__(
+        self, code: ErrorCode, message: str, field: str | None = None, retry_after_s: str | None = None
+    ) -> None:
         super().__init__(f"{field}: {message}" if field else message)
         self.code, self.message, self.field, self.retry_after_s = code, message, field, retry_after_s
 
@@ -107,8 +108,15 @@ class Chunk:
 class Core(Protocol):
     """What an adapter needs of the gateway core (GatewayCore implements it)."""
 
-    def generate(self, spec: "pb.GenerationSpec", *, authorization: str | None = None, parent: Any = None,
-                 deadline_s: float | None = None, stream: bool = False) -> AsyncGenerator[Chunk, None]:
+    def generate(
+        self,
+        spec: "pb.GenerationSpec",
+        *,
+        authorization: str | None = None,
+        parent: Any = None,
+        deadline_s: float | None = None,
+        stream: bool = False,
+    ) -> AsyncGenerator[Chunk, None]:
         """The generation's chunks; raises GatewayError. `authorization`: the caller's
         "Bearer <key>" (checked when API keys are configured); `parent`: an OpenTelemetry
         context to trace under; `deadline_s`: DEADLINE_EXCEEDED after that many seconds;
@@ -146,15 +154,19 @@ def exposure_warnings(cfg: GatewayConfig, keys: security.KeyStore) -> list[str]:
     hosts without API keys, and plaintext to drafters or verifiers on other hosts (no tls_ca)."""
     out = []
     if not keys.enabled and not security.is_loopback(cfg.host):
-        out.append(f"gateway: serving {cfg.host}, which other hosts can reach, with NO API KEYS: anyone who "
-                   "reaches it can generate. Set SPECDEC_API_KEY_FILE (a file of keys, one per line).")
+        out.append(
+            f"gateway: serving {cfg.host}, which other hosts can reach, with NO API KEYS: anyone who "
+            "reaches it can generate. Set SPECDEC_API_KEY_FILE (a file of keys, one per line)."
+        )
     if not cfg.tls_ca:
         for role, addresses in (("verifier", cfg.verifier_address), ("drafter", cfg.drafter_address)):
             remote = [h for h in _hosts(addresses) if not security.is_loopback(h)]
             if remote:
-                out.append(f"gateway: PLAINTEXT gRPC to the {role}s on {', '.join(remote)} (tls_ca is unset): "
-                           "prompts and tokens cross the network unencrypted and unauthenticated. Set "
-                           "SPECDEC_TLS_CA (and SPECDEC_TLS_CERT / _KEY for mTLS), see `specdec certs`.")
+                out.append(
+                    f"gateway: PLAINTEXT gRPC to the {role}s on {', '.join(remote)} (tls_ca is unset): "
+                    "prompts and tokens cross the network unencrypted and unauthenticated. Set "
+                    "SPECDEC_TLS_CA (and SPECDEC_TLS_CERT / _KEY for mTLS), see `specdec certs`."
+                )
     return out
 
 
@@ -169,11 +181,14 @@ def replica_pools(cfg: GatewayConfig) -> tuple[Pool, Pool]:
         return security.client_channel(address, cfg, server_name)
 
     def pool(spec: str, make_stub: Callable[[grpc.aio.Channel], Any], service: str) -> Pool:
-        return Pool(spec, connect, make_stub, service, health_every_s=cfg.health_every_s,
-                    resolve_every_s=cfg.resolve_every_s)
+        return Pool(
+            spec, connect, make_stub, service, health_every_s=cfg.health_every_s, resolve_every_s=cfg.resolve_every_s
+        )
 
-    return (pool(cfg.verifier_address, rpc.VerifierServiceStub, "specdec.v1.VerifierService"),
-            pool(cfg.drafter_address, rpc.DrafterServiceStub, "specdec.v1.DrafterService"))
+    return (
+        pool(cfg.verifier_address, rpc.VerifierServiceStub, "specdec.v1.VerifierService"),
+        pool(cfg.drafter_address, rpc.DrafterServiceStub, "specdec.v1.DrafterService"),
+    )
 
 
 class VerifierUnavailable(Exception):
@@ -206,8 +221,13 @@ class GatewayCore:
     whether new ones are taken. Its `metrics` (telemetry.GatewayMetrics) live on a registry that
     the REST bridge's /metrics serves too (`self.metrics.registry`)."""
 
-    def __init__(self, cfg: GatewayConfig, metrics: telemetry.GatewayMetrics, tokenizer: Tokenizer,
-                 pools: PoolFactory | None = None) -> None:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        metrics: telemetry.GatewayMetrics,
+        tokenizer: Tokenizer,
+        pools: PoolFactory | None = None,
+    ) -> None:
         """A gateway with a loaded `tokenizer` (the target's); `pools(cfg)` makes the verifiers'
         and drafters' replica pools, now and after each certificate rotation (default
         `replica_pools`: gRPC channels). Call it in the event loop that serves it (the pools
@@ -216,7 +236,9 @@ class GatewayCore:
         self.default_drafter = draft_method(cfg.default_drafter)  # a bad name stops the start-up, naming the known
         telemetry.setup_tracing("gateway")  # a Generation takes its tracer from the provider
         self.metrics = metrics
-        self.spikes = telemetry.SpikeDetector(factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms)
+        self.spikes = telemetry.SpikeDetector(
+            factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms
+        )
         self.tokenizer = tokenizer
         self.vocabulary = compat.from_tokenizer(self.tokenizer, cfg.tokenizer)
         # drafter address -> its check: compat.mismatch's line, None when it fits (_fitting_drafter)
@@ -259,8 +281,7 @@ class GatewayCore:
     def _replica_gauges(self, role: str) -> tuple[Callable[[], float], Callable[[], float]]:
         """The replicas of `role` that serve, and those that do not, counted in its current pool
         when called (at scrape time)."""
-        return (lambda: self._pool(role).serving(),
-                lambda: len(self._pool(role).replicas) - self._pool(role).serving())
+        return (lambda: self._pool(role).serving(), lambda: len(self._pool(role).replicas) - self._pool(role).serving())
 
     def serving(self) -> bool:
         """False once the drain began (serving.serve, at SIGTERM): new generations are refused."""
@@ -274,12 +295,15 @@ class GatewayCore:
         key = self.keys.identify(authorization) if self.keys.enabled else "anonymous"
         if key is None:
             self.metrics.refused.labels("unauthenticated").inc()
-            raise GatewayError(ErrorCode.UNAUTHENTICATED, "missing or unknown API key: send `authorization: Bearer <key>`")
+            raise GatewayError(
+                ErrorCode.UNAUTHENTICATED, "missing or unknown API key: send `authorization: Bearer <key>`"
+            )
         admission = self.limits.acquire(key)
         if not admission.ok:
             self.metrics.refused.labels("rate_limited").inc()
-            raise GatewayError(ErrorCode.RESOURCE_EXHAUSTED, admission.reason,
-                               retry_after_s=self.limits.retry_after_header(admission))
+            raise GatewayError(
+                ErrorCode.RESOURCE_EXHAUSTED, admission.reason, retry_after_s=self.limits.retry_after_header(admission)
+            )
         try:
             yield key
         finally:
@@ -293,17 +317,21 @@ class GatewayCore:
             try:
                 replica = await self.verifiers.pick(wait_s)
                 # it serves (its health check says so): a slow answer is a busy verifier, not a gone one
-                info = await replica.stub.GetVerifierInfo(pb.GetVerifierInfoRequest(), wait_for_ready=True,
-                                                          timeout=max(wait_s, INFO_TIMEOUT_S))
+                info = await replica.stub.GetVerifierInfo(
+                    pb.GetVerifierInfoRequest(), wait_for_ready=True, timeout=max(wait_s, INFO_TIMEOUT_S)
+                )
             except NoReplica as err:
                 log.warning("verifier: %s", err)
-                raise VerifierUnavailable(f"verifier: none serves within verifier_retry_s ({wait_s:g} s); "
-                                          "retry later") from err
+                raise VerifierUnavailable(
+                    f"verifier: none serves within verifier_retry_s ({wait_s:g} s); retry later"
+                ) from err
             except grpc.aio.AioRpcError as err:
-                log.warning("verifier %s: GetVerifierInfo failed: %s %s", replica.address, err.code().name,
-                            err.details())
-                raise VerifierUnavailable(f"verifier: no answer to GetVerifierInfo ({err.code().name}); "
-                                          "retry later") from err
+                log.warning(
+                    "verifier %s: GetVerifierInfo failed: %s %s", replica.address, err.code().name, err.details()
+                )
+                raise VerifierUnavailable(
+                    f"verifier: no answer to GetVerifierInfo ({err.code().name}); retry later"
+                ) from err
             target = compat.from_pb(info.vocabulary, info.model)
             if target is not None:  # the gateway's tokenizer must be the target's
                 compat.check(target, self.vocabulary, "gateway tokenizer")
@@ -323,8 +351,11 @@ class GatewayCore:
         if spec.prompt_text and spec.prompt_token_ids:
             raise InvalidField("spec.prompt_token_ids", "give either prompt_text or prompt_token_ids, not both")
         if spec.prompt_text:
-            prompt = list(await asyncio.get_running_loop().run_in_executor(
-                self.tokenizer_executor, self.tokenizer.encode, spec.prompt_text))
+            prompt = list(
+                await asyncio.get_running_loop().run_in_executor(
+                    self.tokenizer_executor, self.tokenizer.encode, spec.prompt_text
+                )
+            )
             if not prompt:
                 raise InvalidField("spec.prompt_text", "encodes to no tokens")
         else:
@@ -333,14 +364,19 @@ class GatewayCore:
                 raise InvalidField("spec.prompt_text", "the prompt is empty (set prompt_text or prompt_token_ids)")
         limit = self.cfg.max_prompt_tokens or target.max_model_len - 1
         if len(prompt) > limit:
-            raise InvalidField("spec.prompt_token_ids", f"the prompt has {len(prompt)} tokens, more than "
-                               f"{'max_prompt_tokens' if self.cfg.max_prompt_tokens else 'max_model_len - 1'} ({limit})")
+            raise InvalidField(
+                "spec.prompt_token_ids",
+                f"the prompt has {len(prompt)} tokens, more than "
+                f"{'max_prompt_tokens' if self.cfg.max_prompt_tokens else 'max_model_len - 1'} ({limit})",
+            )
         check_token_ids("spec.prompt_token_ids", prompt, target.vocab_size)
         gamma = spec.gamma if spec.HasField("gamma") else min(self.cfg.default_gamma, target.max_gamma)
         check_gamma("spec.gamma", gamma, target.max_gamma)
         drafter = spec.drafter or self.default_drafter
         if drafter not in pb.DraftMethod.values():
-            raise InvalidField("spec.drafter", f"unknown drafter method {drafter}; known: {', '.join(DRAFT_METHOD_NAMES)}")
+            raise InvalidField(
+                "spec.drafter", f"unknown drafter method {drafter}; known: {', '.join(DRAFT_METHOD_NAMES)}"
+            )
         sampling = pb.SamplingParams()
         sampling.CopyFrom(spec.sampling)
         if not sampling.HasField("max_tokens"):
@@ -356,19 +392,31 @@ class GatewayCore:
             verifier = await self.verifiers.pick(self.cfg.verifier_retry_s)
         except NoReplica as err:
             log.warning("verifier: %s", err)  # the addresses go to the log, not to the client
-            raise GatewayError(ErrorCode.UNAVAILABLE, f"verifier: none serves within verifier_retry_s "
-                               f"({self.cfg.verifier_retry_s:g} s); retry later") from err
+            raise GatewayError(
+                ErrorCode.UNAVAILABLE,
+                f"verifier: none serves within verifier_retry_s ({self.cfg.verifier_retry_s:g} s); retry later",
+            ) from err
         drafter = None
         if plan.gamma > 0 and plan.drafter != pb.DRAFT_METHOD_NONE:
             await self.drafters.checked(DRAFTER_FIRST_CHECK_S)  # only the first requests after start wait
             drafter = await self._fitting_drafter() if plan.drafter == pb.DRAFT_METHOD_MODEL else self.drafters.choose()
         vocab = self._target.vocab_size if self._target is not None else None
-        return Generation(plan, verifier.stub, drafter.stub if drafter is not None else None,
-                          self.cfg.drafter_timeout_s, self.spikes, self.metrics, model=self.cfg.tokenizer, parent=parent,
-                          vocab_size=vocab, stats=stats, verdict_timeout_s=self.cfg.verdict_timeout_s,
-                          max_idle_commits=self.cfg.max_idle_commits,
-                          on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None,
-                          replicas=(verifier, drafter))
+        return Generation(
+            plan,
+            verifier.stub,
+            drafter.stub if drafter is not None else None,
+            self.cfg.drafter_timeout_s,
+            self.spikes,
+            self.metrics,
+            model=self.cfg.tokenizer,
+            parent=parent,
+            vocab_size=vocab,
+            stats=stats,
+            verdict_timeout_s=self.cfg.verdict_timeout_s,
+            max_idle_commits=self.cfg.max_idle_commits,
+            on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None,
+            replicas=(verifier, drafter),
+        )
 
     async def _fitting_drafter(self) -> Replica | None:
         """A serving drafter replica whose draft model fits the target (specdec.models.compat), asked
@@ -419,8 +467,12 @@ class GatewayCore:
         """
         plan = generation.plan
         sampling = plan.sampling
-        text = TextStream(self.tokenizer, list(sampling.stop), include_stop=sampling.include_stop_str_in_output,
-                          skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True)
+        text = TextStream(
+            self.tokenizer,
+            list(sampling.stop),
+            include_stop=sampling.include_stop_str_in_output,
+            skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
+        )
         with_logprobs = sampling.HasField("logprobs")
         finish = pb.FINISH_REASON_ABORT
         streamed: list[int] = []  # tokens that reached the client
@@ -445,8 +497,13 @@ class GatewayCore:
                                 delta = text.add(new, final=False)
                                 new = new[: text.kept]  # a stop sequence: the tokens up to the one completing it
                                 streamed += new
-                                yield Chunk(delta, new, 0, 0,
-                                            pb.FINISH_REASON_STOP if text.stopped else pb.FINISH_REASON_UNSPECIFIED)
+                                yield Chunk(
+                                    delta,
+                                    new,
+                                    0,
+                                    0,
+                                    pb.FINISH_REASON_STOP if text.stopped else pb.FINISH_REASON_UNSPECIFIED,
+                                )
                                 if text.stopped:
                                     finish = pb.FINISH_REASON_STOP
                                     return
@@ -458,8 +515,9 @@ class GatewayCore:
                         if new or v.drafted or finish != pb.FINISH_REASON_UNSPECIFIED:
                             kept = text.kept
                             streamed += new[:kept]
-                            yield Chunk(delta, new[:kept], v.drafted, v.accepted, finish,
-                                        list(v.logprobs[skip:skip + kept]))
+                            yield Chunk(
+                                delta, new[:kept], v.drafted, v.accepted, finish, list(v.logprobs[skip : skip + kept])
+                            )
                         if text.stopped:
                             return  # leaving the loop cancels the verifier's request
                     return
@@ -469,13 +527,22 @@ class GatewayCore:
                         raise GatewayError(ErrorCode[err.code().name], f"verifier: {err.details()}") from err
                     self.verifiers.failed(verifier)
                     if len(streamed) >= sampling.max_tokens:  # the client has every token: nothing to resume
-                        log.warning("request %s: verifier %s went away (%s) after the last token; ending the "
-                                    "stream", plan.request_id, verifier.address, err.details())
+                        log.warning(
+                            "request %s: verifier %s went away (%s) after the last token; ending the stream",
+                            plan.request_id,
+                            verifier.address,
+                            err.details(),
+                        )
                         finish = pb.FINISH_REASON_LENGTH
                         yield Chunk(text.add([], final=True), [], 0, 0, finish)
                         return
-                    log.warning("request %s: verifier %s went away (%s) after %d tokens; resuming elsewhere",
-                                plan.request_id, verifier.address, err.details(), len(streamed))
+                    log.warning(
+                        "request %s: verifier %s went away (%s) after %d tokens; resuming elsewhere",
+                        plan.request_id,
+                        verifier.address,
+                        err.details(),
+                        len(streamed),
+                    )
                     self.metrics.migrations.inc()
                     stats = generation.stats
                     generation = await self._generation(resumed_plan(plan, streamed, stats.migrated()), parent, stats)
@@ -499,8 +566,15 @@ class GatewayCore:
         except compat.IncompatibleModels as err:
             raise GatewayError(ErrorCode.FAILED_PRECONDITION, str(err)) from err
 
-    async def generate(self, spec: "pb.GenerationSpec", *, authorization: str | None = None, parent: Any = None,
-                       deadline_s: float | None = None, stream: bool = False) -> AsyncGenerator[Chunk, None]:
+    async def generate(
+        self,
+        spec: "pb.GenerationSpec",
+        *,
+        authorization: str | None = None,
+        parent: Any = None,
+        deadline_s: float | None = None,
+        stream: bool = False,
+    ) -> AsyncGenerator[Chunk, None]:
         """One generation (gateway.core.Core.generate): admitted (API key, rate limits, a
         max_inflight slot), validated (`plan`), then its round's chunks, the final one with the
         usage, stats and timings. Every failure is a GatewayError. Leaving the iteration early
@@ -524,8 +598,9 @@ class GatewayCore:
                             except TimeoutError as err:
                                 if not timeout.expired():
                                     raise
-                                raise GatewayError(ErrorCode.DEADLINE_EXCEEDED,
-                                                   f"the client's deadline ({deadline_s:g} s) passed") from err
+                                raise GatewayError(
+                                    ErrorCode.DEADLINE_EXCEEDED, f"the client's deadline ({deadline_s:g} s) passed"
+                                ) from err
                     except StopAsyncIteration:
                         break
                     if untimed and chunk.token_ids:

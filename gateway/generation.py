@@ -100,9 +100,18 @@ class Generation:
         self.gamma = self.stats.num_spec_tokens
         self.observer = StatsObserver(plan, self.stats, spikes, metrics, model=model, parent=parent)
         self._to_verifier: Outbox[pb.VerifyRequest] = Outbox()
-        self.relay = DrafterRelay(plan, self.gamma, self.stats, self._to_verifier, drafter_stub, verifier_stub,
-                                  drafter_timeout_s, vocab_size=vocab_size, max_idle_commits=max_idle_commits,
-                                  on_unavailable=on_drafter_unavailable)
+        self.relay = DrafterRelay(
+            plan,
+            self.gamma,
+            self.stats,
+            self._to_verifier,
+            drafter_stub,
+            verifier_stub,
+            drafter_timeout_s,
+            vocab_size=vocab_size,
+            max_idle_commits=max_idle_commits,
+            on_unavailable=on_drafter_unavailable,
+        )
 
     async def _write_verifier(self, vcall: VerifyCall) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError):
@@ -116,9 +125,18 @@ class Generation:
         metadata = tuple(carrier.items())
         vcall = self.verifier_stub.Verify(metadata=metadata)
         tasks = [asyncio.create_task(self._write_verifier(vcall), name="verifier writer")]
-        self._to_verifier.put(pb.VerifyRequest(open=pb.VerifyOpen(
-            request_id=p.backend_id, prompt_token_ids=p.prompt_token_ids, sampling=p.sampling, gamma=self.gamma,
-            trace_context=carrier, typed_steps=True)))
+        self._to_verifier.put(
+            pb.VerifyRequest(
+                open=pb.VerifyOpen(
+                    request_id=p.backend_id,
+                    prompt_token_ids=p.prompt_token_ids,
+                    sampling=p.sampling,
+                    gamma=self.gamma,
+                    trace_context=carrier,
+                    typed_steps=True,
+                )
+            )
+        )
         try:
             tasks += self.relay.start(metadata, carrier)
             while True:

@@ -36,5 +36,11 @@ def resumed_plan(plan: Plan, streamed: list[int], migration: int) -> Plan:
     sampling.CopyFrom(plan.sampling)
     sampling.max_tokens = plan.sampling.max_tokens - len(streamed)
     sampling.min_tokens = max(0, plan.sampling.min_tokens - len(streamed))
-    return Plan(f"{plan.request_id}-m{migration}", plan.prompt_token_ids + streamed, sampling, plan.gamma, plan.drafter,
-                plan.tenant)
+    return Plan(
+        f"{plan.request_id}-m{migration}",
+        plan.prompt_token_ids + streamed,
+        sampling,
+        plan.gamma,
+        plan.drafter,
+        plan.tenant,
+    )

@@ -33,25 +33,36 @@ class StatsObserver:
     per verifier, over the same SpecStats). `context` is the generation span's, for the calls
     to the verifier and the drafter (W3C trace context)."""
 
-    def __init__(self, plan: Plan, stats: SpecStats, spikes: telemetry.SpikeDetector,
-                 metrics: telemetry.GatewayMetrics, model: str = "", parent: Any = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        stats: SpecStats,
+        spikes: telemetry.SpikeDetector,
+        metrics: telemetry.GatewayMetrics,
+        model: str = "",
+        parent: Any = None,
+    ) -> None:
         self.plan = plan
         self.stats = stats
         self.spikes = spikes
         self.metrics = metrics
         self.tracer = telemetry.tracer("gateway")
         sp = plan.sampling
-        self.span = self.tracer.start_span("specdec.generate", context=parent, attributes={
-            "gen_ai.operation.name": "text_completion",
-            "gen_ai.request.model": model,
-            "gen_ai.request.max_tokens": sp.max_tokens,
-            "gen_ai.request.temperature": sp.temperature,
-            "gen_ai.request.top_p": sp.top_p if sp.HasField("top_p") else 1.0,
-            "gen_ai.usage.input_tokens": len(plan.prompt_token_ids),
-            "specdec.request_id": plan.request_id,
-            "specdec.gamma": stats.num_spec_tokens,
-            "specdec.drafter": draft_method_name(stats.drafter),
-        })
+        self.span = self.tracer.start_span(
+            "specdec.generate",
+            context=parent,
+            attributes={
+                "gen_ai.operation.name": "text_completion",
+                "gen_ai.request.model": model,
+                "gen_ai.request.max_tokens": sp.max_tokens,
+                "gen_ai.request.temperature": sp.temperature,
+                "gen_ai.request.top_p": sp.top_p if sp.HasField("top_p") else 1.0,
+                "gen_ai.usage.input_tokens": len(plan.prompt_token_ids),
+                "specdec.request_id": plan.request_id,
+                "specdec.gamma": stats.num_spec_tokens,
+                "specdec.drafter": draft_method_name(stats.drafter),
+            },
+        )
         self.context = trace.set_span_in_context(self.span)
         self._last_ns = time.time_ns()
 
@@ -66,32 +77,48 @@ class StatsObserver:
             "network": max(0.0, round_ms - step.step_ms - step.draft_wait_ms),
         }
         number = step.index + 1
-        span = self.tracer.start_span("specdec.round", context=self.context, start_time=self._last_ns, attributes={
-            "specdec.round": number,
-            "specdec.gamma": self.stats.num_spec_tokens,
-            "specdec.drafted": step.num_draft_tokens,
-            "specdec.accepted": step.num_accepted_tokens,
-            "specdec.tokens": step.num_tokens,
-            "specdec.batch_size": step.batch_size,
-            "specdec.computed_tokens": step.computed_tokens,
-            "specdec.queue_ms": round(step.queue_ms, 3),
-            "specdec.branch": step.branch,
-            "specdec.hold_drafts": step.hold_drafts,
-            **{f"specdec.stage.{k}_ms": round(ms, 3) for k, ms in stages.items()},
-        })
+        span = self.tracer.start_span(
+            "specdec.round",
+            context=self.context,
+            start_time=self._last_ns,
+            attributes={
+                "specdec.round": number,
+                "specdec.gamma": self.stats.num_spec_tokens,
+                "specdec.drafted": step.num_draft_tokens,
+                "specdec.accepted": step.num_accepted_tokens,
+                "specdec.tokens": step.num_tokens,
+                "specdec.batch_size": step.batch_size,
+                "specdec.computed_tokens": step.computed_tokens,
+                "specdec.queue_ms": round(step.queue_ms, 3),
+                "specdec.branch": step.branch,
+                "specdec.hold_drafts": step.hold_drafts,
+                **{f"specdec.stage.{k}_ms": round(ms, 3) for k, ms in stages.items()},
+            },
+        )
         if step.index == 0:
             self.span.set_attribute("specdec.queue_ms", round(step.queue_ms, 3))
         else:  # the first round is queueing + prefill: time to first token, not a spike
             spiked = self.spikes.check(stages)
             for stage, limit in spiked.items():
-                span.add_event("latency_spike", {"specdec.spike.stage": stage, "specdec.spike.ms": stages[stage],
-                                                 "specdec.spike.threshold_ms": limit})
+                span.add_event(
+                    "latency_spike",
+                    {
+                        "specdec.spike.stage": stage,
+                        "specdec.spike.ms": stages[stage],
+                        "specdec.spike.threshold_ms": limit,
+                    },
+                )
                 self.metrics.spikes.labels(stage).inc()
             if spiked:
                 span.set_attribute("specdec.spike.stage", ",".join(spiked))
-                log.warning("latency spike in %s: request %s round %d trace %s stages %s",
-                            ",".join(spiked), self.plan.request_id, number,
-                            telemetry.trace_id_hex(span), {k: round(ms, 1) for k, ms in stages.items()})
+                log.warning(
+                    "latency spike in %s: request %s round %d trace %s stages %s",
+                    ",".join(spiked),
+                    self.plan.request_id,
+                    number,
+                    telemetry.trace_id_hex(span),
+                    {k: round(ms, 1) for k, ms in stages.items()},
+                )
         span.end(end_time=now)
         self._last_ns = now
         self.metrics.observe(step, stages)

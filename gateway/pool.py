@@ -91,7 +91,7 @@ class Pool:
     def __post_init__(self) -> None:
         for entry in split_addresses(self.spec):
             if entry.startswith("dns:///"):
-                host, _, port = entry[len("dns:///"):].rpartition(":")
+                host, _, port = entry[len("dns:///") :].rpartition(":")
                 self._names.append((host, int(port)))
             else:
                 self._add(entry, "")
@@ -125,7 +125,8 @@ class Pool:
         check that times out (a busy replica) only the SLOW_CHECKS-th time in a row."""
         try:
             answer: health_pb2.HealthCheckResponse = await health_pb2_grpc.HealthStub(r.channel).Check(  # type: ignore[attr-defined]  # types-grpcio-health-checking's HealthStub lacks Check (the generated __init__ sets it)
-                health_pb2.HealthCheckRequest(service=self.service), timeout=max(0.5, self.health_every_s))
+                health_pb2.HealthCheckRequest(service=self.service), timeout=max(0.5, self.health_every_s)
+            )
             r.serving = answer.status == health_pb2.HealthCheckResponse.SERVING
             r.slow_checks = 0
         except grpc.aio.AioRpcError as err:
@@ -209,5 +210,4 @@ class Pool:
         """Stop watching and close the channels (calls in flight get up to `grace_s`)."""
         if self._task is not None:
             self._task.cancel()
-        await asyncio.gather(*(r.channel.close(grace=grace_s) for r in self.replicas.values()),
-                             return_exceptions=True)
+        await asyncio.gather(*(r.channel.close(grace=grace_s) for r in self.replicas.values()), return_exceptions=True)

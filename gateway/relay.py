@@ -136,8 +136,9 @@ class DrafterRelay:
         self.idle_commits = 0  # idle windows in a row
 
     # ---- life cycle -----------------------------------------------------------------------------
-    def start(self, metadata: tuple[tuple[str, str], ...],
-              trace_context: Mapping[str, str]) -> list[asyncio.Task[None]]:
+    def start(
+        self, metadata: tuple[tuple[str, str], ...], trace_context: Mapping[str, str]
+    ) -> list[asyncio.Task[None]]:
         """Open the drafter's call (after the verifier's `open` was queued) and start its tasks,
         which the caller cancels and awaits when the generation ends; none without a drafter."""
         if not self.gamma:
@@ -147,12 +148,23 @@ class DrafterRelay:
             return []
         p = self.plan
         self._call = call = self.stub.Draft(metadata=metadata)
-        self._to_drafter.put(pb.DraftRequest(open=pb.DraftOpen(
-            request_id=p.backend_id, prompt_token_ids=p.prompt_token_ids, sampling=p.sampling, gamma=p.gamma,
-            method=p.drafter, trace_context=trace_context)))
-        return [asyncio.create_task(self._write(call), name="drafter writer"),
-                asyncio.create_task(self._relay(call), name="drafter relay"),
-                asyncio.create_task(self._watch(), name="drafter deadline watch")]
+        self._to_drafter.put(
+            pb.DraftRequest(
+                open=pb.DraftOpen(
+                    request_id=p.backend_id,
+                    prompt_token_ids=p.prompt_token_ids,
+                    sampling=p.sampling,
+                    gamma=p.gamma,
+                    method=p.drafter,
+                    trace_context=trace_context,
+                )
+            )
+        )
+        return [
+            asyncio.create_task(self._write(call), name="drafter writer"),
+            asyncio.create_task(self._relay(call), name="drafter relay"),
+            asyncio.create_task(self._watch(), name="drafter deadline watch"),
+        ]
 
     def finish(self) -> None:
         """The generation ended: nothing more goes to the drafter, and it can no longer fall back."""
@@ -199,8 +211,9 @@ class DrafterRelay:
             return None
         p = self.plan
         prompt_len = len(p.prompt_token_ids)
-        tokens, what = check_draft_block(block, self.gamma, self.vocab_size or 0, prompt_len, self._committed,
-                                         prompt_len + p.sampling.max_tokens)
+        tokens, what = check_draft_block(
+            block, self.gamma, self.vocab_size or 0, prompt_len, self._committed, prompt_len + p.sampling.max_tokens
+        )
         if what:
             self._violation(what)
         if tokens is None:
@@ -208,17 +221,26 @@ class DrafterRelay:
         draft_ms = reported_ms(block.draft_ms)
         if len(tokens) == len(block.token_ids) and draft_ms == block.draft_ms:
             return block
-        return pb.DraftBlock(start_position=block.start_position, token_ids=tokens, sequence=block.sequence,
-                             draft_ms=draft_ms, final=block.final, committed_length=block.committed_length,
-                             branch=block.branch)
+        return pb.DraftBlock(
+            start_position=block.start_position,
+            token_ids=tokens,
+            sequence=block.sequence,
+            draft_ms=draft_ms,
+            final=block.final,
+            committed_length=block.committed_length,
+            branch=block.branch,
+        )
 
     def _checked_ready(self, ready: DraftReady) -> DraftReady | None:
         if self._ready_seen:
             self._violation("a second `ready`")
             return None
         self._ready_seen = True
-        return pb.DraftReady(prefilled_tokens=ready.prefilled_tokens, prefill_ms=reported_ms(ready.prefill_ms),
-                             draft_ms_per_token=reported_ms(ready.draft_ms_per_token))
+        return pb.DraftReady(
+            prefilled_tokens=ready.prefilled_tokens,
+            prefill_ms=reported_ms(ready.prefill_ms),
+            draft_ms_per_token=reported_ms(ready.draft_ms_per_token),
+        )
 
     async def _relay(self, call: DraftCall) -> None:
         """drafter -> verifier: check `ready` and each block as they arrive, relay the valid ones."""
@@ -233,8 +255,10 @@ class DrafterRelay:
                 resp = cast(pb.DraftResponse, read)  # grpc-stubs type read() as `object | DraftResponse` (EOF's type)
                 self._owed_since = None  # any message answers what the drafter owed
                 if resp.HasField("ready") == resp.HasField("block"):
-                    self._violation("a reply with " + ("both a block and `ready`" if resp.HasField("ready") else
-                                                       "neither a block nor `ready`"))
+                    self._violation(
+                        "a reply with "
+                        + ("both a block and `ready`" if resp.HasField("ready") else "neither a block nor `ready`")
+                    )
                     continue
                 self._spoken = True
                 if resp.HasField("ready"):
@@ -271,8 +295,9 @@ class DrafterRelay:
             if left > 0:
                 await asyncio.sleep(left)
                 continue
-            self.fall_back(f"drafter sent nothing for {self.timeout_s:g} s after the target's tokens at "
-                           f"position {self._owed_at}")
+            self.fall_back(
+                f"drafter sent nothing for {self.timeout_s:g} s after the target's tokens at position {self._owed_at}"
+            )
             return
 
     # ---- verifier -> drafter --------------------------------------------------------------------
@@ -301,9 +326,16 @@ class DrafterRelay:
             self._owed_since, self._owed_at = time.monotonic(), step.start_position + skip
             self._owing.set()
         self._blocks_since_commit = 0
-        self._to_drafter.put(pb.DraftRequest(commit=pb.DraftCommit(
-            start_position=step.start_position + skip, token_ids=step.token_ids[skip:],
-            accepted=verdict.accepted if verdict is not None else 0, hold=hold)))
+        self._to_drafter.put(
+            pb.DraftRequest(
+                commit=pb.DraftCommit(
+                    start_position=step.start_position + skip,
+                    token_ids=step.token_ids[skip:],
+                    accepted=verdict.accepted if verdict is not None else 0,
+                    hold=hold,
+                )
+            )
+        )
         self._committed = end
         p = self.plan
         self._window = self._spoken and not hold and end < len(p.prompt_token_ids) + p.sampling.max_tokens - 1
@@ -317,6 +349,8 @@ class DrafterRelay:
         self.idle_commits = 0 if self._answered else self.idle_commits + 1
         if self.max_idle_commits <= 0 or self.idle_commits < self.max_idle_commits:
             return False
-        self.fall_back(f"drafter answered {self.idle_commits} commits in a row with no usable draft "
-                       f"(max_idle_commits {self.max_idle_commits})")
+        self.fall_back(
+            f"drafter answered {self.idle_commits} commits in a row with no usable draft "
+            f"(max_idle_commits {self.max_idle_commits})"
+        )
         return True

@@ -26,9 +26,6 @@ from specdec.wire import pb, rpc
 log = logging.getLogger("specdec.gateway")
 
 
-
-
-
 async def abort(context: grpc.aio.ServicerContext[Any, Any], err: GatewayError) -> None:
     """End a gRPC call with `err`: its code as the status, "field: message" as the details, and
     `retry-after` (seconds, trailing metadata) when it says when to retry. Raises, as abort does."""
@@ -39,8 +36,14 @@ async def abort(context: grpc.aio.ServicerContext[Any, Any], err: GatewayError) 
 def stream_response(chunk: Chunk) -> "pb.GenerateStreamResponse":
     """A chunk as GenerateStream sends it (usage and stats on the final one only)."""
     return pb.GenerateStreamResponse(
-        request_id=chunk.request_id, text=chunk.text, token_ids=chunk.token_ids, drafted=chunk.drafted,
-        accepted=chunk.accepted, finish_reason=chunk.finish_reason, usage=chunk.usage, stats=chunk.stats,
+        request_id=chunk.request_id,
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        drafted=chunk.drafted,
+        accepted=chunk.accepted,
+        finish_reason=chunk.finish_reason,
+        usage=chunk.usage,
+        stats=chunk.stats,
         logprobs=chunk.logprobs,
     )
 
@@ -63,12 +66,11 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         metadata = context.invocation_metadata()
         # its text entries (a `-bin` key's value is bytes), which the key and the trace context are read from
         text = None if metadata is None else [(key, value) for key, value in metadata if isinstance(value, str)]
-        return {"authorization": dict(text or ()).get("authorization"),
-                "parent": telemetry.extract_context(text)}
+        return {"authorization": dict(text or ()).get("authorization"), "parent": telemetry.extract_context(text)}
 
     async def Generate(  # noqa: N802
-            self, request: pb.GenerateRequest,
-            context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse]) -> pb.GenerateResponse:
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse]
+    ) -> pb.GenerateResponse:
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[pb.TokenLogprobs] = []
@@ -82,14 +84,22 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         except GatewayError as err:
             await abort(context, err)
         return pb.GenerateResponse(
-            request_id=last.request_id, text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
-            usage=last.usage, stats=last.stats, total_ms=last.total_ms, first_token_ms=last.first_token_ms,
+            request_id=last.request_id,
+            text="".join(text),
+            token_ids=ids,
+            finish_reason=last.finish_reason,
+            usage=last.usage,
+            stats=last.stats,
+            total_ms=last.total_ms,
+            first_token_ms=last.first_token_ms,
             logprobs=logprobs,
         )
 
     async def GenerateStream(  # type: ignore[override]  # grpc.aio also serves a coroutine that writes with context.write (the write timeout needs it); the stubs type only iterators
-            self, request: pb.GenerateStreamRequest,
-            context: grpc.aio.ServicerContext[pb.GenerateStreamRequest, pb.GenerateStreamResponse]) -> None:
+        self,
+        request: pb.GenerateStreamRequest,
+        context: grpc.aio.ServicerContext[pb.GenerateStreamRequest, pb.GenerateStreamResponse],
+    ) -> None:
         """Stream the generation's chunks. Each chunk must be taken by the transport within
         `stream_write_timeout_s`: a client that stops reading fills its flow-control window and
         the next write waits; past the timeout the generation stops (the round ends: its verifier
@@ -107,8 +117,11 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         except GatewayError as err:
             await abort(context, err)
 
-    async def _write(self, context: grpc.aio.ServicerContext[pb.GenerateStreamRequest, pb.GenerateStreamResponse],
-                     msg: pb.GenerateStreamResponse) -> None:
+    async def _write(
+        self,
+        context: grpc.aio.ServicerContext[pb.GenerateStreamRequest, pb.GenerateStreamResponse],
+        msg: pb.GenerateStreamResponse,
+    ) -> None:
         """One stream write within stream_write_timeout_s (0: no limit); past it, ClientStalled."""
         timeout = self.core.cfg.stream_write_timeout_s
         if timeout <= 0:
@@ -123,10 +136,14 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         write.cancel()
         write.add_done_callback(lambda task: task.cancelled() or task.exception())
         self.core.metrics.stream_write_timeouts.inc()
-        log.warning("request %s: the client took no message for stream_write_timeout_s (%g s); stream ended",
-                    msg.request_id, timeout)
-        raise ClientStalled(f"gateway: the client read nothing for stream_write_timeout_s ({timeout:g} s); the "
-                            "stream was ended")
+        log.warning(
+            "request %s: the client took no message for stream_write_timeout_s (%g s); stream ended",
+            msg.request_id,
+            timeout,
+        )
+        raise ClientStalled(
+            f"gateway: the client read nothing for stream_write_timeout_s ({timeout:g} s); the stream was ended"
+        )
 
 
 async def rest_bridge(cfg: GatewayConfig, core: GatewayCore, stop: asyncio.Event) -> None:
@@ -139,11 +156,19 @@ async def rest_bridge(cfg: GatewayConfig, core: GatewayCore, stop: asyncio.Event
 
     from gateway.rest.routes import build_app
 
-    app = build_app(core, core.tokenizer, cfg.tokenizer, keys=core.keys, metrics_auth=cfg.metrics_auth,
-                    metrics_app=prometheus_client.make_asgi_app(core.metrics.registry),
-                    max_request_bytes=int(cfg.max_request_mb * (1 << 20)), tokenizer_executor=core.tokenizer_executor,
-                    refused=core.metrics.refused, stream_write_timeout_s=cfg.stream_write_timeout_s,
-                    stream_write_timeouts=core.metrics.stream_write_timeouts)
+    app = build_app(
+        core,
+        core.tokenizer,
+        cfg.tokenizer,
+        keys=core.keys,
+        metrics_auth=cfg.metrics_auth,
+        metrics_app=prometheus_client.make_asgi_app(core.metrics.registry),
+        max_request_bytes=int(cfg.max_request_mb * (1 << 20)),
+        tokenizer_executor=core.tokenizer_executor,
+        refused=core.metrics.refused,
+        stream_write_timeout_s=cfg.stream_write_timeout_s,
+        stream_write_timeouts=core.metrics.stream_write_timeouts,
+    )
 
     class Server(uvicorn.Server):
         def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]  # a no-op context in place of uvicorn's generator-made one
@@ -151,8 +176,12 @@ async def rest_bridge(cfg: GatewayConfig, core: GatewayCore, stop: asyncio.Event
 
     context = ReloadingSSLContext(cfg) if security.tls_enabled(cfg) else None
     if context is None and not security.is_loopback(cfg.host):
-        log.warning("gateway: serving PLAINTEXT HTTP (REST bridge) on %s:%d, which other hosts can reach; set "
-                    "SPECDEC_TLS_CERT / SPECDEC_TLS_KEY", cfg.host, cfg.rest_port)
+        log.warning(
+            "gateway: serving PLAINTEXT HTTP (REST bridge) on %s:%d, which other hosts can reach; set "
+            "SPECDEC_TLS_CERT / SPECDEC_TLS_KEY",
+            cfg.host,
+            cfg.rest_port,
+        )
     tls: dict[str, Any] = {"ssl_context_factory": lambda config, default: context} if context is not None else {}
     config = uvicorn.Config(app, host=cfg.host, port=cfg.rest_port, log_level="warning", **tls)
     server = Server(config)
@@ -236,7 +265,10 @@ def build(cfg: GatewayConfig, registry: CollectorRegistry) -> GatewayCore:
 
 async def main(cfg: GatewayConfig) -> None:
     await serving.serve(
-        "gateway", cfg, lambda registry: GatewayServicer(build(cfg, registry)),
-        rpc.add_GatewayServiceServicer_to_server, "specdec.v1.GatewayService",
+        "gateway",
+        cfg,
+        lambda registry: GatewayServicer(build(cfg, registry)),
+        rpc.add_GatewayServiceServicer_to_server,
+        "specdec.v1.GatewayService",
         also=(lambda servicer, stop: rest_bridge(cfg, servicer.core, stop)) if cfg.rest_port else None,
     )

@@ -21,8 +21,9 @@ class TextStream:
     `skip_special_tokens`: leave special tokens' text out (vLLM's default).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str], include_stop: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, stops: list[str], include_stop: bool = False, skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.stops = [s for s in stops if s]
         self.include_stop = include_stop
@@ -52,7 +53,7 @@ class TextStream:
                 full, self.stopped, final = full[: at + len(stop) if self.include_stop else at], True, True
         if self.stopped:
             self.kept = self._tokens_to_stop(before)
-            del self.ids[before + self.kept:]
+            del self.ids[before + self.kept :]
         # an incomplete UTF-8 character (U+FFFD at the end of everything decoded) waits for its
         # next bytes, and is never output if they do not come; once other text follows it (a
         # stop sequence included) it is final (vLLM's detokenizer does the same)

@@ -59,8 +59,9 @@ async def read_step(vcall: VerifyCall, timeout_s: float = 0.0) -> Step:
         try:
             response = await asyncio.wait_for(vcall.read(), timeout_s)
         except TimeoutError:
-            raise unavailable(f"the verifier sent nothing for verdict_timeout_s ({timeout_s:g} s) while it owed "
-                              "verdicts") from None
+            raise unavailable(
+                f"the verifier sent nothing for verdict_timeout_s ({timeout_s:g} s) while it owed verdicts"
+            ) from None
     else:
         response = await vcall.read()
     if response is grpc.aio.EOF:

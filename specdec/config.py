@@ -100,39 +100,59 @@ class TransportConfig:
     """What every service sets the same way: TLS (specdec.security) and its gRPC limits."""
 
     tls_cert: str = setting(
-        "", "PEM certificate chain this service presents: with tls_key, its gRPC server (and the gateway's "
+        "",
+        "PEM certificate chain this service presents: with tls_key, its gRPC server (and the gateway's "
         "REST bridge) serves TLS, and the gateway presents it as its client certificate to the drafter and "
-        "verifier. Re-read when the file changes or on SIGHUP.", metavar="PATH")
+        "verifier. Re-read when the file changes or on SIGHUP.",
+        metavar="PATH",
+    )
     tls_key: str = setting("", "PEM private key of tls_cert.", metavar="PATH")
     tls_ca: str = setting(
-        "", "PEM CA bundle: the gateway verifies the drafter and verifier with it (and then connects with TLS); "
+        "",
+        "PEM CA bundle: the gateway verifies the drafter and verifier with it (and then connects with TLS); "
         "with tls_client_auth=require a server accepts only clients whose certificate chains to it.",
-        metavar="PATH")
+        metavar="PATH",
+    )
     tls_client_auth: str = setting(
-        "none", "require: mutual TLS, only clients with a certificate from tls_client_ca (or tls_ca) are served "
-        "(none: any client).", choices=("none", "require"))
+        "none",
+        "require: mutual TLS, only clients with a certificate from tls_client_ca (or tls_ca) are served "
+        "(none: any client).",
+        choices=("none", "require"),
+    )
     tls_client_ca: str = setting(
-        "", "PEM CA bundle this server's clients' certificates must chain to under tls_client_auth=require "
+        "",
+        "PEM CA bundle this server's clients' certificates must chain to under tls_client_auth=require "
         "(empty: tls_ca). A gateway sets it to the CA of its end users' certificates (`specdec certs`: "
-        "client-ca.pem), so those never chain to tls_ca, which drafters and verifiers trust.", metavar="PATH")
+        "client-ca.pem), so those never chain to tls_ca, which drafters and verifiers trust.",
+        metavar="PATH",
+    )
     tls_allowed_peers: str = setting(
-        "", "Comma-separated identities allowed to call this service (with tls_client_auth=require): a call "
+        "",
+        "Comma-separated identities allowed to call this service (with tls_client_auth=require): a call "
         "whose client certificate names none of them in its subjectAltName (a URI such as "
         "spiffe://specdec/gateway, a DNS name or an IP) ends with PERMISSION_DENIED. Empty: any certificate "
         "that chains to the CA (warned about at start). Health checks stay open to every TLS client.",
-        metavar="SANS")
+        metavar="SANS",
+    )
     health_port: int = setting(
-        0, "A plaintext port that serves only the gRPC health service (grpc.health.v1: the same SERVING / "
-        "NOT_SERVING as the main port), for probes that speak no TLS (the kubelet's grpc probes). 0: off.")
+        0,
+        "A plaintext port that serves only the gRPC health service (grpc.health.v1: the same SERVING / "
+        "NOT_SERVING as the main port), for probes that speak no TLS (the kubelet's grpc probes). 0: off.",
+    )
     max_message_mb: float = setting(16.0, "Largest gRPC message received or sent, MiB (over it: RESOURCE_EXHAUSTED).")
     keepalive_time_s: float = setting(
-        20.0, "gRPC keepalive: clients ping an idle connection this often and servers accept pings at half "
-        "this interval, so both sides agree (no GOAWAY too_many_pings).")
+        20.0,
+        "gRPC keepalive: clients ping an idle connection this often and servers accept pings at half "
+        "this interval, so both sides agree (no GOAWAY too_many_pings).",
+    )
     keepalive_timeout_s: float = setting(
-        10.0, "A peer that does not answer a keepalive ping within this many seconds is treated as gone.")
+        10.0, "A peer that does not answer a keepalive ping within this many seconds is treated as gone."
+    )
     shutdown_timeout_s: float = setting(
-        30.0, "Drain on SIGTERM: health turns NOT_SERVING and new calls get UNAVAILABLE at once; calls in "
-        "flight may finish for this many seconds, then the rest end with UNAVAILABLE.")
+        30.0,
+        "Drain on SIGTERM: health turns NOT_SERVING and new calls get UNAVAILABLE at once; calls in "
+        "flight may finish for this many seconds, then the rest end with UNAVAILABLE.",
+    )
 
 
 @dataclass
@@ -141,40 +161,52 @@ class DrafterConfig(TransportConfig):
 
     host: str = setting(DEFAULT_HOST, "Bind address.", metavar="ADDR")
     port: int = setting(DEFAULT_DRAFTER_PORT, "gRPC port.")
-    model: str = setting("qwen-coder/draft", "Draft model: a registry name such as qwen-coder/draft, a folder, or a "
-                         "Hugging Face repo id ORG/NAME[@REVISION] (from HF_HOME's cache; HF_HUB_OFFLINE=1: the cache "
-                         "only).", metavar="REF")
+    model: str = setting(
+        "qwen-coder/draft",
+        "Draft model: a registry name such as qwen-coder/draft, a folder, or a "
+        "Hugging Face repo id ORG/NAME[@REVISION] (from HF_HOME's cache; HF_HUB_OFFLINE=1: the cache "
+        "only).",
+        metavar="REF",
+    )
     threads: int = setting(1, "Torch threads for drafting (a separate drafter host gives it its cores).")
     dtype: str = setting(
-        "auto", "Draft model dtype: float32, bfloat16 or float16; auto: float32 on the CPU, bfloat16 on a GPU "
-        "(float16 where the GPU has no bfloat16).", choices=("auto", "float32", "bfloat16", "float16"))
+        "auto",
+        "Draft model dtype: float32, bfloat16 or float16; auto: float32 on the CPU, bfloat16 on a GPU "
+        "(float16 where the GPU has no bfloat16).",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     quantize: str = setting(
         "auto",
         "int8: dynamic int8 quantisation of the draft's Linear layers (CPU only; ~3x faster drafting for a "
         "memory-bound draft, see specdec.models.load_causal_lm; its activations are float32, so not with a "
         "bfloat16/float16 dtype); none: as loaded; auto: int8 for a float32 draft on the CPU, else none.",
-        choices=("auto", "none", "int8"))
+        choices=("auto", "none", "int8"),
+    )
     lookahead: int = setting(
         -1,
         "Tokens past gamma the drafter may draft ahead of the committed context while a block is being "
         "verified (overlap): -1 is gamma + 1 (the next block and a guess of the bonus token); 0 is lock-step "
-        "(one block per round).")
+        "(one block per round).",
+    )
     flush_ms: float = setting(50.0, "A partial block is sent when its first token waited this long (ms).")
     branches: int = setting(
         6,
         "Pre-drafted branches per round (0: off). With its window full, the drafter drafts continuations "
         "for the likeliest rejections (position p, correction t among the draft's top alternatives), best "
         "first; the verifier picks the one that matches its verdict inside the step (no round trip). "
-        "Branches at one position are drafted as one batch.")
+        "Branches at one position are drafted as one batch.",
+    )
     prefill_chunk: int = setting(
         128,
         "Prompt tokens per prefill step of the draft model. A session prefills its prompt from `open` on, "
         "while the target is queued and prefills; chunks let other sessions' drafts (which come first) "
-        "interleave with a long prompt's prefill.")
+        "interleave with a long prompt's prefill.",
+    )
     batch_drafts: bool = setting(
         True,
         "Draft every session's next token in one batched forward of the draft model per step (ragged "
-        "lengths, each session's own KV cache; docs/batched-drafting.md); off: one forward per session.")
+        "lengths, each session's own KV cache; docs/batched-drafting.md); off: one forward per session.",
+    )
     draft_confidence: str = setting(
         "off",
         "Drafts sized by confidence (docs/confidence-drafts.md): a session stops a block where the draft "
@@ -182,31 +214,46 @@ class DrafterConfig(TransportConfig):
         "context) falls below a threshold tau, sends it at once and drafts branches until the next commit. "
         "auto: tau is learned per session from the verdicts (the draft's calibrated acceptance against the "
         "measured cost of a draft token); a number in (0, 1]: that fixed tau; off: blocks of gamma.",
-        metavar="off|auto|TAU")
+        metavar="off|auto|TAU",
+    )
     sample_drafts: bool = setting(
         False,
         "Sampled requests: draft by sampling the draft's q (its top q_top_k tokens, on) or by taking q's "
         "argmax (off). vLLM verifies drafts as one-hot, accepting x with probability p(x): argmax drafts "
-        "maximise that, so off is the default; either way the output is exact.")
+        "maximise that, so off is the default; either way the output is exact.",
+    )
     q_top_k: int = setting(16, "Sampled drafts are drawn from the draft's top-k tokens (renormalised), k = this.")
     max_sessions: int = setting(
-        256, "Most draft sessions at once; one more is refused with RESOURCE_EXHAUSTED (its gateway then "
-        "decodes it plainly).")
+        256,
+        "Most draft sessions at once; one more is refused with RESOURCE_EXHAUSTED (its gateway then "
+        "decodes it plainly).",
+    )
     ngram_max: int = setting(4, "n-gram drafter: longest suffix to look up in the context.")
     ngram_min: int = setting(1, "n-gram drafter: shortest suffix to look up in the context.")
     metrics_port: int = setting(9092, "Prometheus /metrics port (0: off).")
     first_message_timeout_s: float = setting(
-        10.0, "A Draft stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
-        "frees its max_sessions slot (0: no limit).")
+        10.0,
+        "A Draft stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
+        "frees its max_sessions slot (0: no limit).",
+    )
     revision: str = setting(
-        "", "Branch, tag or commit of a Hugging Face repo id model (like `vllm serve --revision`; empty: main, "
-        "or the model's @REVISION).", metavar="REV")
+        "",
+        "Branch, tag or commit of a Hugging Face repo id model (like `vllm serve --revision`; empty: main, "
+        "or the model's @REVISION).",
+        metavar="REV",
+    )
     device: str = setting(
-        "auto", "Where the draft model runs: cpu, cuda (one GPU: bf16/fp16, no int8) or auto (cuda when torch "
-        "sees a GPU, else cpu).", choices=("auto", "cpu", "cuda"))
+        "auto",
+        "Where the draft model runs: cpu, cuda (one GPU: bf16/fp16, no int8) or auto (cuda when torch "
+        "sees a GPU, else cpu).",
+        choices=("auto", "cpu", "cuda"),
+    )
     target: str = setting(
-        "", "The target model this drafter drafts for (a model reference): when set, the drafter refuses to "
-        "start unless the two vocabularies and special tokens match (specdec.models.compat).", metavar="REF")
+        "",
+        "The target model this drafter drafts for (a model reference): when set, the drafter refuses to "
+        "start unless the two vocabularies and special tokens match (specdec.models.compat).",
+        metavar="REF",
+    )
 
 
 @dataclass
@@ -215,74 +262,104 @@ class VerifierConfig(TransportConfig):
 
     host: str = setting(DEFAULT_HOST, "Bind address.", metavar="ADDR")
     port: int = setting(DEFAULT_VERIFIER_PORT, "gRPC port.")
-    model: str = setting("qwen-coder/target", "Target model: a registry name such as qwen-coder/target, a folder, "
-                         "or a Hugging Face repo id ORG/NAME[@REVISION] (from HF_HOME's cache; HF_HUB_OFFLINE=1: the "
-                         "cache only).", metavar="REF")
+    model: str = setting(
+        "qwen-coder/target",
+        "Target model: a registry name such as qwen-coder/target, a folder, "
+        "or a Hugging Face repo id ORG/NAME[@REVISION] (from HF_HOME's cache; HF_HUB_OFFLINE=1: the "
+        "cache only).",
+        metavar="REF",
+    )
     max_gamma: int = setting(
-        8,
-        "Largest gamma a request may use; the vLLM engine is built with num_speculative_tokens = max_gamma.")
+        8, "Largest gamma a request may use; the vLLM engine is built with num_speculative_tokens = max_gamma."
+    )
     max_model_len: int = setting(
-        0, "Context length of the engine (prompt + completion tokens); 0: the model's own on CUDA (as `vllm "
-        "serve`), 2048 on the CPU.")
+        0,
+        "Context length of the engine (prompt + completion tokens); 0: the model's own on CUDA (as `vllm "
+        "serve`), 2048 on the CPU.",
+    )
     max_num_seqs: int = setting(
-        0, "Engine batch size limit (requests decoded together); 0: `vllm serve`'s on CUDA (256, or 1024 on a "
-        "GPU of 70 GiB or more), 32 on the CPU.")
+        0,
+        "Engine batch size limit (requests decoded together); 0: `vllm serve`'s on CUDA (256, or 1024 on a "
+        "GPU of 70 GiB or more), 32 on the CPU.",
+    )
     max_sessions: int = setting(
-        512, "Most Verify sessions at once (running and queued in the engine); one more is refused with "
-        "RESOURCE_EXHAUSTED naming this limit.")
+        512,
+        "Most Verify sessions at once (running and queued in the engine); one more is refused with "
+        "RESOURCE_EXHAUSTED naming this limit.",
+    )
     dtype: str = setting(
         "auto",
         "Target model dtype; auto: on a GPU vLLM's own choice (the checkpoint's, as `vllm serve`), on the CPU "
         "float32. On a CPU with AVX512-BF16 or AMX, bfloat16 steps ~3x faster (docs/performance.md, serve-c8); "
         "`vllm serve` runs bfloat16 there unless told.",
-        choices=("auto", "float32", "bfloat16", "float16"))
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     kv_cache_gib: float = setting(
-        0.0, "KV cache size in GiB; 0: on CUDA sized by vLLM from gpu_memory_utilization (as `vllm serve`), "
-        "1 GiB on the CPU (where vLLM's utilisation check fails on these VMs).")
+        0.0,
+        "KV cache size in GiB; 0: on CUDA sized by vLLM from gpu_memory_utilization (as `vllm serve`), "
+        "1 GiB on the CPU (where vLLM's utilisation check fails on these VMs).",
+    )
     threads: int = setting(0, "CPU threads for the engine (OMP_NUM_THREADS); 0 keeps the environment's value.")
     io_cpus: str = setting(
         "",
         "CPUs (comma list) for the verifier's gRPC and asyncio threads; the engine thread keeps the "
         "process's CPUs. Empty: all threads share them. (`specdec up` gives the drafter's core.)",
-        metavar="CPUS")
+        metavar="CPUS",
+    )
     cpu_sampler_fix: bool = setting(
-        True, "Replace vLLM's CPU expand_batch_to_tokens (vLLM issue #55005); never disable in production.")
+        True, "Replace vLLM's CPU expand_batch_to_tokens (vLLM issue #55005); never disable in production."
+    )
     enforce_eager: bool | None = setting(
-        None, "vLLM's enforce_eager: run the model eagerly, without CUDA graphs or torch.compile. Unset (auto): "
-        "off on CUDA (CUDA graphs, as `vllm serve`), on on the CPU.")
+        None,
+        "vLLM's enforce_eager: run the model eagerly, without CUDA graphs or torch.compile. Unset (auto): "
+        "off on CUDA (CUDA graphs, as `vllm serve`), on on the CPU.",
+    )
     prefix_caching: bool = setting(
-        True, "vLLM's prefix cache (benchmarks turn it off so repeated prompts cost the same each time).")
+        True, "vLLM's prefix cache (benchmarks turn it off so repeated prompts cost the same each time)."
+    )
     draft_wait_ms: float = setting(
         2000.0,
         "Most a target step waits for the drafts of its speculative requests, milliseconds; past it the step "
         "decodes those requests plainly. Within it, a step waits for a request's missing drafts only as long "
         "as they are expected to take: the missing tokens x the drafter's measured ms per token (announced in "
         "its `ready`, then measured from arrivals) x (1 + draft_wait_slack), plus draft_wait_margin_ms. A "
-        "request whose drafter has not finished its prefill (no `ready` yet) is waited for the margin alone.")
+        "request whose drafter has not finished its prefill (no `ready` yet) is waited for the margin alone.",
+    )
     draft_wait_slack: float = setting(
-        0.5, "A step waits for missing drafts up to their expected arrival x (1 + this); see draft_wait_ms.")
+        0.5, "A step waits for missing drafts up to their expected arrival x (1 + this); see draft_wait_ms."
+    )
     draft_wait_margin_ms: float = setting(
-        50.0, "... plus this margin (ms) on top of the expected arrival; see draft_wait_ms.")
+        50.0, "... plus this margin (ms) on top of the expected arrival; see draft_wait_ms."
+    )
     adaptive_gamma: bool = setting(
         True,
         "Adaptive gamma (verifier.budget): each step verifies only the drafts that raise its expected tokens "
         "per ms under the measured step cost and each request's recent acceptance; under saturation this "
-        "backs off to plain decoding. Off: always a request's full gamma.")
+        "backs off to plain decoding. Off: always a request's full gamma.",
+    )
     batch_window_ms: float = setting(
         20.0,
         "When the engine is idle and a request arrives, wait until no other arrives for this long (ms; at "
         "most 10 times it) so a burst is prefilled in one step instead of one request ahead of the rest, "
-        "whose prefill would then stall the first one's decoding.")
+        "whose prefill would then stall the first one's decoding.",
+    )
     metrics_port: int = setting(9093, "Prometheus /metrics port (0: off).")
     first_message_timeout_s: float = setting(
-        10.0, "A Verify stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
-        "frees its max_sessions slot (0: no limit).")
+        10.0,
+        "A Verify stream that sends no `open` within this many seconds ends with DEADLINE_EXCEEDED and "
+        "frees its max_sessions slot (0: no limit).",
+    )
     revision: str = setting(
-        "", "Branch, tag or commit of a Hugging Face repo id model (like `vllm serve --revision`; empty: main, "
-        "or the model's @REVISION).", metavar="REV")
+        "",
+        "Branch, tag or commit of a Hugging Face repo id model (like `vllm serve --revision`; empty: main, "
+        "or the model's @REVISION).",
+        metavar="REV",
+    )
     gpu_memory_utilization: float = setting(
-        0.92, "CUDA only, with kv_cache_gib 0: the share of the GPU's memory vLLM may use for the weights, "
-        "activations and KV cache (vLLM's gpu_memory_utilization; 0.92 is vLLM 0.32's default).")
+        0.92,
+        "CUDA only, with kv_cache_gib 0: the share of the GPU's memory vLLM may use for the weights, "
+        "activations and KV cache (vLLM's gpu_memory_utilization; 0.92 is vLLM 0.32's default).",
+    )
 
 
 @dataclass
@@ -292,90 +369,131 @@ class GatewayConfig(TransportConfig):
     host: str = setting(DEFAULT_HOST, "Bind address.", metavar="ADDR")
     port: int = setting(DEFAULT_GATEWAY_PORT, "gRPC port.")
     drafter_address: str = setting(
-        f"{DEFAULT_HOST}:{DEFAULT_DRAFTER_PORT}", "host:port of the drafter; a comma-separated list of replicas, or "
+        f"{DEFAULT_HOST}:{DEFAULT_DRAFTER_PORT}",
+        "host:port of the drafter; a comma-separated list of replicas, or "
         "dns:///NAME:PORT for every address NAME resolves to (a headless Service). Each request goes to the "
-        "least-loaded one that serves (gateway.pool).", metavar="ADDRS")
+        "least-loaded one that serves (gateway.pool).",
+        metavar="ADDRS",
+    )
     verifier_address: str = setting(
-        f"{DEFAULT_HOST}:{DEFAULT_VERIFIER_PORT}", "host:port of the verifier; a list or dns:///NAME:PORT, as for "
-        "drafter_address. A generation whose verifier goes away resumes on another.", metavar="ADDRS")
+        f"{DEFAULT_HOST}:{DEFAULT_VERIFIER_PORT}",
+        "host:port of the verifier; a list or dns:///NAME:PORT, as for "
+        "drafter_address. A generation whose verifier goes away resumes on another.",
+        metavar="ADDRS",
+    )
     tokenizer: str = setting(
-        "qwen-coder/target", "Tokenizer used for text prompts and detokenisation (the target's): registry name, "
-        "folder or Hugging Face repo id ORG/NAME[@REVISION].", metavar="REF")
+        "qwen-coder/target",
+        "Tokenizer used for text prompts and detokenisation (the target's): registry name, "
+        "folder or Hugging Face repo id ORG/NAME[@REVISION].",
+        metavar="REF",
+    )
     default_gamma: int = setting(4, "Gamma (draft tokens per target step) when a request does not say.")
     default_drafter: str = setting(
-        "model", "Drafter method when a request does not say: a name of the proto enum DraftMethod (the draft "
-        "model, the n-gram drafter, or none: plain target decoding); checked at start-up.")
+        "model",
+        "Drafter method when a request does not say: a name of the proto enum DraftMethod (the draft "
+        "model, the n-gram drafter, or none: plain target decoding); checked at start-up.",
+    )
     default_max_tokens: int = setting(128, "max_tokens when a request does not say.")
     drafter_timeout_s: float = setting(
         10.0,
         "Seconds the drafter may stay silent while it owes an answer: from a commit (the target's tokens, the "
         "first one included) to its next message. Past it the request goes on as plain target decoding. The "
         "target's queueing and prefill never count: before the first commit the drafter owes nothing (it is "
-        "prefilling its own copy of the prompt).")
+        "prefilling its own copy of the prompt).",
+    )
     metrics_port: int = setting(9091, "Prometheus /metrics port (0: off); the REST bridge serves /metrics too.")
     rest_port: int = setting(
         8000,
         "OpenAI-compatible REST bridge (/v1/completions, /v1/chat/completions, /v1/models, /health, "
-        "/metrics) port (0: off).")
+        "/metrics) port (0: off).",
+    )
     health_every_s: float = setting(
-        1.0, "Seconds between the gRPC health checks of every drafter and verifier replica (gateway.pool); a "
-        "replica that fails one, or whose call fails as if it were gone, gets no new request until it serves.")
+        1.0,
+        "Seconds between the gRPC health checks of every drafter and verifier replica (gateway.pool); a "
+        "replica that fails one, or whose call fails as if it were gone, gets no new request until it serves.",
+    )
     resolve_every_s: float = setting(
-        10.0, "Seconds between two resolutions of each dns:///NAME:PORT in drafter_address and verifier_address "
-        "(pods added to or removed from a headless Service are seen within this).")
+        10.0,
+        "Seconds between two resolutions of each dns:///NAME:PORT in drafter_address and verifier_address "
+        "(pods added to or removed from a headless Service are seen within this).",
+    )
     verifier_retry_s: float = setting(
-        4.0, "How long a request waits for a verifier that serves (a new request, or one resuming after its "
-        "verifier went away) before it ends with UNAVAILABLE.")
+        4.0,
+        "How long a request waits for a verifier that serves (a new request, or one resuming after its "
+        "verifier went away) before it ends with UNAVAILABLE.",
+    )
     max_inflight: int = setting(
-        256, "Most generations in flight at this gateway; one more is refused at once with RESOURCE_EXHAUSTED "
-        "(REST: 429 with Retry-After), never queued without bound.")
+        256,
+        "Most generations in flight at this gateway; one more is refused at once with RESOURCE_EXHAUSTED "
+        "(REST: 429 with Retry-After), never queued without bound.",
+    )
     max_prompt_tokens: int = setting(
-        0, "Longest prompt accepted, tokens, checked before any work (0: the verifier's max_model_len - 1).")
+        0, "Longest prompt accepted, tokens, checked before any work (0: the verifier's max_model_len - 1)."
+    )
     api_keys: str = setting(
-        "", "API keys (comma-separated) clients must send as `authorization: Bearer KEY` (gRPC metadata, REST "
+        "",
+        "API keys (comma-separated) clients must send as `authorization: Bearer KEY` (gRPC metadata, REST "
         "header); only their SHA-256 hashes are kept. Empty (and no api_key_file): no authentication.",
-        metavar="KEYS")
-    api_key_file: str = setting("", "File of API keys, one per line (# comments), added to api_keys.",
-                                metavar="PATH")
+        metavar="KEYS",
+    )
+    api_key_file: str = setting("", "File of API keys, one per line (# comments), added to api_keys.", metavar="PATH")
     metrics_auth: bool = setting(
-        False, "The REST bridge's /metrics needs an API key too (health checks stay open). The metrics_port "
-        "listener has no authentication: bind it to a private address or set it to 0.")
+        False,
+        "The REST bridge's /metrics needs an API key too (health checks stay open). The metrics_port "
+        "listener has no authentication: bind it to a private address or set it to 0.",
+    )
     rate_limit_rps: float = setting(
-        0.0, "Requests per second per API key (token bucket; 0: unlimited); over it: RESOURCE_EXHAUSTED / 429 "
-        "with Retry-After.")
+        0.0,
+        "Requests per second per API key (token bucket; 0: unlimited); over it: RESOURCE_EXHAUSTED / 429 "
+        "with Retry-After.",
+    )
     rate_limit_burst: int = setting(0, "Token bucket capacity per API key (0: rate_limit_rps, at least 1).")
     max_streams_per_key: int = setting(
-        0, "Generations in flight per API key (0: unlimited); over it: RESOURCE_EXHAUSTED / 429.")
+        0, "Generations in flight per API key (0: unlimited); over it: RESOURCE_EXHAUSTED / 429."
+    )
     spike_factor: float = setting(
         3.0,
         "Latency spikes: a stage spikes above max(spike_min_ms, spike_factor x its rolling p95), or above "
-        "spike_ms when that is > 0.")
+        "spike_ms when that is > 0.",
+    )
     spike_min_ms: float = setting(5.0, "Floor (ms) of the relative spike threshold; see spike_factor.")
     spike_ms: float = setting(0.0, "Fixed spike threshold (ms) instead of the relative one (0: relative).")
     verdict_timeout_s: float = setting(
-        60.0, "Seconds the verifier may stay silent while it owes verdicts, once it sent the first (its queueing "
+        60.0,
+        "Seconds the verifier may stay silent while it owes verdicts, once it sent the first (its queueing "
         "and prefill never count); past it the verifier is treated as gone and the generation resumes on another "
-        "(migration). 0: no limit (keepalive still finds a verifier whose process hangs).")
+        "(migration). 0: no limit (keepalive still finds a verifier whose process hangs).",
+    )
     max_inflight_share_per_key: float = setting(
-        0.5, "With API keys configured, the largest share of max_inflight one key may hold at once (0.5: half "
+        0.5,
+        "With API keys configured, the largest share of max_inflight one key may hold at once (0.5: half "
         "the slots, so no one key can take them all); max_streams_per_key, when set, caps it further. 1: no "
-        "per-key share. Without keys every client is one key and this does not apply.")
+        "per-key share. Without keys every client is one key and this does not apply.",
+    )
     stream_write_timeout_s: float = setting(
-        30.0, "Seconds one message of a stream (gRPC GenerateStream, REST stream: true) may wait for its client "
+        30.0,
+        "Seconds one message of a stream (gRPC GenerateStream, REST stream: true) may wait for its client "
         "to take it (a client that stops reading fills its flow-control window, then writes wait); past it the "
         "stream ends (DEADLINE_EXCEEDED / the connection closes), the generation stops and its max_inflight slot "
-        "is freed. 0: no limit.")
+        "is freed. 0: no limit.",
+    )
     max_idle_commits: int = setting(
-        8, "Commits in a row a drafter may answer with empty blocks only while drafts were possible (not held "
+        8,
+        "Commits in a row a drafter may answer with empty blocks only while drafts were possible (not held "
         "by adaptive gamma, two tokens or more to go); past it the request goes on as plain target decoding "
         "(fallback). A commit the drafter sends no block after neither counts nor resets (an honest drafter "
-        "slower than its target). 0: never.")
+        "slower than its target). 0: never.",
+    )
     max_request_mb: float = setting(
-        8.0, "Largest REST request body, MiB; over it: 413, without reading the rest. (The API key is checked "
-        "before any of the body is read.)")
+        8.0,
+        "Largest REST request body, MiB; over it: 413, without reading the rest. (The API key is checked "
+        "before any of the body is read.)",
+    )
     tokenizer_revision: str = setting(
-        "", "Branch, tag or commit of a Hugging Face repo id tokenizer (empty: main, or the tokenizer's "
-        "@REVISION).", metavar="REV")
+        "",
+        "Branch, tag or commit of a Hugging Face repo id tokenizer (empty: main, or the tokenizer's @REVISION).",
+        metavar="REV",
+    )
 
 
 SERVICE_CONFIGS: dict[str, type] = {"drafter": DrafterConfig, "verifier": VerifierConfig, "gateway": GatewayConfig}

@@ -114,8 +114,9 @@ def check_tls_settings(cfg: TransportConfig) -> None:
     if cfg.tls_client_auth not in ("none", "require"):
         raise ValueError(f"tls_client_auth: {cfg.tls_client_auth!r} is not none or require")
     if cfg.tls_client_auth == "require" and not (tls_enabled(cfg) and (cfg.tls_client_ca or cfg.tls_ca)):
-        raise ValueError("tls_client_auth=require needs tls_cert, tls_key and tls_client_ca or tls_ca (the CA "
-                         "clients must chain to)")
+        raise ValueError(
+            "tls_client_auth=require needs tls_cert, tls_key and tls_client_ca or tls_ca (the CA clients must chain to)"
+        )
     if cfg.tls_allowed_peers and cfg.tls_client_auth != "require":
         raise ValueError("tls_allowed_peers needs tls_client_auth=require (identities come from client certificates)")
     for name in ("tls_cert", "tls_key", "tls_ca", "tls_client_ca"):
@@ -152,8 +153,9 @@ def channel_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.Cha
     """TLS credentials of a client: verify the server with `ca` (empty: the system's roots) and,
     with `cert` and `key`, present them (mTLS)."""
     root, chain, private = CertFiles(ca, cert, key).read()
-    return grpc.ssl_channel_credentials(root_certificates=root, private_key=private if chain else None,
-                                        certificate_chain=chain if private else None)
+    return grpc.ssl_channel_credentials(
+        root_certificates=root, private_key=private if chain else None, certificate_chain=chain if private else None
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -188,9 +190,11 @@ def grpc_options(cfg: TransportConfig, server: bool) -> list[tuple[str, Any]]:
     ]
     if server:
         # accept a client's pings at half its interval (timer jitter must never look like abuse)
-        opts += [("grpc.http2.min_recv_ping_interval_without_data_ms", ping_ms // 2),
-                 ("grpc.http2.min_ping_interval_without_data_ms", ping_ms // 2),
-                 ("grpc.so_reuseport", 0)]
+        opts += [
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", ping_ms // 2),
+            ("grpc.http2.min_ping_interval_without_data_ms", ping_ms // 2),
+            ("grpc.so_reuseport", 0),
+        ]
     return opts
 
 
@@ -204,9 +208,13 @@ def add_port(server: grpc.aio.Server, name: str, address: str, cfg: TransportCon
     else:
         bound = server.add_insecure_port(address)
         if not is_loopback(host):
-            log.warning("%s: serving PLAINTEXT gRPC on %s, which other hosts can reach: anyone on the network "
-                        "can read and send requests. Set SPECDEC_TLS_CERT / SPECDEC_TLS_KEY (and SPECDEC_TLS_CA "
-                        "with SPECDEC_TLS_CLIENT_AUTH=require), see `specdec certs`.", name, address)
+            log.warning(
+                "%s: serving PLAINTEXT gRPC on %s, which other hosts can reach: anyone on the network "
+                "can read and send requests. Set SPECDEC_TLS_CERT / SPECDEC_TLS_KEY (and SPECDEC_TLS_CA "
+                "with SPECDEC_TLS_CLIENT_AUTH=require), see `specdec certs`.",
+                name,
+                address,
+            )
     return bound
 
 
@@ -219,7 +227,9 @@ def client_channel(address: str, cfg: TransportConfig, server_name: str = "") ->
     if server_name:
         opts.append(("grpc.ssl_target_name_override", server_name))
     if cfg.tls_ca:
-        return grpc.aio.secure_channel(address, channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key), options=opts)
+        return grpc.aio.secure_channel(
+            address, channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key), options=opts
+        )
     return grpc.aio.insecure_channel(address, options=opts)
 
 
@@ -237,9 +247,11 @@ def certificate_identities(pem: bytes) -> set[str]:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         return set()
-    return ({str(v) for v in san.get_values_for_type(x509.UniformResourceIdentifier)}
-            | {str(v) for v in san.get_values_for_type(x509.DNSName)}
-            | {str(v) for v in san.get_values_for_type(x509.IPAddress)})
+    return (
+        {str(v) for v in san.get_values_for_type(x509.UniformResourceIdentifier)}
+        | {str(v) for v in san.get_values_for_type(x509.DNSName)}
+        | {str(v) for v in san.get_values_for_type(x509.IPAddress)}
+    )
 
 
 def allowed_peers(cfg: TransportConfig) -> list[str]:
@@ -290,19 +302,24 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], refusal: Callable[[Any], 
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"peer not allowed: {why}")
 
     if inspect.isasyncgenfunction(behavior):
+
         async def guarded_gen(request: Any, context: AnyContext) -> Any:
             await deny(context)
             async for item in behavior(request, context):
                 yield item
+
         wrapped: Any = guarded_gen
     else:
+
         async def guarded(request: Any, context: AnyContext) -> Any:
             await deny(context)
             return await behavior(request, context)
+
         wrapped = guarded
     make = getattr(grpc, f"{kind}_rpc_method_handler")
-    return make(wrapped, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    return make(
+        wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
 
 
 def server_interceptors(name: str, cfg: TransportConfig) -> list[grpc.aio.ServerInterceptor]:
@@ -313,9 +330,12 @@ def server_interceptors(name: str, cfg: TransportConfig) -> list[grpc.aio.Server
         log.info("%s: serving only the peers %s", name, ", ".join(peers))
         return [PeerIdentityCheck(peers)]
     if cfg.tls_client_auth == "require" and name in ("drafter", "verifier"):
-        log.warning("%s: any client certificate from the CA may call this service (it skips the gateway's API "
-                    "keys and limits): set SPECDEC_TLS_ALLOWED_PEERS to the gateways' identity, e.g. "
-                    "spiffe://specdec/gateway", name)
+        log.warning(
+            "%s: any client certificate from the CA may call this service (it skips the gateway's API "
+            "keys and limits): set SPECDEC_TLS_ALLOWED_PEERS to the gateways' identity, e.g. "
+            "spiffe://specdec/gateway",
+            name,
+        )
     return []
 
 
@@ -411,14 +431,20 @@ class RateLimiter:
         if b is None:
             b = self._buckets[key] = _Bucket(capacity, now)
         if self.max_streams and b.streams >= self.max_streams:
-            return Admission(False, f"{self.streams_setting} ({self.max_streams}) generations are already in flight "
-                                    "for this API key", 1.0)
+            return Admission(
+                False,
+                f"{self.streams_setting} ({self.max_streams}) generations are already in flight for this API key",
+                1.0,
+            )
         if self.rps > 0:
             b.tokens = min(capacity, b.tokens + (now - b.stamp) * self.rps)
             b.stamp = now
             if b.tokens < 1.0:
-                return Admission(False, f"rate_limit_rps ({self.rps:g} requests/s, burst {capacity:g}) exceeded "
-                                        "for this API key", (1.0 - b.tokens) / self.rps)
+                return Admission(
+                    False,
+                    f"rate_limit_rps ({self.rps:g} requests/s, burst {capacity:g}) exceeded for this API key",
+                    (1.0 - b.tokens) / self.rps,
+                )
             b.tokens -= 1.0
         b.streams += 1
         return Admission(True)

@@ -46,8 +46,9 @@ async def abort_invalid(context: security.AnyContext, err: InvalidField) -> NoRe
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
 
-async def open_session(context: security.AnyContext, build: Callable[[Open], T],
-                       timeout_s: float = 0.0) -> tuple[Open, T]:
+async def open_session(
+    context: security.AnyContext, build: Callable[[Open], T], timeout_s: float = 0.0
+) -> tuple[Open, T]:
     """Read a session stream's first message, which must be `open`, and build the session
     from it (`build` takes the `open` message: its type is the stream's); returns both. A bad
     one ends the call with INVALID_ARGUMENT naming the field. A stream that
@@ -56,8 +57,9 @@ async def open_session(context: security.AnyContext, build: Callable[[Open], T],
     try:
         first = await (asyncio.wait_for(context.read(), timeout_s) if timeout_s > 0 else context.read())
     except TimeoutError:
-        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"open: no `open` came within first_message_timeout_s ({timeout_s:g} s)")
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED, f"open: no `open` came within first_message_timeout_s ({timeout_s:g} s)"
+        )
         raise  # unreachable: abort raises
     if first is grpc.aio.EOF or first.WhichOneof("kind") != "open":
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must be `open`")
@@ -97,13 +99,17 @@ class SessionSlots:
     @contextlib.asynccontextmanager
     async def hold(self, context: Aborter) -> AsyncIterator[None]:
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"{self.service}: shutting down (draining); retry, on another replica if there is one")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self.service}: shutting down (draining); retry, on another replica if there is one",
+            )
         if self.limit and self.active >= self.limit:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{self.service}: {self.setting} ({self.limit}) calls are in flight; retry later, or "
-                                f"raise SPECDEC_{self.setting.upper()} / add replicas",
-                                trailing_metadata=(("retry-after", "1"),))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.service}: {self.setting} ({self.limit}) calls are in flight; retry later, or "
+                f"raise SPECDEC_{self.setting.upper()} / add replicas",
+                trailing_metadata=(("retry-after", "1"),),
+            )
         task = asyncio.current_task()
         self.active += 1
         if task is not None:
@@ -112,9 +118,11 @@ class SessionSlots:
             yield
         except asyncio.CancelledError:
             if task in self._expired:  # our drain ran out: say so instead of a bare cancel
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"{self.service}: shut down before this call finished (shutdown_timeout_s, "
-                                    f"{self._timeout_s:g} s, passed); retry")
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{self.service}: shut down before this call finished (shutdown_timeout_s, "
+                    f"{self._timeout_s:g} s, passed); retry",
+                )
             raise
         finally:
             self.active -= 1
@@ -198,8 +206,9 @@ async def serve(
     SIGHUP re-reads the TLS certificates.
     """
     security.check_tls_settings(cfg)
-    server = grpc.aio.server(options=security.grpc_options(cfg, server=True),
-                             interceptors=security.server_interceptors(name, cfg))
+    server = grpc.aio.server(
+        options=security.grpc_options(cfg, server=True), interceptors=security.server_interceptors(name, cfg)
+    )
     bound = security.add_port(server, name, f"{cfg.host}:{cfg.port}", cfg)
     if bound == 0:
         raise OSError(f"{name}: cannot bind {cfg.host}:{cfg.port}")

@@ -134,10 +134,20 @@ class SpecStats:
                 per_pos.extend([0] * (v.drafted - len(per_pos)))
             for i in range(v.accepted):
                 per_pos[i] += 1
-        step = SpecStep(index=index, num_draft_tokens=v.drafted, num_accepted_tokens=v.accepted,
-                        num_tokens=len(v.token_ids), computed_tokens=v.computed_tokens, batch_size=v.batch_size,
-                        step_ms=v.step_ms, draft_wait_ms=v.draft_wait_ms, queue_ms=v.queue_ms,
-                        draft_ms=self._draft_ms_since_step, branch=v.branch, hold_drafts=v.hold_drafts)
+        step = SpecStep(
+            index=index,
+            num_draft_tokens=v.drafted,
+            num_accepted_tokens=v.accepted,
+            num_tokens=len(v.token_ids),
+            computed_tokens=v.computed_tokens,
+            batch_size=v.batch_size,
+            step_ms=v.step_ms,
+            draft_wait_ms=v.draft_wait_ms,
+            queue_ms=v.queue_ms,
+            draft_ms=self._draft_ms_since_step,
+            branch=v.branch,
+            hold_drafts=v.hold_drafts,
+        )
         self._draft_ms_since_step = 0.0
         return step
 
@@ -291,15 +301,30 @@ class SpecStats:
         """The figures a SpeculationStats carries (a response's, read by a client or the REST
         bridge); the ratios are recomputed from them, by the properties above."""
         return cls(
-            num_spec_tokens=s.gamma, drafter=s.drafter, num_verdicts=s.target_steps + 1 if s.target_steps else 0,
-            num_drafts=s.speculative_steps, num_draft_tokens=s.drafted_tokens, num_accepted_tokens=s.accepted_tokens,
-            num_accepted_tokens_per_pos=list(s.accepted_per_position), rejected_steps=s.rejected_steps,
-            computed_tokens=s.target_computed_tokens, blocks_received=s.blocks_received,
-            tokens_received=s.tokens_received, fallback_reason=s.fallback_reason, verify_ms=s.verify_ms,
-            draft_wait_ms=s.draft_wait_ms, max_draft_wait_ms=s.max_draft_wait_ms, draft_ms=s.draft_ms,
-            drafter_prefill_ms=s.drafter_prefill_ms, migrations=s.migrations, branches_drafted=s.branches_drafted,
-            branches_used=s.branches_used, branch_misses=s.branch_misses, held_steps=s.held_steps,
-            confidence_cuts=s.confidence_cuts, mean_tau=s.mean_tau,
+            num_spec_tokens=s.gamma,
+            drafter=s.drafter,
+            num_verdicts=s.target_steps + 1 if s.target_steps else 0,
+            num_drafts=s.speculative_steps,
+            num_draft_tokens=s.drafted_tokens,
+            num_accepted_tokens=s.accepted_tokens,
+            num_accepted_tokens_per_pos=list(s.accepted_per_position),
+            rejected_steps=s.rejected_steps,
+            computed_tokens=s.target_computed_tokens,
+            blocks_received=s.blocks_received,
+            tokens_received=s.tokens_received,
+            fallback_reason=s.fallback_reason,
+            verify_ms=s.verify_ms,
+            draft_wait_ms=s.draft_wait_ms,
+            max_draft_wait_ms=s.max_draft_wait_ms,
+            draft_ms=s.draft_ms,
+            drafter_prefill_ms=s.drafter_prefill_ms,
+            migrations=s.migrations,
+            branches_drafted=s.branches_drafted,
+            branches_used=s.branches_used,
+            branch_misses=s.branch_misses,
+            held_steps=s.held_steps,
+            confidence_cuts=s.confidence_cuts,
+            mean_tau=s.mean_tau,
         )
 
     @property

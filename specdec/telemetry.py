@@ -211,8 +211,12 @@ def service_registry(service: str) -> CollectorRegistry:
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
-    build_info = Gauge("specdec:build_info", "Service and specdec version of this process (always 1)",
-                       ["service", "version"], registry=registry)
+    build_info = Gauge(
+        "specdec:build_info",
+        "Service and specdec version of this process (always 1)",
+        ["service", "version"],
+        registry=registry,
+    )
     build_info.labels(service, __version__).set(1)
     return registry
 
@@ -260,17 +264,23 @@ class GatewayMetrics:
         self.num_drafts = Counter(
             "specdec:spec_decode_num_drafts", "Target steps that verified a draft block", registry=registry
         )
-        self.num_draft_tokens = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens verified", registry=registry)
+        self.num_draft_tokens = Counter(
+            "specdec:spec_decode_num_draft_tokens", "Draft tokens verified", registry=registry
+        )
         self.num_accepted_tokens = Counter(
             "specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=registry
         )
         self.accepted_per_pos = Counter(
-            "specdec:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the block",
-            ["position"], registry=registry,
+            "specdec:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the block",
+            ["position"],
+            registry=registry,
         )
         self.accepted_length = Histogram(
-            "specdec:accepted_length", "Tokens emitted per speculative target step (accepted + 1)",
-            buckets=range(1, 34), registry=registry,
+            "specdec:accepted_length",
+            "Tokens emitted per speculative target step (accepted + 1)",
+            buckets=range(1, 34),
+            registry=registry,
         )
         self.rounds = Counter("specdec:rounds", "Target steps seen by the gateway (all requests)", registry=registry)
         self.round_stage = Histogram(
@@ -293,12 +303,16 @@ class GatewayMetrics:
         )
         # what a client sees, from the call's arrival at the gateway (admission and queueing included)
         self.time_to_first_token = Histogram(
-            "specdec:time_to_first_token_seconds", "GenerateStream calls: arrival to the first token",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,
+            "specdec:time_to_first_token_seconds",
+            "GenerateStream calls: arrival to the first token",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
         )
         self.e2e_latency = Histogram(
-            "specdec:e2e_request_latency_seconds", "Generate and GenerateStream calls that completed: arrival to the end",
-            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600), registry=registry,
+            "specdec:e2e_request_latency_seconds",
+            "Generate and GenerateStream calls that completed: arrival to the end",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=registry,
         )
         self.spikes = Counter(
             "specdec:latency_spikes", "Rounds with a latency spike, by stage", ["stage"], registry=registry
@@ -306,27 +320,34 @@ class GatewayMetrics:
         for stage in STAGES:
             self.spikes.labels(stage)
         self.migrations = Counter(
-            "specdec:gateway_migrations", "Generations moved to another verifier mid-way (theirs went away)",
+            "specdec:gateway_migrations",
+            "Generations moved to another verifier mid-way (theirs went away)",
             registry=registry,
         )
         # by reason only: API keys (or their ids) are never metric labels
         self.refused = Counter(
-            "specdec:gateway_refused", "Calls refused before any work, by reason (unauthenticated, rate_limited, request_too_large)",
-            ["reason"], registry=registry,
+            "specdec:gateway_refused",
+            "Calls refused before any work, by reason (unauthenticated, rate_limited, request_too_large)",
+            ["reason"],
+            registry=registry,
         )
         for reason in ("unauthenticated", "rate_limited"):
             self.refused.labels(reason)
         self.stream_write_timeouts = Counter(
-            "specdec:gateway_stream_write_timeouts", "Streams ended because their client read nothing for "
-            "stream_write_timeout_s (gRPC GenerateStream and REST streams)", registry=registry,
+            "specdec:gateway_stream_write_timeouts",
+            "Streams ended because their client read nothing for "
+            "stream_write_timeout_s (gRPC GenerateStream and REST streams)",
+            registry=registry,
         )
         self.fallbacks = Counter(
             "specdec:drafter_fallbacks", "Requests that went on without their drafter", registry=registry
         )
         # read at scrape time from the pools (GatewayServicer binds them): pool = drafter | verifier
         self.replicas = Gauge(
-            "specdec:gateway_replicas", "Replicas the gateway knows, by their last health check (serving, not_serving)",
-            ["pool", "state"], registry=registry,
+            "specdec:gateway_replicas",
+            "Replicas the gateway knows, by their last health check (serving, not_serving)",
+            ["pool", "state"],
+            registry=registry,
         )
         for pool in ("drafter", "verifier"):
             for state in ("serving", "not_serving"):
@@ -395,21 +416,33 @@ class DrafterMetrics:
         self.blocks = Counter("specdec:drafter_blocks", "Blocks sent", registry=registry)
         self.tokens = Counter("specdec:drafter_tokens", "Draft tokens sent", registry=registry)
         self.step_seconds = Histogram(
-            "specdec:drafter_step_seconds", "One draft token's compute",
-            buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1), registry=registry,
+            "specdec:drafter_step_seconds",
+            "One draft token's compute",
+            buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=registry,
         )
         self.branches = Counter("specdec:drafter_branches", "Pre-drafted branches sent", registry=registry)
-        self.branch_breaks = Counter("specdec:drafter_branch_breaks", "Commits that broke a draft chain, by gamma",
-                                     ["gamma"], registry=registry)
-        self.branch_hits = Counter("specdec:drafter_branch_hits", "Broken chains a pre-drafted branch covered, by "
-                                   "gamma", ["gamma"], registry=registry)
-        self.confidence_cuts = Counter("specdec:drafter_confidence_cuts", "Blocks cut by confidence",
-                                       registry=registry)
-        self.block_tau = Histogram("specdec:drafter_block_tau", "Tau of each block sent with confidence on",
-                                   buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=registry)
+        self.branch_breaks = Counter(
+            "specdec:drafter_branch_breaks", "Commits that broke a draft chain, by gamma", ["gamma"], registry=registry
+        )
+        self.branch_hits = Counter(
+            "specdec:drafter_branch_hits",
+            "Broken chains a pre-drafted branch covered, by gamma",
+            ["gamma"],
+            registry=registry,
+        )
+        self.confidence_cuts = Counter("specdec:drafter_confidence_cuts", "Blocks cut by confidence", registry=registry)
+        self.block_tau = Histogram(
+            "specdec:drafter_block_tau",
+            "Tau of each block sent with confidence on",
+            buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+            registry=registry,
+        )
         self.batch_rows = Histogram(
-            "specdec:drafter_batch_rows", "Rows (sessions) per forward of the draft model that drafts tokens",
-            buckets=DRAFTER_BATCH_ROWS_BUCKETS, registry=registry,
+            "specdec:drafter_batch_rows",
+            "Rows (sessions) per forward of the draft model that drafts tokens",
+            buckets=DRAFTER_BATCH_ROWS_BUCKETS,
+            registry=registry,
         )
 
 
@@ -465,11 +498,15 @@ class VerifierMetrics:
         )
         self.engine_steps = Counter("specdec:verifier_engine_steps", "Engine steps", registry=registry)
         self.step_seconds = Histogram(
-            "specdec:verifier_step_seconds", "Engine step wall time",
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=registry,
+            "specdec:verifier_step_seconds",
+            "Engine step wall time",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=registry,
         )
         self.batch_size = Histogram(
-            "specdec:verifier_batch_size", "Requests per engine step", buckets=(1, 2, 4, 8, 16, 32, 64),
+            "specdec:verifier_batch_size",
+            "Requests per engine step",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=registry,
         )
         self.computed_tokens = Counter(
@@ -477,11 +514,14 @@ class VerifierMetrics:
         )
         self.withheld_draft_tokens = Counter(
             "specdec:verifier_withheld_draft_tokens",
-            "Drafts that arrived but adaptive gamma left unverified (saturation back-off)", registry=registry,
+            "Drafts that arrived but adaptive gamma left unverified (saturation back-off)",
+            registry=registry,
         )
         self.step_cost_ms = Gauge(
-            "specdec:verifier_step_cost_ms", "Fitted engine step cost T(n) = base + per_token * n, milliseconds",
-            ["term"], registry=registry,
+            "specdec:verifier_step_cost_ms",
+            "Fitted engine step cost T(n) = base + per_token * n, milliseconds",
+            ["term"],
+            registry=registry,
         )
         self.draft_wait_seconds = Counter(
             "specdec:verifier_draft_wait_seconds", "Engine time spent waiting for drafts", registry=registry
@@ -491,7 +531,8 @@ class VerifierMetrics:
             "specdec:verifier_branch_hits", "Steps whose drafts came from a pre-drafted branch", registry=registry
         )
         self.branch_misses = Counter(
-            "specdec:verifier_branch_misses", "Steps after a rejection whose drafts were in no branch",
+            "specdec:verifier_branch_misses",
+            "Steps after a rejection whose drafts were in no branch",
             registry=registry,
         )
         # vLLM's own spec-decode counters (its scheduler's SpecDecodingStats, per engine step), under
@@ -506,12 +547,19 @@ class VerifierMetrics:
             "vllm:spec_decode_num_accepted_tokens", "vLLM's count: draft tokens accepted", registry=registry
         )
         self.vllm_accepted_per_pos = Counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos", "vLLM's count: accepted draft tokens by position",
-            ["position"], registry=registry,
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "vLLM's count: accepted draft tokens by position",
+            ["position"],
+            registry=registry,
         )
 
-    def observe_vllm_spec(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
-                          num_accepted_tokens_per_pos: Sequence[int]) -> None:
+    def observe_vllm_spec(
+        self,
+        num_drafts: int,
+        num_draft_tokens: int,
+        num_accepted_tokens: int,
+        num_accepted_tokens_per_pos: Sequence[int],
+    ) -> None:
         """One engine step's SpecDecodingStats, as vLLM's scheduler counted them
         (verifier.vllm_hooks.SpecStatsLogger calls it)."""
         self.vllm_num_drafts.inc(num_drafts)

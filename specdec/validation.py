@@ -72,18 +72,25 @@ def check_sizes(field: str, sampling: Any) -> None:
     strings (count, each non-empty and at most MAX_STOP_STRING_CHARS), stop_token_ids and
     allowed_token_ids (count)."""
     if len(sampling.stop) > MAX_STOP_STRINGS:
-        raise InvalidField(f"{field}.stop", f"{len(sampling.stop)} stop strings, more than the {MAX_STOP_STRINGS} allowed")
+        raise InvalidField(
+            f"{field}.stop", f"{len(sampling.stop)} stop strings, more than the {MAX_STOP_STRINGS} allowed"
+        )
     for i, s in enumerate(sampling.stop):
         if not s:
             raise InvalidField(f"{field}.stop[{i}]", "must not be empty")
         if len(s) > MAX_STOP_STRING_CHARS:
-            raise InvalidField(f"{field}.stop[{i}]", f"{len(s)} characters, more than the {MAX_STOP_STRING_CHARS} allowed")
+            raise InvalidField(
+                f"{field}.stop[{i}]", f"{len(s)} characters, more than the {MAX_STOP_STRING_CHARS} allowed"
+            )
     if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidField(f"{field}.stop_token_ids", f"{len(sampling.stop_token_ids)} ids, more than the "
-                           f"{MAX_STOP_TOKEN_IDS} allowed")
+        raise InvalidField(
+            f"{field}.stop_token_ids", f"{len(sampling.stop_token_ids)} ids, more than the {MAX_STOP_TOKEN_IDS} allowed"
+        )
     if len(sampling.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
-        raise InvalidField(f"{field}.allowed_token_ids", f"{len(sampling.allowed_token_ids)} ids, more than the "
-                           f"{MAX_ALLOWED_TOKEN_IDS} allowed")
+        raise InvalidField(
+            f"{field}.allowed_token_ids",
+            f"{len(sampling.allowed_token_ids)} ids, more than the {MAX_ALLOWED_TOKEN_IDS} allowed",
+        )
 
 
 def check_sampling(
@@ -119,8 +126,9 @@ def check_sampling(
     if sampling.HasField("repetition_penalty") and not 0.0 < sampling.repetition_penalty <= 1e4:
         raise InvalidField(f"{field}.repetition_penalty", f"{sampling.repetition_penalty} must be > 0")
     if sampling.min_tokens > sampling.max_tokens:
-        raise InvalidField(f"{field}.min_tokens",
-                           f"{sampling.min_tokens} must be <= max_tokens ({sampling.max_tokens})")
+        raise InvalidField(
+            f"{field}.min_tokens", f"{sampling.min_tokens} must be <= max_tokens ({sampling.max_tokens})"
+        )
     if vocab_size is not None:
         check_token_ids(f"{field}.stop_token_ids", sampling.stop_token_ids, vocab_size, allow_empty=True)
         check_token_ids(f"{field}.allowed_token_ids", sampling.allowed_token_ids, vocab_size, allow_empty=True)
@@ -199,8 +207,9 @@ def check_draft_block(
         return None, f"block.start_position: {start} is before the context it was drafted from ({drafted_from} tokens)"
     horizon = draft_horizon(gamma)
     if start > request_end + horizon:
-        return None, (f"block.start_position: {start} is more than {horizon} past the request's end "
-                      f"({request_end} tokens)")
+        return None, (
+            f"block.start_position: {start} is more than {horizon} past the request's end ({request_end} tokens)"
+        )
     ids = block.token_ids
     violation = ""
     most = gamma + 1 if block.branch else gamma  # a branch: its correction token, then gamma drafts

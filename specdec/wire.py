@@ -102,8 +102,9 @@ _FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
 
 
 def finish_reason_name(code: pb.FinishReason.ValueType) -> str | None:
-    """"length", "stop", "abort", or None for FINISH_REASON_UNSPECIFIED (still running)."""
+    """ "length", "stop", "abort", or None for FINISH_REASON_UNSPECIFIED (still running)."""
     return _FINISH_NAMES[code]
+
 
 if __name__ == "__main__":
     compile_protos()
@@ -117,7 +118,7 @@ DRAFT_METHOD_NAMES: tuple[str, ...] = tuple(
 
 
 def draft_method_name(method: pb.DraftMethod.ValueType) -> str:
-    """"model", "ngram", "none" ("" for UNSPECIFIED)."""
+    """ "model", "ngram", "none" ("" for UNSPECIFIED)."""
     if method == pb.DRAFT_METHOD_UNSPECIFIED:
         return ""
     return pb.DraftMethod.Name(method).removeprefix("DRAFT_METHOD_").lower()

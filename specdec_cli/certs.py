@@ -43,8 +43,15 @@ ROLES = {
 }
 CLIENT_URI = "spiffe://specdec/client"
 GATEWAY_IDENTITY = ROLES["gateway"][0]
-FILES = ("ca.pem", "ca-key.pem", *(f"{r}{k}.pem" for r in ROLES for k in ("", "-key")), "client-ca.pem",
-         "client-ca-key.pem", "client.pem", "client-key.pem")
+FILES = (
+    "ca.pem",
+    "ca-key.pem",
+    *(f"{r}{k}.pem" for r in ROLES for k in ("", "-key")),
+    "client-ca.pem",
+    "client-ca-key.pem",
+    "client.pem",
+    "client-key.pem",
+)
 
 
 def _san(hosts: Sequence[str], uri: str = "") -> list[x509.GeneralName]:
@@ -74,8 +81,9 @@ def _write(path: Path, data: bytes, private: bool = False) -> None:
         raise
 
 
-def write_certs(out: Path, hosts: Sequence[str], days: int = 365, overwrite: bool = False,
-                ca_dir: Path | None = None) -> list[Path]:
+def write_certs(
+    out: Path, hosts: Sequence[str], days: int = 365, overwrite: bool = False, ca_dir: Path | None = None
+) -> list[Path]:
     """Write the services' CA, a certificate per role for `hosts`, the end users' CA and a user's
     certificate into `out` (see the module docstring); returns the paths. Refuses
     (FileExistsError) to overwrite existing files unless asked. `ca_dir`: issue from the CAs
@@ -100,8 +108,9 @@ def write_certs(out: Path, hosts: Sequence[str], days: int = 365, overwrite: boo
         return ec.generate_private_key(ec.SECP256R1())
 
     def pem_key(k: ec.EllipticCurvePrivateKey) -> bytes:
-        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                               serialization.NoEncryption())
+        return k.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     def authority(name: str, common_name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         if ca_dir is not None:
@@ -111,25 +120,49 @@ def write_certs(out: Path, hosts: Sequence[str], days: int = 365, overwrite: boo
         k = key()
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
         ca = (
-            x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(k.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(until)
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(k.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now)
+            .not_valid_after(until)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(k.public_key()), critical=False)
             .sign(k, hashes.SHA256())
         )
         return ca, k
 
-    def leaf(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, common_name: str,
-             usages: list[x509.ObjectIdentifier], san: list[x509.GeneralName] | None) -> tuple[bytes, bytes]:
+    def leaf(
+        ca: x509.Certificate,
+        ca_key: ec.EllipticCurvePrivateKey,
+        common_name: str,
+        usages: list[x509.ObjectIdentifier],
+        san: list[x509.GeneralName] | None,
+    ) -> tuple[bytes, bytes]:
         k = key()
         builder = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-            .issuer_name(ca.subject).public_key(k.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now).not_valid_after(until)
+            .issuer_name(ca.subject)
+            .public_key(k.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now)
+            .not_valid_after(until)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
@@ -144,11 +177,17 @@ def write_certs(out: Path, hosts: Sequence[str], days: int = 365, overwrite: boo
     contents = [ca.public_bytes(serialization.Encoding.PEM), pem_key(ca_key)]
     for role, (uri, server_auth, client_auth) in ROLES.items():
         usages = ([ExtendedKeyUsageOID.SERVER_AUTH] if server_auth else []) + (
-            [ExtendedKeyUsageOID.CLIENT_AUTH] if client_auth else [])
+            [ExtendedKeyUsageOID.CLIENT_AUTH] if client_auth else []
+        )
         contents += leaf(ca, ca_key, f"specdec {role}", usages, _san(hosts, uri))
     contents += [client_ca.public_bytes(serialization.Encoding.PEM), pem_key(client_ca_key)]
-    contents += leaf(client_ca, client_ca_key, "specdec client", [ExtendedKeyUsageOID.CLIENT_AUTH],
-                     [x509.UniformResourceIdentifier(CLIENT_URI)])
+    contents += leaf(
+        client_ca,
+        client_ca_key,
+        "specdec client",
+        [ExtendedKeyUsageOID.CLIENT_AUTH],
+        [x509.UniformResourceIdentifier(CLIENT_URI)],
+    )
     for path, data in zip(paths, contents, strict=True):
         _write(path, data, private=path.name.endswith("-key.pem"))
     return paths

@@ -47,6 +47,7 @@ def _cell(text: str) -> str:
 
 # --- configuration ---------------------------------------------------------------------------
 
+
 def _flag(f: Field[Any]) -> str:
     name = config.flag_name(f.name)
     if config._flag_type(f) is bool:
@@ -59,8 +60,10 @@ def _flag(f: Field[Any]) -> str:
 def _settings_table(items: list[Field[Any]]) -> list[str]:
     rows = ["| setting, flag, environment variable | default | meaning |", "| --- | --- | --- |"]
     for f in items:
-        rows.append(f"| `{f.name}`<br>{_flag(f)}<br>`{config.env_name(f.name)}` | "
-                    f"`{config.show_default(f.default)}` | {_cell(f.metadata['help'])} |")
+        rows.append(
+            f"| `{f.name}`<br>{_flag(f)}<br>`{config.env_name(f.name)}` | "
+            f"`{config.show_default(f.default)}` | {_cell(f.metadata['help'])} |"
+        )
     return rows
 
 
@@ -71,17 +74,30 @@ def config_markdown() -> str:
     terms = (config.__doc__ or "").split("Terms:", 1)
     out = []
     if len(terms) == 2:
-        out += ["Terms used below (from `specdec/config.py`):", "", "```text", textwrap.dedent(terms[1]).strip("\n"), "```", ""]
-    out += ["## Every service", "", _cell(config.TransportConfig.__doc__ or ""), "",
-            *_settings_table(list(fields(config.TransportConfig))), ""]
+        out += [
+            "Terms used below (from `specdec/config.py`):",
+            "",
+            "```text",
+            textwrap.dedent(terms[1]).strip("\n"),
+            "```",
+            "",
+        ]
+    out += [
+        "## Every service",
+        "",
+        _cell(config.TransportConfig.__doc__ or ""),
+        "",
+        *_settings_table(list(fields(config.TransportConfig))),
+        "",
+    ]
     for kind, cls in config.SERVICE_CONFIGS.items():
         own = [f for f in fields(cls) if f.name not in shared]
-        out += [f"## {kind}", "", f"`specdec serve {kind}`: {_cell(cls.__doc__ or '')}", "",
-                *_settings_table(own), ""]
+        out += [f"## {kind}", "", f"`specdec serve {kind}`: {_cell(cls.__doc__ or '')}", "", *_settings_table(own), ""]
     return "\n".join(out)
 
 
 # --- gRPC ------------------------------------------------------------------------------------
+
 
 def proto_files(root: Path = PROTO_ROOT) -> list[Path]:
     """Every .proto file under `root` (protos/), sorted."""
@@ -113,22 +129,27 @@ def _comments(file: descriptor_pb2.FileDescriptorProto) -> dict[tuple[int, ...],
     return out
 
 
-def _messages(file: descriptor_pb2.FileDescriptorProto) -> Iterator[
-        tuple[str, descriptor_pb2.DescriptorProto, tuple[int, ...]]]:
+def _messages(
+    file: descriptor_pb2.FileDescriptorProto,
+) -> Iterator[tuple[str, descriptor_pb2.DescriptorProto, tuple[int, ...]]]:
     """Every message of a file (nested ones as Outer.Inner; map entries left out), with its path."""
-    def walk(prefix: str, msgs: list[descriptor_pb2.DescriptorProto], path: tuple[int, ...]) -> Iterator[
-            tuple[str, descriptor_pb2.DescriptorProto, tuple[int, ...]]]:
+
+    def walk(
+        prefix: str, msgs: list[descriptor_pb2.DescriptorProto], path: tuple[int, ...]
+    ) -> Iterator[tuple[str, descriptor_pb2.DescriptorProto, tuple[int, ...]]]:
         for i, m in enumerate(msgs):
             if m.options.map_entry:
                 continue
             name = f"{prefix}{m.name}"
             yield name, m, (*path, i)
             yield from walk(f"{name}.", list(m.nested_type), (*path, i, _MESSAGE_NESTED))
+
     yield from walk("", list(file.message_type), (_FILE_MESSAGE,))
 
 
-def _enums(file: descriptor_pb2.FileDescriptorProto) -> Iterator[
-        tuple[str, descriptor_pb2.EnumDescriptorProto, tuple[int, ...]]]:
+def _enums(
+    file: descriptor_pb2.FileDescriptorProto,
+) -> Iterator[tuple[str, descriptor_pb2.EnumDescriptorProto, tuple[int, ...]]]:
     for i, e in enumerate(file.enum_type):
         yield e.name, e, (_FILE_ENUM, i)
     for name, m, path in _messages(file):
@@ -153,6 +174,7 @@ def grpc_markdown(root: Path = PROTO_ROOT) -> str:
                 if m.options.map_entry:
                     maps[f"{prefix}.{m.name}"] = m
                 collect(f"{prefix}.{m.name}", list(m.nested_type))
+
         collect(file.package, list(file.message_type))
 
     def ref(type_name: str) -> str:
@@ -166,7 +188,7 @@ def grpc_markdown(root: Path = PROTO_ROOT) -> str:
         if f.type_name:
             return ref(f.type_name)
         type_name: str = descriptor_pb2.FieldDescriptorProto.Type.Name(f.type)  # "TYPE_INT32", ...
-        return "`" + type_name[len("TYPE_"):].lower() + "`"
+        return "`" + type_name[len("TYPE_") :].lower() + "`"
 
     out: list[str] = []
     ours = {str(p.relative_to(root)) for p in proto_files(root)}
@@ -197,13 +219,17 @@ def grpc_markdown(root: Path = PROTO_ROOT) -> str:
                 out += [_cell(notes[path]), ""]
             if m.field:
                 out += ["| field | number | type | description |", "| --- | --- | --- | --- |"]
-                real_oneofs = [o.name for i, o in enumerate(m.oneof_decl)
-                               if any(f.HasField("oneof_index") and f.oneof_index == i and not f.proto3_optional
-                                      for f in m.field)]
+                real_oneofs = [
+                    o.name
+                    for i, o in enumerate(m.oneof_decl)
+                    if any(f.HasField("oneof_index") and f.oneof_index == i and not f.proto3_optional for f in m.field)
+                ]
                 for fi, f in enumerate(m.field):
                     label = ""
-                    if f.label == descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED and \
-                            f.type_name.lstrip(".") not in maps:
+                    if (
+                        f.label == descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED
+                        and f.type_name.lstrip(".") not in maps
+                    ):
                         label = "repeated "
                     elif f.proto3_optional:
                         label = "optional "
@@ -215,8 +241,10 @@ def grpc_markdown(root: Path = PROTO_ROOT) -> str:
                 out.append("No fields.")
             reserved = [str(r.start) if r.end == r.start + 1 else f"{r.start}-{r.end - 1}" for r in m.reserved_range]
             if reserved or m.reserved_name:
-                out += ["", "Reserved (never reused): " + ", ".join(
-                    [*reserved, *(f"`{n}`" for n in m.reserved_name)]) + "."]
+                out += [
+                    "",
+                    "Reserved (never reused): " + ", ".join([*reserved, *(f"`{n}`" for n in m.reserved_name)]) + ".",
+                ]
             out.append("")
         for name, e, path in _enums(file):
             out += [f"### enum {name} {{#{file.package}.{name}}}", ""]

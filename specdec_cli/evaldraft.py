@@ -160,7 +160,7 @@ def load_prompts(path: Path | None = None, limit: int | None = None) -> list[Pro
             prompts.append(Prompt(id=str(obj.get("id", n)), prompt=str(obj["prompt"])))
         except (ValueError, KeyError, AttributeError) as err:
             where = f"{path or 'built-in prompts'}:{n}"
-            raise EvalDraftError(f"{where}: expected a JSON object with a \"prompt\" ({err!r})") from err
+            raise EvalDraftError(f'{where}: expected a JSON object with a "prompt" ({err!r})') from err
     if not prompts:
         raise EvalDraftError(f"{path}: no prompts")
     return prompts[:limit] if limit else prompts
@@ -225,7 +225,7 @@ def draft_ranks(draft: Any, prompt_ids: list[int], continuation: list[int]) -> l
     ids = torch.tensor([prompt_ids + continuation[:-1]])
     # logits at position t predict token t+1: the last len(continuation) rows predict the continuation
     with torch.inference_mode():
-        logits = draft(input_ids=ids).logits[0, len(prompt_ids) - 1:]  # [len(continuation), vocab]
+        logits = draft(input_ids=ids).logits[0, len(prompt_ids) - 1 :]  # [len(continuation), vocab]
         chosen = logits.gather(1, torch.tensor(continuation)[:, None])  # [len(continuation), 1]
         ranks: list[int] = (logits > chosen).sum(-1).tolist()  # tokens the draft ranks above the target's
         return ranks
@@ -285,8 +285,11 @@ def measure_costs(target: Any, draft: Any, context_ids: list[int], gammas: Seque
     draft_ms = time_forward(draft, context_ids, 1, steps)
     verify_ms = {g: time_forward(target, context_ids, g + 1, steps) for g in gammas}
     return Costs(
-        context_tokens=len(context_ids), target_decode_ms=target_ms, draft_decode_ms=draft_ms,
-        c=draft_ms / target_ms, verify_ms=verify_ms,
+        context_tokens=len(context_ids),
+        target_decode_ms=target_ms,
+        draft_decode_ms=draft_ms,
+        c=draft_ms / target_ms,
+        verify_ms=verify_ms,
         verify_over_decode={g: ms / target_ms for g, ms in verify_ms.items()},
     )
 
@@ -302,10 +305,16 @@ def gamma_result(gamma: int, accepted: Sequence[int], alpha: float, costs: Costs
     colocated = gamma * costs.c + 1.0
     v = costs.verify_over_decode[gamma]
     return GammaResult(
-        gamma=gamma, rounds=len(accepted), mean_accepted=mean_accepted, tokens_per_step=tokens,
-        expected_tokens=e, verify_over_decode=v,
-        speedup_colocated_measured=tokens / colocated, speedup_colocated_formula=e / colocated,
-        speedup_overlapped_measured=tokens / v, speedup_overlapped_formula=e / v,
+        gamma=gamma,
+        rounds=len(accepted),
+        mean_accepted=mean_accepted,
+        tokens_per_step=tokens,
+        expected_tokens=e,
+        verify_over_decode=v,
+        speedup_colocated_measured=tokens / colocated,
+        speedup_colocated_formula=e / colocated,
+        speedup_overlapped_measured=tokens / v,
+        speedup_overlapped_formula=e / v,
     )
 
 
@@ -341,8 +350,9 @@ def evaluate(
         continuation = greedy_continuation(target, prompt_ids, max_new_tokens, stop)
         ranks = draft_ranks(draft, prompt_ids, continuation)
         matches = [r == 0 for r in ranks]
-        results.append(PromptResult(p.id, len(prompt_ids), len(continuation), statistics.fmean(matches), matches,
-                                    ranks))
+        results.append(
+            PromptResult(p.id, len(prompt_ids), len(continuation), statistics.fmean(matches), matches, ranks)
+        )
         contexts.append(prompt_ids + continuation)
     t2 = time.perf_counter()
 
@@ -353,10 +363,17 @@ def evaluate(
     alpha = sum(sum(r.matches) for r in results) / positions
     accepted = {g: [a for r in results for a in simulate_rounds(r.matches, g)] for g in gammas}
     return Report(
-        target=target_ref, draft=draft_ref, max_new_tokens=max_new_tokens, gammas=list(gammas),
-        prompts=len(results), positions=positions, alpha=alpha,
-        acceptance_gamma=gammas[-1], acceptance_by_offset=acceptance_by_offset(accepted[gammas[-1]], gammas[-1]),
-        costs=costs, branch_coverage=branch_coverage([x for r in results for x in r.ranks]),
+        target=target_ref,
+        draft=draft_ref,
+        max_new_tokens=max_new_tokens,
+        gammas=list(gammas),
+        prompts=len(results),
+        positions=positions,
+        alpha=alpha,
+        acceptance_gamma=gammas[-1],
+        acceptance_by_offset=acceptance_by_offset(accepted[gammas[-1]], gammas[-1]),
+        costs=costs,
+        branch_coverage=branch_coverage([x for r in results for x in r.ranks]),
         per_gamma=[gamma_result(g, accepted[g], alpha, costs) for g in gammas],
         per_prompt=results,
         seconds={"load": t1 - t0, "agreement": t2 - t1, "timing": t3 - t2, "total": t3 - t0},
@@ -412,13 +429,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p = sub.add_parser("eval-draft", help="measure a draft's agreement with the target and predict speedups")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model: registry name or folder")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model: registry name or folder")
-    p.add_argument("--prompts", type=Path, help="JSONL file of {\"id\", \"prompt\"} (default: built-in code prompts)")
+    p.add_argument("--prompts", type=Path, help='JSONL file of {"id", "prompt"} (default: built-in code prompts)')
     p.add_argument("--gammas", type=_gammas, default=list(DEFAULT_GAMMAS), help="comma-separated (default 1,2,4,8)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="target continuation length")
     p.add_argument("--limit", type=int, help="use only the first K prompts")
     p.add_argument("--timing-steps", type=int, default=DEFAULT_TIMING_STEPS, help="timed steps per cost (median)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    p.add_argument("--quantize", choices=["none", "int8"], default="none", help="the draft's quantisation (as the drafter's)")
+    p.add_argument(
+        "--quantize", choices=["none", "int8"], default="none", help="the draft's quantisation (as the drafter's)"
+    )
     p.add_argument("--json", metavar="PATH", help="write every number as JSON to PATH ('-': stdout)")
     p.set_defaults(func=run)
     return p
@@ -431,8 +450,15 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     # a bad input (EvalDraftError, a model not found) is a UserError: `specdec` prints it as one line
-    report = evaluate(args.target, args.draft, load_prompts(args.prompts, args.limit), args.gammas,
-                      args.max_new_tokens, args.timing_steps, quantize=args.quantize)
+    report = evaluate(
+        args.target,
+        args.draft,
+        load_prompts(args.prompts, args.limit),
+        args.gammas,
+        args.max_new_tokens,
+        args.timing_steps,
+        quantize=args.quantize,
+    )
     print(format_table(report), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
         text = json.dumps(report.to_dict(), indent=2)

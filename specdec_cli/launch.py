@@ -61,7 +61,8 @@ class Service:
                     raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}; log: {self.log_path}")
                 try:
                     resp: health_pb2.HealthCheckResponse = stub.Check(  # type: ignore[attr-defined]  # types-grpcio-health-checking's HealthStub lacks Check (the generated __init__ sets it)
-                        health_pb2.HealthCheckRequest(), timeout=1.0)
+                        health_pb2.HealthCheckRequest(), timeout=1.0
+                    )
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:
@@ -147,14 +148,18 @@ class Cluster:
         # the verifier's network I/O runs beside the drafter, the target's core only computes
         io = ["--io-cpus", ",".join(map(str, sorted(draft_cpus)))] if draft_cpus else []
         verifier = start_service(
-            "verifier", self.verifier_port,
+            "verifier",
+            self.verifier_port,
             ["--model", target, "--threads", threads, *io, *self.extra_args.get("verifier", [])],
-            self.log_dir, target_cpus,
+            self.log_dir,
+            target_cpus,
         )
         drafter = start_service(
-            "drafter", self.drafter_port,
+            "drafter",
+            self.drafter_port,
             ["--model", self.draft or default_draft, "--threads", "1", *self.extra_args.get("drafter", [])],
-            self.log_dir, draft_cpus,
+            self.log_dir,
+            draft_cpus,
         )
         self.services = [verifier, drafter]
         try:
@@ -164,10 +169,19 @@ class Cluster:
             # serving (a drafter still loading would be taken for down until the next check, and the
             # first requests would decode plainly)
             gateway = start_service(
-                "gateway", self.gateway_port,
-                ["--tokenizer", tokenizer, "--drafter-address", drafter.address, "--verifier-address",
-                 verifier.address, *self.extra_args.get("gateway", [])],
-                self.log_dir, draft_cpus,
+                "gateway",
+                self.gateway_port,
+                [
+                    "--tokenizer",
+                    tokenizer,
+                    "--drafter-address",
+                    drafter.address,
+                    "--verifier-address",
+                    verifier.address,
+                    *self.extra_args.get("gateway", []),
+                ],
+                self.log_dir,
+                draft_cpus,
             )
             self.services.append(gateway)
             gateway.wait_ready(timeout_s)

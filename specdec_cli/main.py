@@ -57,9 +57,10 @@ def serve_config(args: argparse.Namespace, cls: type[object] | None = None) -> o
     try:
         return config.from_env(cls or config.SERVICE_CONFIGS[args.kind], **overrides)
     except ValueError as err:
-        raise UserError(f"invalid {args.kind} setting: {err}",
-                        f"check its SPECDEC_* environment variables (`specdec serve {args.kind} --help` "
-                        "lists them)") from err
+        raise UserError(
+            f"invalid {args.kind} setting: {err}",
+            f"check its SPECDEC_* environment variables (`specdec serve {args.kind} --help` lists them)",
+        ) from err
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -99,14 +100,19 @@ The flags are generated from the config dataclasses in specdec/config.py."""
 
 def _add_serve(sub: SubParsers) -> None:
     """`specdec serve KIND`: one flag per field of KIND's config dataclass (`config.add_flags`)."""
-    p = sub.add_parser("serve", help="start one service",
-                       description="Start one service; `specdec serve KIND --help` lists its flags.")
+    p = sub.add_parser(
+        "serve", help="start one service", description="Start one service; `specdec serve KIND --help` lists its flags."
+    )
     kinds = p.add_subparsers(dest="kind", required=True)
     terms = (config.__doc__ or "").partition("Terms:")[2]
     for kind, cls in config.SERVICE_CONFIGS.items():
-        k = kinds.add_parser(kind, help=_SERVE_HELP[kind], formatter_class=config.FlagHelpFormatter,
-                             description=_SERVE_DESCRIPTION.format(doc=cls.__doc__),
-                             epilog=f"terms:{terms}" if terms else None)
+        k = kinds.add_parser(
+            kind,
+            help=_SERVE_HELP[kind],
+            formatter_class=config.FlagHelpFormatter,
+            description=_SERVE_DESCRIPTION.format(doc=cls.__doc__),
+            epilog=f"terms:{terms}" if terms else None,
+        )
         config.add_flags(k, cls)
     p.set_defaults(func=_serve)
 
@@ -125,16 +131,27 @@ def _checked_pair(args: argparse.Namespace) -> str:
     a pair that does not fit, before any service starts; returns how to name the pair in messages."""
     chosen = choose(args.models, args.target, args.draft, args.tokenizer)
     check_pair(chosen)
-    return args.models if chosen.name == args.models and not (args.target or args.draft or args.tokenizer) else \
-        f"target {chosen.target}, draft {chosen.draft}"
+    return (
+        args.models
+        if chosen.name == args.models and not (args.target or args.draft or args.tokenizer)
+        else f"target {chosen.target}, draft {chosen.draft}"
+    )
 
 
 def _add_pair_flags(p: argparse.ArgumentParser) -> None:
     """--models, --target, --draft, --tokenizer of `up` and `demo`."""
-    p.add_argument("--models", default="qwen-coder", metavar="PAIR",
-                   help="a built-in pair (qwen-coder, tiny) or one of your pairs file (specdec.toml or SPECDEC_PAIRS)")
-    p.add_argument("--target", metavar="REF", help="target model reference replacing the pair's: a folder, PAIR/ROLE or "
-                   "a Hugging Face repo id ORG/NAME[@REVISION]")
+    p.add_argument(
+        "--models",
+        default="qwen-coder",
+        metavar="PAIR",
+        help="a built-in pair (qwen-coder, tiny) or one of your pairs file (specdec.toml or SPECDEC_PAIRS)",
+    )
+    p.add_argument(
+        "--target",
+        metavar="REF",
+        help="target model reference replacing the pair's: a folder, PAIR/ROLE or "
+        "a Hugging Face repo id ORG/NAME[@REVISION]",
+    )
     p.add_argument("--draft", metavar="REF", help="draft model reference (default: the pair's draft)")
     p.add_argument("--tokenizer", metavar="REF", help="the gateway's tokenizer (default: the target's)")
 
@@ -144,8 +161,14 @@ def _up(args: argparse.Namespace) -> None:
 
     what = _checked_pair(args)
     cluster = Cluster(
-        pair=args.models, draft=args.draft, gateway_port=args.port, drafter_port=args.drafter_port,
-        verifier_port=args.verifier_port, log_dir=Path(args.log_dir), pin=not args.no_pin, target=args.target,
+        pair=args.models,
+        draft=args.draft,
+        gateway_port=args.port,
+        drafter_port=args.drafter_port,
+        verifier_port=args.verifier_port,
+        log_dir=Path(args.log_dir),
+        pin=not args.no_pin,
+        target=args.target,
         tokenizer=args.tokenizer,
     )
     print(f"starting verifier, drafter and gateway ({what}); logs in {args.log_dir}", file=sys.stderr)
@@ -171,14 +194,27 @@ def _spec(args: argparse.Namespace) -> pb.GenerationSpec:
     try:
         prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
     except ValueError:
-        raise UserError(f"--token-ids: {args.prompt!r} is not a comma-separated list of token ids",
-                        'pass ids like "1,2,3", or drop --token-ids to send the prompt as text') from None
+        raise UserError(
+            f"--token-ids: {args.prompt!r} is not a comma-separated list of token ids",
+            'pass ids like "1,2,3", or drop --token-ids to send the prompt as text',
+        ) from None
     return generation_spec(
-        prompt, max_tokens=args.max_tokens, gamma=args.gamma, drafter=args.drafter or "", temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
-        stop_token_ids=args.stop_token_ids or [], logprobs=args.logprobs,
+        prompt,
+        max_tokens=args.max_tokens,
+        gamma=args.gamma,
+        drafter=args.drafter or "",
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens,
+        stop_token_ids=args.stop_token_ids or [],
+        logprobs=args.logprobs,
     )
 
 
@@ -212,13 +248,21 @@ def _generate(args: argparse.Namespace) -> int:
     from specdec.wire import pb
 
     spec = _spec(args)
-    with GatewayClient(args.address, timeout_s=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                       tls_key=args.tls_key, api_key=args.api_key or os.environ.get("SPECDEC_API_KEY")) as client:
+    with GatewayClient(
+        args.address,
+        timeout_s=args.timeout,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        api_key=args.api_key or os.environ.get("SPECDEC_API_KEY"),
+    ) as client:
         try:
             grpc.channel_ready_future(client.channel).result(timeout=args.connect_timeout)
         except grpc.FutureTimeoutError:
-            raise UserError(f"cannot reach the gateway at {args.address} (no connection in {args.connect_timeout:g} s)",
-                            "start one with `specdec up`, or pass --address HOST:PORT of a running gateway") from None
+            raise UserError(
+                f"cannot reach the gateway at {args.address} (no connection in {args.connect_timeout:g} s)",
+                "start one with `specdec up`, or pass --address HOST:PORT of a running gateway",
+            ) from None
         t0 = time.perf_counter()
         first_ms = 0.0
         text: list[str] = []
@@ -234,8 +278,15 @@ def _generate(args: argparse.Namespace) -> int:
                     sys.stdout.flush()
                 text.append(chunk.text)
                 ids.extend(chunk.token_ids)
-                logprobs.extend({"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank,
-                                 "top": dict(zip(lp.top_token_ids, lp.top_logprobs))} for lp in chunk.logprobs)
+                logprobs.extend(
+                    {
+                        "token_id": lp.token_id,
+                        "logprob": lp.logprob,
+                        "rank": lp.rank,
+                        "top": dict(zip(lp.top_token_ids, lp.top_logprobs)),
+                    }
+                    for lp in chunk.logprobs
+                )
                 last = chunk
         except grpc.RpcError as err:
             if not args.json and text:
@@ -245,17 +296,24 @@ def _generate(args: argparse.Namespace) -> int:
     if last is None:  # the gateway ends every stream with a chunk carrying the finish reason
         raise RuntimeError("the gateway's stream ended without a chunk")
     if args.json:
-        print(json.dumps({
-            "request_id": last.request_id,
-            "text": "".join(text),
-            "token_ids": ids,
-            "finish_reason": pb.FinishReason.Name(last.finish_reason),
-            "usage": {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": last.usage.completion_tokens},
-            "stats": stats_dict(last.stats),
-            "total_ms": round(total_ms, 1),
-            "first_token_ms": round(first_ms, 1),
-            **({"logprobs": logprobs} if args.logprobs is not None else {}),
-        }))
+        print(
+            json.dumps(
+                {
+                    "request_id": last.request_id,
+                    "text": "".join(text),
+                    "token_ids": ids,
+                    "finish_reason": pb.FinishReason.Name(last.finish_reason),
+                    "usage": {
+                        "prompt_tokens": last.usage.prompt_tokens,
+                        "completion_tokens": last.usage.completion_tokens,
+                    },
+                    "stats": stats_dict(last.stats),
+                    "total_ms": round(total_ms, 1),
+                    "first_token_ms": round(first_ms, 1),
+                    **({"logprobs": logprobs} if args.logprobs is not None else {}),
+                }
+            )
+        )
     else:
         print("\n---", file=sys.stderr)
         print(format_stats(last.stats, last.usage, total_ms, first_ms), file=sys.stderr)
@@ -275,8 +333,9 @@ def _certs(args: argparse.Namespace) -> int:
 
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
     try:
-        paths = write_certs(Path(args.dir), hosts, days=args.days, overwrite=args.force,
-                            ca_dir=Path(args.ca) if args.ca else None)
+        paths = write_certs(
+            Path(args.dir), hosts, days=args.days, overwrite=args.force, ca_dir=Path(args.ca) if args.ca else None
+        )
     except FileExistsError as err:
         raise UserError(str(err).split(";")[0], "pass --force to replace them, or choose another DIR") from None
     for path in paths:
@@ -297,13 +356,22 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", help="stop sequence (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
-    p.add_argument("--stop-token-ids", type=lambda v: [int(t) for t in v.split(",")], metavar="IDS",
-                   help="comma-separated token ids that end the generation")
+    p.add_argument(
+        "--stop-token-ids",
+        type=lambda v: [int(t) for t in v.split(",")],
+        metavar="IDS",
+        help="comma-separated token ids that end the generation",
+    )
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="with --json: the target's logprob of each token and of its K best alternatives")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --json: the target's logprob of each token and of its K best alternatives",
+    )
     p.add_argument("--tls-ca", default="", metavar="PATH", help="connect with TLS, verifying the gateway with this CA")
     p.add_argument("--tls-cert", default="", metavar="PATH", help="client certificate (mutual TLS)")
     p.add_argument("--tls-key", default="", metavar="PATH", help="its private key")
@@ -320,9 +388,17 @@ def _demo(args: argparse.Namespace) -> int:
     what = _checked_pair(args)
     ports = [free_port() for _ in range(3)]
     off = ["--metrics-port", "0"]  # a one-shot run needs no metrics or REST ports
-    cluster = Cluster(pair=args.models, gateway_port=ports[0], drafter_port=ports[1], verifier_port=ports[2],
-                      log_dir=Path(args.log_dir), target=args.target, draft=args.draft, tokenizer=args.tokenizer,
-                      extra_args={"verifier": off, "drafter": off, "gateway": [*off, "--rest-port", "0"]})
+    cluster = Cluster(
+        pair=args.models,
+        gateway_port=ports[0],
+        drafter_port=ports[1],
+        verifier_port=ports[2],
+        log_dir=Path(args.log_dir),
+        target=args.target,
+        draft=args.draft,
+        tokenizer=args.tokenizer,
+        extra_args={"verifier": off, "drafter": off, "gateway": [*off, "--rest-port", "0"]},
+    )
     print(f"starting verifier, drafter and gateway ({what}); logs in {args.log_dir}", file=sys.stderr)
     _start(cluster)
     try:
@@ -370,7 +446,9 @@ def _models(args: argparse.Namespace) -> int:
         pair, _, role = args.name.partition("/")  # PAIR/ROLE is PAIR --role ROLE
         role = args.role or role
         if args.tokenizer:
-            ref = f"{pair}/{role}" if role else models.PAIRS[pair].tokenizer if pair in models.PAIRS else f"{pair}/target"
+            ref = (
+                f"{pair}/{role}" if role else models.PAIRS[pair].tokenizer if pair in models.PAIRS else f"{pair}/target"
+            )
             print(models.resolve_tokenizer(ref))
         elif role:
             print(models.prepare(pair, [role])[role])
@@ -389,22 +467,41 @@ def _models(args: argparse.Namespace) -> int:
 
 def _add_models(sub: SubParsers) -> None:
     """`specdec models list|pull|path`."""
-    p = sub.add_parser("models", help="list, pull or locate models",
-                       description="The model registry: pairs of a target and its draft (specdec/models/).")
+    p = sub.add_parser(
+        "models",
+        help="list, pull or locate models",
+        description="The model registry: pairs of a target and its draft (specdec/models/).",
+    )
     actions = p.add_subparsers(dest="action", required=True, metavar="{list,pull,path}")
     ls = actions.add_parser("list", help="every pair and role: pulled or not, size, folder")
     ls.add_argument("--json", action="store_true", help="one JSON array (the folders as strings)")
     pull = actions.add_parser("pull", help="download, verify and convert a pair once (tiny: build it)")
-    pull.add_argument("name", nargs="?", default="qwen-coder", metavar="PAIR[/ROLE]",
-                      help="a pair, or one model of it (PAIR/ROLE: as --role); default: qwen-coder")
-    pull.add_argument("--role", metavar="ROLE",
-                      help="only this role's model (e.g. target for a verifier, draft for a drafter); prints its folder")
-    pull.add_argument("--tokenizer", action="store_true",
-                      help="only the tokenizer (of the pair's target, or of --role), not the weights: what a gateway "
-                           "needs; prints its folder")
+    pull.add_argument(
+        "name",
+        nargs="?",
+        default="qwen-coder",
+        metavar="PAIR[/ROLE]",
+        help="a pair, or one model of it (PAIR/ROLE: as --role); default: qwen-coder",
+    )
+    pull.add_argument(
+        "--role",
+        metavar="ROLE",
+        help="only this role's model (e.g. target for a verifier, draft for a drafter); prints its folder",
+    )
+    pull.add_argument(
+        "--tokenizer",
+        action="store_true",
+        help="only the tokenizer (of the pair's target, or of --role), not the weights: what a gateway "
+        "needs; prints its folder",
+    )
     path = actions.add_parser("path", help="the folder of each role of PAIR, or of one PAIR/ROLE")
-    path.add_argument("name", nargs="?", default="qwen-coder", metavar="PAIR[/ROLE]",
-                      help="a pair (every role's folder) or PAIR/ROLE (that folder); default: qwen-coder")
+    path.add_argument(
+        "name",
+        nargs="?",
+        default="qwen-coder",
+        metavar="PAIR[/ROLE]",
+        help="a pair (every role's folder) or PAIR/ROLE (that folder); default: qwen-coder",
+    )
     p.set_defaults(func=_models)
 
 
@@ -445,8 +542,9 @@ def _add_tool(sub: SubParsers, name: str) -> None:
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The `specdec` parser for `argv`: only the tool `argv` names (if any) is imported."""
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="specdec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error (or SPECDEC_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
@@ -474,14 +572,26 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     _add_models(sub)
 
-    certs = sub.add_parser("certs", help="write a development PKI: a CA and a certificate per role, and an end "
-                           "users' CA and certificate", description=_certs_doc())
+    certs = sub.add_parser(
+        "certs",
+        help="write a development PKI: a CA and a certificate per role, and an end users' CA and certificate",
+        description=_certs_doc(),
+    )
     certs.add_argument("dir", metavar="DIR", help="folder to write them to")
-    certs.add_argument("--hosts", default="", help="comma-separated DNS names and IP addresses the services are "
-                       "reached at (localhost and 127.0.0.1 are always added)")
+    certs.add_argument(
+        "--hosts",
+        default="",
+        help="comma-separated DNS names and IP addresses the services are "
+        "reached at (localhost and 127.0.0.1 are always added)",
+    )
     certs.add_argument("--days", type=int, default=365, help="validity (default: 365)")
-    certs.add_argument("--ca", default=None, metavar="DIR", help="issue from the CAs in DIR (ca.pem, ca-key.pem, "
-                       "client-ca.pem, client-ca-key.pem) instead of new ones: rotation, or more hosts")
+    certs.add_argument(
+        "--ca",
+        default=None,
+        metavar="DIR",
+        help="issue from the CAs in DIR (ca.pem, ca-key.pem, "
+        "client-ca.pem, client-ca-key.pem) instead of new ones: rotation, or more hosts",
+    )
     certs.add_argument("--force", action="store_true", help="replace certificates already in DIR")
     certs.set_defaults(func=_certs)
 
@@ -501,8 +611,9 @@ def rpc_error(err: Exception, peer: str) -> UserError:
     name = getattr(code, "name", "UNKNOWN")
     details = getattr(err, "details", lambda: "")() or str(err)
     if name == "UNAVAILABLE":
-        return UserError(f"{peer} is unavailable ({details})",
-                         "check that it is running (`specdec up` starts one) and the address")
+        return UserError(
+            f"{peer} is unavailable ({details})", "check that it is running (`specdec up` starts one) and the address"
+        )
     if name == "DEADLINE_EXCEEDED":
         return UserError(f"{peer} did not finish in time ({details})", "raise --timeout, or ask for fewer tokens")
     if name in ("INVALID_ARGUMENT", "OUT_OF_RANGE", "FAILED_PRECONDITION"):
@@ -537,8 +648,10 @@ def explain(err: BaseException) -> tuple[str, int]:
     grpc = sys.modules.get("grpc")
     if grpc is not None and isinstance(err, grpc.RpcError):
         return str(rpc_error(err, "a service")), 2
-    return (f"unexpected {type(err).__name__}: {err}; rerun as `specdec --debug ...` (or with SPECDEC_DEBUG=1) "
-            "for the traceback, and report it"), 1
+    return (
+        f"unexpected {type(err).__name__}: {err}; rerun as `specdec --debug ...` (or with SPECDEC_DEBUG=1) "
+        "for the traceback, and report it"
+    ), 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

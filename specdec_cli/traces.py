@@ -34,8 +34,10 @@ def load(paths: Iterable[str | Path]) -> list[Span]:
                 try:
                     spans.append(json.loads(line))
                 except json.JSONDecodeError as err:
-                    raise UserError(f"{path}:{number}: not a JSON span record ({err.msg})",
-                                    "pass the JSON-lines files that SPECDEC_TRACE_FILE writes") from None
+                    raise UserError(
+                        f"{path}:{number}: not a JSON span record ({err.msg})",
+                        "pass the JSON-lines files that SPECDEC_TRACE_FILE writes",
+                    ) from None
     return spans
 
 
@@ -51,7 +53,9 @@ def rounds(spans: list[Span]) -> list[Span]:
 
 def request_ids(spans: list[Span]) -> dict[str, str]:
     """trace id -> request id, from the gateway's request spans."""
-    return {s["trace_id"]: s["attributes"].get("specdec.request_id", "") for s in spans if s["name"] == "specdec.generate"}
+    return {
+        s["trace_id"]: s["attributes"].get("specdec.request_id", "") for s in spans if s["name"] == "specdec.generate"
+    }
 
 
 def spikes_by_stage(spans: list[Span]) -> dict[str, list[Span]]:
@@ -102,8 +106,10 @@ def timeline(spans: list[Span], trace_id: str) -> str:
         if s["name"] == "specdec.round":
             continue
         a = s["attributes"]
-        lines.append(f"  [{s['service']}] {s['name']} {_ms(s):.1f} ms, {len(s['events'])} events, "
-                     f"request {a.get('specdec.request_id', '')}")
+        lines.append(
+            f"  [{s['service']}] {s['name']} {_ms(s):.1f} ms, {len(s['events'])} events, "
+            f"request {a.get('specdec.request_id', '')}"
+        )
     lines.append("  round   start_ms     ms  drafted accepted tokens  stages (ms)")
     for r in sorted(rounds(mine), key=lambda s: s["start_ns"]):
         a = r["attributes"]
@@ -131,8 +137,10 @@ def run(args: argparse.Namespace) -> int:
     if args.request:
         matches = [t for t, rid in request_ids(spans).items() if rid == args.request]
         if not matches:
-            raise UserError(f"no request {args.request!r} in {', '.join(args.files)}",
-                            "the summary (`specdec traces FILE...` alone) names the requests they hold")
+            raise UserError(
+                f"no request {args.request!r} in {', '.join(args.files)}",
+                "the summary (`specdec traces FILE...` alone) names the requests they hold",
+            )
         trace_id = matches[0]
     print(timeline(spans, trace_id) if trace_id else summary(spans, args.top))
     return 0

@@ -63,8 +63,13 @@ DRAFT_WAIT_MARGIN_MS = 2000
 def _tier(item: pytest.Item) -> str:
     """'e2e' or 'unit' for one collected test (module docstring)."""
     rel = Path(str(item.path)).resolve().relative_to(TESTS).as_posix()
-    if (rel.split("/")[0] in E2E_FOLDERS or rel in E2E_MODULES or E2E_FIXTURES & set(item.fixturenames)
-            or item.get_closest_marker("e2e") or item.get_closest_marker("slow")):
+    if (
+        rel.split("/")[0] in E2E_FOLDERS
+        or rel in E2E_MODULES
+        or E2E_FIXTURES & set(item.fixturenames)
+        or item.get_closest_marker("e2e")
+        or item.get_closest_marker("slow")
+    ):
         return "e2e"
     return "unit"
 
@@ -94,8 +99,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     items = getattr(session, "items", [])
     if items and all(item.get_closest_marker("e2e") is None for item in items) and "vllm" in sys.modules:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        print("\nunit tier: vLLM was imported; move the test that imports it to the e2e tier "
-              "(tests/conftest.py E2E_MODULES, or @pytest.mark.e2e)", file=sys.stderr)
+        print(
+            "\nunit tier: vLLM was imported; move the test that imports it to the e2e tier "
+            "(tests/conftest.py E2E_MODULES, or @pytest.mark.e2e)",
+            file=sys.stderr,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -129,8 +137,13 @@ class Services:
         if kind in ("verifier", "drafter"):  # the test-only fault plugin, all faults off (tests/faultkit.py)
             self.log_dir.mkdir(parents=True, exist_ok=True)
             control = str(self.log_dir / f"{kind}-{port}.faults-port")
-            env.update({"SPECDEC_PLUGINS": faultkit.PLUGIN, faultkit.CONTROL_ENV: control,
-                        "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)})
+            env.update(
+                {
+                    "SPECDEC_PLUGINS": faultkit.PLUGIN,
+                    faultkit.CONTROL_ENV: control,
+                    "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p),
+                }
+            )
         svc = start_service(kind, port, args, self.log_dir, env=env, metrics_port=free_port())
         svc.faults_control = control  # type: ignore[attr-defined]  # a test-side attribute: where `injected` finds the port
         self.started.append(svc)
@@ -146,8 +159,19 @@ class Services:
             # draft_wait_ms): the tiny target steps faster than the tiny drafter drafts, so the pace
             # cap would rightly skip most of them (the cap: tests/verifier/test_proposer.py,
             # tests/e2e/test_slow_prefill.py).
-            ["--model", "tiny/target", "--max-gamma", str(MAX_GAMMA), "--threads", "1", "--max-num-seqs", "64",
-             "--no-adaptive-gamma", "--draft-wait-margin-ms", str(DRAFT_WAIT_MARGIN_MS)],
+            [
+                "--model",
+                "tiny/target",
+                "--max-gamma",
+                str(MAX_GAMMA),
+                "--threads",
+                "1",
+                "--max-num-seqs",
+                "64",
+                "--no-adaptive-gamma",
+                "--draft-wait-margin-ms",
+                str(DRAFT_WAIT_MARGIN_MS),
+            ],
         )
 
     def start_pair(self, draft: str, verifier: Service) -> tuple[Service, Service]:
@@ -160,8 +184,17 @@ class Services:
         rest_port = free_port()
         svc = self._start(
             "gateway",
-            ["--tokenizer", "tiny/target", "--drafter-address", drafter_address, "--verifier-address", verifier_address,
-             "--rest-port", str(rest_port), *extra],
+            [
+                "--tokenizer",
+                "tiny/target",
+                "--drafter-address",
+                drafter_address,
+                "--verifier-address",
+                verifier_address,
+                "--rest-port",
+                str(rest_port),
+                *extra,
+            ],
         )
         svc.rest_port = rest_port
         return svc
@@ -242,8 +275,13 @@ class ReferenceWorker:
 
     def __init__(self, model: Path) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(TESTS / "e2e" / "vllm_reference.py"), str(model)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            [sys.executable, str(TESTS / "e2e" / "vllm_reference.py"), str(model)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         self._stderr: list[str] = []
         threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr or []), daemon=True).start()
 

@@ -159,6 +159,7 @@ class Injector:
 
 def _serve_control(injector: Injector, path: str) -> ThreadingHTTPServer:
     """Serve the control port (module docstring) and write its number to `path`."""
+
     class Handler(BaseHTTPRequestHandler):
         def _answer(self, code: int, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()
@@ -221,8 +222,12 @@ def control_port(path: str) -> int:
 def switch(port: int, **faults: Any) -> dict[str, Any]:
     """Put this set of faults in force in the service listening on `port` (the others off), and
     return its acknowledgement once it is in force; raises if the service disagrees."""
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/faults", data=json.dumps(faults).encode(),
-                                     method="PUT", headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/faults",
+        data=json.dumps(faults).encode(),
+        method="PUT",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30) as answer:
         state = json.loads(answer.read())
     expected = asdict(Faults.parse(faults))

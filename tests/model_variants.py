@@ -1,9 +1,9 @@
 """Variants of a tiny model for compatibility tests, each saved as a checkpoint folder:
 
-    padded          the same model and tokenizer, its embedding and output layers padded with
-                    rows past the tokenizer (as Qwen2.5-7B's 152064 rows over 151665 tokens)
-    other_vocab     one token added to the tokenizer (another vocabulary), the model resized
-    other_eos       the same vocabulary, another token as EOS
+padded          the same model and tokenizer, its embedding and output layers padded with
+                rows past the tokenizer (as Qwen2.5-7B's 152064 rows over 151665 tokens)
+other_vocab     one token added to the tokenizer (another vocabulary), the model resized
+other_eos       the same vocabulary, another token as EOS
 """
 
 from __future__ import annotations

@@ -40,8 +40,13 @@ def test_production_code_never_imports_the_plugin_and_has_no_fault_settings() ->
     for package in PRODUCTION:
         for path in (ROOT / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else []
+                )
                 assert not any(n.split(".")[0] == "faultkit" for n in names), path
     for cls in (config.DrafterConfig, config.VerifierConfig, config.GatewayConfig):
         assert not [f.name for f in fields(cls) if "inject" in f.name or f.name.startswith("fault")], cls
@@ -132,8 +137,9 @@ def test_draft_step_faults_go_through_the_sessions_step_hooks(sleeps: list[float
     assert session.steps >= 6 and sleeps == [0.1] * (session.steps // 3)
 
 
-def test_the_control_port_switches_faults_with_an_acknowledgement(monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path: Path) -> None:
+def test_the_control_port_switches_faults_with_an_acknowledgement(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     control = str(tmp_path / "drafter.faults-port")
     monkeypatch.setenv(faultkit.CONTROL_ENV, control)
     monkeypatch.setenv(faultkit.FAULTS_ENV, json.dumps({"draft_every": 5, "draft_delay_ms": 10}))

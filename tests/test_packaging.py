@@ -33,8 +33,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parent.parent
 # What a fresh clone does not have (build outputs, environments, caches, logs).
 NOT_IN_CLONE = {
-    ".git", ".venv", ".tools", "node_modules", "__pycache__", ".pytest_cache", ".specdec-cache",
-    "logs", "bench-results", "build", "dist", "site",
+    ".git",
+    ".venv",
+    ".tools",
+    "node_modules",
+    "__pycache__",
+    ".pytest_cache",
+    ".specdec-cache",
+    "logs",
+    "bench-results",
+    "build",
+    "dist",
+    "site",
 }
 INSTALL_TIMEOUT_S = 1200
 READY_TIMEOUT_S = 180
@@ -156,10 +166,22 @@ def test_gateway_extra_serves_without_vllm_or_torch(tmp_path: Path, tiny_pair: N
     _compile_stubs(py, env, tmp_path, src)
     rest_port = free_port()
     # peers need not be up: the gateway connects to them per request
-    svc = _serve(venv, env, tmp_path, "gateway", [
-        "--tokenizer", "tiny/target", "--drafter-address", f"127.0.0.1:{free_port()}",
-        "--verifier-address", f"127.0.0.1:{free_port()}", "--rest-port", str(rest_port),
-    ])
+    svc = _serve(
+        venv,
+        env,
+        tmp_path,
+        "gateway",
+        [
+            "--tokenizer",
+            "tiny/target",
+            "--drafter-address",
+            f"127.0.0.1:{free_port()}",
+            "--verifier-address",
+            f"127.0.0.1:{free_port()}",
+            "--rest-port",
+            str(rest_port),
+        ],
+    )
 
     def rest_bridge_answers() -> None:  # fastapi, pydantic, uvicorn and prometheus-client in use
         status, body = _get(f"http://127.0.0.1:{rest_port}/v1/models")

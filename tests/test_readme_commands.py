@@ -61,29 +61,40 @@ TIMEOUT_S = 300
 # with the reason. test_not_run_lists_only_documented_commands keeps this list honest.
 _SERVICE = "a long-running service; `specdec up` (run here) starts the same `specdec serve` commands"
 _BENCH = "the full benchmark takes minutes even on tiny; `specdec bench --quick` runs in tests/benchmarks/test_bench.py"
-_SERVE_C8 = ("starts vLLM's OpenAI server and the services on the real pair (minutes); "
-             "tests/benchmarks/test_serve.py runs the serve-c8 workload end to end on tiny")
-_LINK = ("makes network namespaces and runs the benchmark across them (minutes); `specdec bench-link --quick` "
-         "runs in tests/benchmarks/test_link.py")
-_DRAFTER = ("measures 2 s of CPU time per session count (up to 32) and mode (minutes); "
-            "tests/benchmarks/test_drafter_capacity.py runs `specdec bench-drafter` on the tiny draft "
-            "with tiny settings")
-_DRAFTER_SHAPE = ("builds a random-init model of the Qwen2.5-Coder-0.5B draft's shapes (24 layers, "
-                  "vocab 151,936) and times it: a benchmark of a real-sized model, not run on this shared machine; "
-                  "the same command on the "
-                  "tiny draft runs from the line without --shape")
-_QWEN_DEFAULTS = ("no pair on the line to replace (eval-draft's defaults are the qwen-coder pair); the same "
-                  "command on tiny runs from the `specdec eval-draft --target ... --draft ...` line")
-_HF = ("names Hugging Face repo ids that are not in this machine's cache (no hub here); "
-       "tests/e2e/test_model_refs.py serves the tiny pair by repo id with HF_HUB_OFFLINE=1")
+_SERVE_C8 = (
+    "starts vLLM's OpenAI server and the services on the real pair (minutes); "
+    "tests/benchmarks/test_serve.py runs the serve-c8 workload end to end on tiny"
+)
+_LINK = (
+    "makes network namespaces and runs the benchmark across them (minutes); `specdec bench-link --quick` "
+    "runs in tests/benchmarks/test_link.py"
+)
+_DRAFTER = (
+    "measures 2 s of CPU time per session count (up to 32) and mode (minutes); "
+    "tests/benchmarks/test_drafter_capacity.py runs `specdec bench-drafter` on the tiny draft "
+    "with tiny settings"
+)
+_DRAFTER_SHAPE = (
+    "builds a random-init model of the Qwen2.5-Coder-0.5B draft's shapes (24 layers, "
+    "vocab 151,936) and times it: a benchmark of a real-sized model, not run on this shared machine; "
+    "the same command on the "
+    "tiny draft runs from the line without --shape"
+)
+_QWEN_DEFAULTS = (
+    "no pair on the line to replace (eval-draft's defaults are the qwen-coder pair); the same "
+    "command on tiny runs from the `specdec eval-draft --target ... --draft ...` line"
+)
+_HF = (
+    "names Hugging Face repo ids that are not in this machine's cache (no hub here); "
+    "tests/e2e/test_model_refs.py serves the tiny pair by repo id with HF_HUB_OFFLINE=1"
+)
 NOT_RUN = {
     "specdec up --target meta-llama/Llama-3.1-8B-Instruct --draft meta-llama/Llama-3.2-1B-Instruct": _HF,
     "specdec demo --target Qwen/Qwen3-8B --draft Qwen/Qwen3-0.6B": _HF,
     "specdec bench --target Qwen/Qwen3-8B --draft Qwen/Qwen3-0.6B --systems target-only,specdec": _HF,
     "specdec serve verifier --model Qwen/Qwen3-8B --revision main --dtype bfloat16": _SERVICE,
     "specdec serve drafter  --model Qwen/Qwen3-0.6B --target Qwen/Qwen3-8B": _SERVICE,
-    "specdec serve gateway  --tokenizer Qwen/Qwen3-8B --drafter-address HOST:50052 --verifier-address HOST:50053":
-        _SERVICE,
+    "specdec serve gateway  --tokenizer Qwen/Qwen3-8B --drafter-address HOST:50052 --verifier-address HOST:50053": _SERVICE,  # noqa: E501 (a README command, verbatim)
     "specdec serve drafter --model Qwen/Qwen3-0.6B --device cuda": _SERVICE,
     "specdec serve drafter --model Qwen/Qwen3-0.6B --device auto": _SERVICE,
     "specdec serve drafter --no-batch-drafts": _SERVICE,
@@ -98,8 +109,7 @@ NOT_RUN = {
     ".venv/bin/specdec serve drafter --host 0.0.0.0 --port 50052 --model qwen-coder/draft --threads 4": _SERVICE,
     "specdec serve verifier --model qwen-coder/target --port 50053": _SERVICE,
     "specdec serve drafter  --model qwen-coder/draft  --port 50052": _SERVICE,
-    "specdec serve gateway  --drafter-address HOST:50052 --verifier-address HOST:50053 --tokenizer qwen-coder/target":
-        _SERVICE,
+    "specdec serve gateway  --drafter-address HOST:50052 --verifier-address HOST:50053 --tokenizer qwen-coder/target": _SERVICE,  # noqa: E501 (a README command, verbatim)
     "specdec serve verifier --host 10.0.0.1 --model qwen-coder/target": _SERVICE,
     "specdec serve drafter --host 10.0.0.2 --model qwen-coder/draft": _SERVICE,
     "SPECDEC_API_KEYS=sk-team-a specdec serve gateway --host 10.0.0.3 --drafter-address 10.0.0.2:50052 "
@@ -119,8 +129,7 @@ NOT_RUN = {
     "specdec bench-drafter --core 0 --shape qwen2.5-0.5b --quantize int8 --sessions 1,16 --prompt 256 --seconds 2 "
     "--min-rounds 3 --warmup 1 --out bench-drafter-qwen-256": _DRAFTER_SHAPE,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 64": _QWEN_DEFAULTS,
-    "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 48 --limit 4 --gammas 4 --quantize int8":
-        _QWEN_DEFAULTS,
+    "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 48 --limit 4 --gammas 4 --quantize int8": _QWEN_DEFAULTS,  # noqa: E501 (a README command, verbatim)
 }
 # Commands that need a running gateway (or what it exported) and long-running ones.
 AGAINST_UP = {"generate", "traces"}
@@ -197,7 +206,7 @@ def readme_commands(text: str) -> list[Command]:
         replaced = line
         for old, new in REPLACE:
             replaced = replaced.replace(old, new)
-        argv = _expand(shlex.split(replaced)[len(env) + 1:])
+        argv = _expand(shlex.split(replaced)[len(env) + 1 :])
         commands.append(Command(line, tuple(env), tuple(argv)))
     return commands
 
@@ -233,8 +242,9 @@ def specdec_cmd() -> list[str]:
 def run(cmd: Command, cwd: Path, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     """Run a documented command in `cwd`; fail its test on a non-zero exit or a traceback."""
     env = {**os.environ, **dict(cmd.env)}
-    proc = subprocess.run([*specdec_cmd(), *cmd.argv, *extra], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(
+        [*specdec_cmd(), *cmd.argv, *extra], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     shown = f"`{shlex.join(['specdec', *cmd.argv, *extra])}`"
     assert TRACEBACK not in proc.stdout + proc.stderr, f"{shown} printed a traceback:\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"{shown} exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
@@ -284,8 +294,15 @@ def up(workdir: Path) -> Iterator[Up]:
         env.update(dict(line.env))
     log = workdir / "up.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([*specdec_cmd(), *argv], cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [*specdec_cmd(), *argv],
+            cwd=workdir,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while "ready: gateway" not in log.read_text():
@@ -314,7 +331,8 @@ def up(workdir: Path) -> Iterator[Up]:
         # after it, in the random order the suite runs in): a failure is an error of the module.
         code = _stop(proc, signal.SIGINT)
         assert code == 0 and TRACEBACK not in log.read_text(), (
-            f"Ctrl-C: `specdec up` exited with {code}:\n{log.read_text()[-4000:]}")
+            f"Ctrl-C: `specdec up` exited with {code}:\n{log.read_text()[-4000:]}"
+        )
     finally:
         _stop(proc, signal.SIGINT)
         try:  # whatever `up` left running in its process group (nothing, when it stopped cleanly)
@@ -361,7 +379,8 @@ def test_not_run_command_parses(cmd: Command) -> None:
 @pytest.mark.parametrize("cmd", RUN, ids=_ids(RUN))
 def test_command_runs(cmd: Command, workdir: Path) -> None:
     assert cmd.name not in LONG_RUNNING, (
-        f"`{cmd.text}` would not end here: run it in a fixture (as `specdec up`) or add it to NOT_RUN with the reason")
+        f"`{cmd.text}` would not end here: run it in a fixture (as `specdec up`) or add it to NOT_RUN with the reason"
+    )
     run(cmd, workdir)
 
 
@@ -383,6 +402,4 @@ UP = [c for c in COMMANDS if c.name == "up" and c.text not in NOT_RUN]
 
 @pytest.mark.parametrize("cmd", UP, ids=_ids(UP))
 def test_up_starts(cmd: Command, up: Up) -> None:
-    assert up.argv[:len(cmd.argv)] == cmd.argv and up.proc.poll() is None
-
-
+    assert up.argv[: len(cmd.argv)] == cmd.argv and up.proc.poll() is None

@@ -134,7 +134,12 @@ def allocate(alphas: list[float], caps: list[int], cost: StepCost, extra_tokens:
 
 
 def worth_waiting(
-    have: list[int], want: list[int], alphas: list[float], draft_ms: list[float | None], cost: StepCost, waited_ms: float
+    have: list[int],
+    want: list[int],
+    alphas: list[float],
+    draft_ms: list[float | None],
+    cost: StepCost,
+    waited_ms: float,
 ) -> bool:
     """Whether the step should wait for one more draft token (see the module docstring).
 

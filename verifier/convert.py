@@ -59,5 +59,9 @@ def engine_params(sp: WireSamplingParams, field: str = "open.sampling") -> Engin
 
 def generation_request(req: VerifyOpen) -> GenerationRequest:
     """The engine's request for a validated VerifyOpen (TGI's from_pb)."""
-    return GenerationRequest(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), gamma=req.gamma,
-                             params=engine_params(req.sampling))
+    return GenerationRequest(
+        request_id=req.request_id,
+        prompt_token_ids=list(req.prompt_token_ids),
+        gamma=req.gamma,
+        params=engine_params(req.sampling),
+    )

@@ -145,8 +145,14 @@ class TargetEngine:
     one for a model; the constructor takes the parts ready-made (tests pass a fake of vLLM's
     LLMEngine and a real DraftBoard)."""
 
-    def __init__(self, cfg: VerifierConfig, engine: StepEngine, board: DraftBoard, metrics: telemetry.VerifierMetrics,
-                 facts: vllm_hooks.ModelFacts) -> None:
+    def __init__(
+        self,
+        cfg: VerifierConfig,
+        engine: StepEngine,
+        board: DraftBoard,
+        metrics: telemetry.VerifierMetrics,
+        facts: vllm_hooks.ModelFacts,
+    ) -> None:
         """A TargetEngine over a built vLLM engine (`engine`, whose `custom_class` proposer reads
         `board`) and the facts of its model; `start()` runs its thread. `load` builds all of them."""
         self.failed = ""  # why the engine died ("" while it runs)
@@ -176,8 +182,12 @@ class TargetEngine:
         self._stopped = False
 
     @classmethod
-    def load(cls, cfg: VerifierConfig, model_path: str, metrics: telemetry.VerifierMetrics | None = None,
-             ) -> TargetEngine:
+    def load(
+        cls,
+        cfg: VerifierConfig,
+        model_path: str,
+        metrics: telemetry.VerifierMetrics | None = None,
+    ) -> TargetEngine:
         """The factory: vLLM's environment and version check, the CPU sampler fix, the draft board,
         vLLM's engine for the model at `model_path` with the scheduler hook; started. `metrics`:
         the verifier's (engine steps, batch sizes, step cost; shared with the draft board); None
@@ -248,8 +258,14 @@ class TargetEngine:
         self._wake.set()
 
     def offer(
-        self, request_id: str, start: int, tokens: list[int], final: bool = True, committed: int = -1,
-        draft_ms: float = 0.0, branch: bool = False,
+        self,
+        request_id: str,
+        start: int,
+        tokens: list[int],
+        final: bool = True,
+        committed: int = -1,
+        draft_ms: float = 0.0,
+        branch: bool = False,
     ) -> None:
         """Put a block on the board (see DraftBoard.offer); committed -1 means start."""
 
@@ -320,8 +336,7 @@ class TargetEngine:
         live = _Live(req, cb, engine_id="", submitted=time.perf_counter())
         # the engine id gets a random suffix; register drafts under it before any step
         try:
-            engine_id = self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids},
-                                                req.params)
+            engine_id = self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids}, req.params)
         except BaseException:
             with self._early_lock:
                 self._early.pop(req.request_id, None)
@@ -347,8 +362,9 @@ class TargetEngine:
             if self._commands.qsize() == before:
                 return
 
-    def _preview(self, req: GenerationRequest, cb: Callable[[Verdict | EngineFailed], None], start: int,
-                 tokens: list[int]) -> None:
+    def _preview(
+        self, req: GenerationRequest, cb: Callable[[Verdict | EngineFailed], None], start: int, tokens: list[int]
+    ) -> None:
         """Send the part of a step's sampled tokens that its verdict is sure to contain: up to
         max_tokens and before any stop id (the engine may cut there)."""
         room = req.max_tokens - (start - len(req.prompt_token_ids))
@@ -432,8 +448,12 @@ class TargetEngine:
             finish = "stop"
         logprobs = _logprobs(completion.logprobs, tokens, live.req.logprobs) if live.req.logprobs is not None else []
         # vLLM's stop_reason: None for end-of-sequence, the id for a stop_token_id (no stop strings here)
-        stop_token = finish == "stop" and bool(tokens) and completion.finish_reason == "stop" and (
-            completion.stop_reason is None or completion.stop_reason == tokens[-1])
+        stop_token = (
+            finish == "stop"
+            and bool(tokens)
+            and completion.finish_reason == "stop"
+            and (completion.stop_reason is None or completion.stop_reason == tokens[-1])
+        )
         start = live.position
         proposal, from_branch, branch_miss = self.board.take_proposal_info(live.engine_id, start)
         accepted = 0
@@ -441,12 +461,28 @@ class TargetEngine:
             accepted += 1
         self.board.record(live.engine_id, len(proposal), accepted)
         computed, live.computed = live.computed, 0
-        queue_ms = (live.first_scheduled - live.submitted) * 1e3 if live.generated == 0 and live.first_scheduled else 0.0
+        queue_ms = (
+            (live.first_scheduled - live.submitted) * 1e3 if live.generated == 0 and live.first_scheduled else 0.0
+        )
         self.metrics.computed_tokens.inc(computed)
         live.generated += len(tokens)
-        verdict = Verdict(start, tokens, len(proposal), accepted, finish, computed, batch_size, step_ms, wait_ms, queue_ms,
-                          logprobs=logprobs, stop_token=stop_token, branch=from_branch, branch_miss=branch_miss,
-                          hold_drafts=self.board.holding(live.engine_id))
+        verdict = Verdict(
+            start,
+            tokens,
+            len(proposal),
+            accepted,
+            finish,
+            computed,
+            batch_size,
+            step_ms,
+            wait_ms,
+            queue_ms,
+            logprobs=logprobs,
+            stop_token=stop_token,
+            branch=from_branch,
+            branch_miss=branch_miss,
+            hold_drafts=self.board.holding(live.engine_id),
+        )
         if finish is not None:
             self._live.pop(live.req.request_id, None)
             self._by_engine_id.pop(live.engine_id, None)
@@ -464,8 +500,11 @@ def _logprobs(positions: Any, tokens: list[int], k: int) -> list[TokenLogprobs]:
     for token, entries in zip(tokens, positions or []):
         sampled = entries[token]
         top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entries.items() if lp.rank is not None and lp.rank <= k)
-        out.append(TokenLogprobs(token, sampled.logprob, sampled.rank or 0,
-                                 [tid for _, tid, _ in top], [lp for _, _, lp in top]))
+        out.append(
+            TokenLogprobs(
+                token, sampled.logprob, sampled.rank or 0, [tid for _, tid, _ in top], [lp for _, _, lp in top]
+            )
+        )
     return out
 
 

@@ -147,8 +147,9 @@ class DraftBoard:
         self, req_id: str, gamma: int, prompt_len: int, max_tokens: int, on_preview: PreviewCallback | None = None
     ) -> None:
         with self._cond:
-            self._entries[req_id] = _Entry(gamma, prompt_len, max_tokens, on_preview, drafting=gamma > 0,
-                                           committed=prompt_len)
+            self._entries[req_id] = _Entry(
+                gamma, prompt_len, max_tokens, on_preview, drafting=gamma > 0, committed=prompt_len
+            )
 
     def unregister(self, req_id: str) -> None:
         with self._cond:
@@ -172,8 +173,14 @@ class DraftBoard:
             self._cond.notify_all()
 
     def offer(
-        self, req_id: str, start: int, tokens: list[int], final: bool = True, committed: int | None = None,
-        draft_ms: float = 0.0, branch: bool = False,
+        self,
+        req_id: str,
+        start: int,
+        tokens: list[int],
+        final: bool = True,
+        committed: int | None = None,
+        draft_ms: float = 0.0,
+        branch: bool = False,
     ) -> None:
         """Add a block of drafts for positions start, start + 1, ...
 
@@ -219,8 +226,12 @@ class DraftBoard:
                 self._cond.notify_all()  # stale (verified context by now) or no draft: the chain stays
                 return
             fresh = committed is None or start == committed
-            if (not fresh and e.chain and start == e.chain_start + len(e.chain)
-                    and e.chain_start >= e.committed - horizon):
+            if (
+                not fresh
+                and e.chain
+                and start == e.chain_start + len(e.chain)
+                and e.chain_start >= e.committed - horizon
+            ):
                 e.chain.extend(tokens)  # ends by `limit`: the chain stays within 2 x horizon
             elif tokens:
                 e.chain_start, e.chain = start, list(tokens)
@@ -272,8 +283,10 @@ class DraftBoard:
         if not e.chain and not (e.branches and self._adopt_branch(e, context)):
             return []
         offset = length - e.chain_start
-        if offset < 0 or offset > len(e.chain) or (
-            offset and not np.array_equal(context[e.chain_start : length], e.chain[:offset])
+        if (
+            offset < 0
+            or offset > len(e.chain)
+            or (offset and not np.array_equal(context[e.chain_start : length], e.chain[:offset]))
         ):
             if 0 < offset <= len(e.chain):
                 e.rejected_at = length  # the target rejected a draft (or the guess of its bonus token)
@@ -364,13 +377,16 @@ class DraftBoard:
             # each row is waited for until its missing drafts are expected (plus slack and margin);
             # a row whose drafter was told to hold is not: it drafts again from this step's verdict
             held = self._hold(rows, want, k_max)
-            until = [t0 if h else t0 + self._expected_wait_s(rid, w - len(d))
-                     for (rid, _), d, w, h in zip(rows, drafts, want, held)]
+            until = [
+                t0 if h else t0 + self._expected_wait_s(rid, w - len(d))
+                for (rid, _), d, w, h in zip(rows, drafts, want, held)
+            ]
             waited: set[int] = set()  # rows the step waited for
             while True:
                 now = time.monotonic()
-                wanting = [i for i, (rid, ctx) in enumerate(rows)
-                           if self._wants_more(rid, len(ctx), len(drafts[i]), want[i])]
+                wanting = [
+                    i for i, (rid, ctx) in enumerate(rows) if self._wants_more(rid, len(ctx), len(drafts[i]), want[i])
+                ]
                 if len(rows) > 1:  # a late row never holds up the others
                     until = [t0 if self._late(rid) else u for (rid, _), u in zip(rows, until)]
                 if len(wanting) < len(rows):  # a row has its drafts: the others may cost it the margin only

@@ -60,9 +60,16 @@ def step_pb(v: Verdict) -> Step:
         step_ms=v.step_ms,
         draft_wait_ms=v.draft_wait_ms,
         queue_ms=v.queue_ms,
-        logprobs=[pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
-                                   top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
-                  for lp in v.logprobs],
+        logprobs=[
+            pb.TokenLogprobs(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                rank=lp.rank,
+                top_token_ids=lp.top_token_ids,
+                top_logprobs=lp.top_logprobs,
+            )
+            for lp in v.logprobs
+        ],
         stop_token=v.stop_token,
         branch=v.branch,
         branch_miss=v.branch_miss,
@@ -74,8 +81,13 @@ class VerifierServicer(rpc.VerifierServiceServicer):
     """The verifier; its metrics (telemetry.VerifierMetrics, shared with the engine and its
     draft board) live on `registry`."""
 
-    def __init__(self, cfg: VerifierConfig, engine: TargetEngine, metrics: telemetry.VerifierMetrics,
-                 vocabulary: compat.Vocabulary) -> None:
+    def __init__(
+        self,
+        cfg: VerifierConfig,
+        engine: TargetEngine,
+        metrics: telemetry.VerifierMetrics,
+        vocabulary: compat.Vocabulary,
+    ) -> None:
         """A servicer over a started engine; `vocabulary` is what gateways check their tokenizer
         and drafters against (`build` loads all of them for cfg.model)."""
         self.cfg = cfg
@@ -95,14 +107,17 @@ class VerifierServicer(rpc.VerifierServiceServicer):
             raise InvalidField("open.request_id", f"{req.request_id!r} is already in use")
         check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.engine.vocab_size)
         check_gamma("open.gamma", req.gamma, self.cfg.max_gamma)
-        check_sampling("open.sampling", req.sampling, len(req.prompt_token_ids), self.max_model_len,
-                       self.engine.vocab_size)
+        check_sampling(
+            "open.sampling", req.sampling, len(req.prompt_token_ids), self.max_model_len, self.engine.vocab_size
+        )
         return convert.generation_request(req)
 
     # gRPC asyncio also serves a handler that writes its responses (context.write) and returns None;
     # the generated base class declares only one that returns them as an iterator
     async def Verify(  # type: ignore[override]  # noqa: N802  # returns None: see the comment above
-        self, request_iterator: AsyncIterator[pb.VerifyRequest], context: VerifyContext,
+        self,
+        request_iterator: AsyncIterator[pb.VerifyRequest],
+        context: VerifyContext,
     ) -> None:
         async with self.slots.hold(context):
             await self._verify(context)
@@ -223,7 +238,8 @@ class VerifierServicer(rpc.VerifierServiceServicer):
         self.engine.stop()
 
     async def GetVerifierInfo(  # noqa: N802
-        self, request: pb.GetVerifierInfoRequest,
+        self,
+        request: pb.GetVerifierInfoRequest,
         context: grpc.aio.ServicerContext[pb.GetVerifierInfoRequest, pb.GetVerifierInfoResponse],
     ) -> pb.GetVerifierInfoResponse:
         return pb.GetVerifierInfoResponse(
@@ -266,7 +282,8 @@ async def main(cfg: VerifierConfig) -> None:
         built.append(build(cfg, registry))
         return built[-1]
 
-    await serving.serve("verifier", cfg, build_one, rpc.add_VerifierServiceServicer_to_server,
-                        "specdec.v1.VerifierService")
+    await serving.serve(
+        "verifier", cfg, build_one, rpc.add_VerifierServiceServicer_to_server, "specdec.v1.VerifierService"
+    )
     if built and built[0].engine.failed:  # stopped because the engine failed: a failure status for its supervisor
         raise SystemExit(f"verifier: {built[0].engine.failed}")

@@ -326,12 +326,14 @@ def spec_stats_logger(metrics: Any) -> Callable[[Any, int], Any]:
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             self.engine_index = engine_index
 
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0) -> None:
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+        ) -> None:
             spec = getattr(scheduler_stats, "spec_decoding_stats", None)
             if spec is not None:
-                metrics.observe_vllm_spec(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                                          spec.num_accepted_tokens_per_pos)
+                metrics.observe_vllm_spec(
+                    spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_accepted_tokens_per_pos
+                )
 
         def log_engine_initialized(self) -> None:
             """Nothing to log: vLLM's LoggingStatLogger says it."""

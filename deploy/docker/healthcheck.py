@@ -53,8 +53,9 @@ def check(port: int, service: str = "") -> int:
     """0 when the server on `port` says SERVING for `service`, else 1 (the reason on stderr)."""
     try:
         with channel(port) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                         timeout=TIMEOUT_S)
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S
+            )
     except grpc.RpcError as err:
         print(f"health check on port {port}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

@@ -39,7 +39,8 @@ class GenerationRequest(GenerationFields):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id; like vLLM, only accepted
     request_id: str | None = Field(
-        None, description="the response id's suffix, as in vLLM (specdec.validation's rule: the gateway checks it)")
+        None, description="the response id's suffix, as in vLLM (specdec.validation's rule: the gateway checks it)"
+    )
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     add_special_tokens: bool | None = None
@@ -98,8 +99,15 @@ class ChatRequest(GenerationRequest):
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         message, param = _printable(message), None if param is None else _printable(param)
         self.status, self.message, self.param, self.code = status, message, param, code
@@ -122,6 +130,7 @@ def _printable(text: str) -> str:
 def refuse_surrogates(req: BaseModel) -> None:
     """400 for a string (or an object key) holding a lone surrogate: JSON's \\u escapes can
     spell one, but it is not Unicode text, and neither the tokenizer nor protobuf encodes it."""
+
     def bad(value: Any) -> bool:
         if isinstance(value, str):
             try:

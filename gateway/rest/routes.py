@@ -66,8 +66,9 @@ class Guard:
     /health stays open. Each refusal is counted in `refused` (the gateway's
     `specdec:gateway_refused_total`, by reason), when given."""
 
-    def __init__(self, app: ASGIApp, keys: KeyStore | None, max_body: int, metrics_auth: bool,
-                 refused: Counter | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: KeyStore | None, max_body: int, metrics_auth: bool, refused: Counter | None = None
+    ) -> None:
         self.app, self.keys, self.max_body, self.metrics_auth = app, keys, max_body, metrics_auth
         self.refused = refused
 
@@ -85,15 +86,29 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        if (self._needs_key(scope["path"]) and self.keys is not None  # (keys is set when _needs_key is true)
-                and self.keys.identify(headers.get("authorization")) is None):
-            err = APIError(401, "missing or unknown API key: send `Authorization: Bearer <key>`", None,
-                           "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        if (
+            self._needs_key(scope["path"])
+            and self.keys is not None  # (keys is set when _needs_key is true)
+            and self.keys.identify(headers.get("authorization")) is None
+        ):
+            err = APIError(
+                401,
+                "missing or unknown API key: send `Authorization: Bearer <key>`",
+                None,
+                "authentication_error",
+                "invalid_api_key",
+                {"WWW-Authenticate": "Bearer"},
+            )
             self._count("unauthenticated")
             await err.response()(scope, receive, send)
             return
-        too_large = APIError(413, f"the request body is larger than max_request_mb ({self.max_body / (1 << 20):g} MiB)",
-                             None, "invalid_request_error", "request_too_large")
+        too_large = APIError(
+            413,
+            f"the request body is larger than max_request_mb ({self.max_body / (1 << 20):g} MiB)",
+            None,
+            "invalid_request_error",
+            "request_too_large",
+        )
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
             self._count("request_too_large")
@@ -117,11 +132,19 @@ class Guard:
 # ---------------------------------------------------------------------------- app
 
 
-def build_app(core: Core, tokenizer: Tokenizer, model_name: str, keys: KeyStore | None = None,
-              metrics_auth: bool = False, metrics_app: ASGIApp | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tokenizer_executor: Executor | None = None,
-              refused: Counter | None = None, stream_write_timeout_s: float = 0.0,
-              stream_write_timeouts: Counter | None = None) -> FastAPI:
+def build_app(
+    core: Core,
+    tokenizer: Tokenizer,
+    model_name: str,
+    keys: KeyStore | None = None,
+    metrics_auth: bool = False,
+    metrics_app: ASGIApp | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tokenizer_executor: Executor | None = None,
+    refused: Counter | None = None,
+    stream_write_timeout_s: float = 0.0,
+    stream_write_timeouts: Counter | None = None,
+) -> FastAPI:
     """The REST bridge over `core` (a GatewayCore, called in-process). `tokenizer` (the
     target's) renders chat templates; `model_name` is the model id the API reports and accepts.
 
@@ -155,8 +178,12 @@ def build_app(core: Core, tokenizer: Tokenizer, model_name: str, keys: KeyStore 
         """Starlette's own errors (404 unknown route, 405 method, 400 unparsable body) in
         OpenAI's shape too, as vLLM's server answers them."""
         phrase = HTTPStatus(err.status_code).phrase
-        return APIError(err.status_code, f"{err.detail} ({request.method} {request.url.path})",
-                        code=phrase.lower().replace(" ", "_"), headers=dict(err.headers or {})).response()
+        return APIError(
+            err.status_code,
+            f"{err.detail} ({request.method} {request.url.path})",
+            code=phrase.lower().replace(" ", "_"),
+            headers=dict(err.headers or {}),
+        ).response()
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> Any:

@@ -88,12 +88,19 @@ def completion_prompt(tokenizer: Tokenizer, req: CompletionRequest) -> tuple[lis
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) > 1:
-            raise APIError(400, f"prompt: batches of prompts are not supported ({len(prompt)} given); "
-                                "send one prompt per request", "prompt")
+            raise APIError(
+                400,
+                f"prompt: batches of prompts are not supported ({len(prompt)} given); send one prompt per request",
+                "prompt",
+            )
         prompt = prompt[0]
     if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo: echo with logprobs needs the prompt's log-probabilities, which specdec "
-                            "does not compute; drop echo or logprobs", "echo")
+        raise APIError(
+            400,
+            "echo: echo with logprobs needs the prompt's log-probabilities, which specdec "
+            "does not compute; drop echo or logprobs",
+            "echo",
+        )
     if isinstance(prompt, str):
         ids = list(tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens is not False))
         return ids, prompt
@@ -110,18 +117,29 @@ def chat_prompt(tokenizer: Tokenizer, req: ChatRequest) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
     if req.continue_final_message and req.add_generation_prompt:
-        raise APIError(400, "continue_final_message: cannot be combined with add_generation_prompt "
-                            "(set add_generation_prompt to false), as in vLLM", "continue_final_message")
+        raise APIError(
+            400,
+            "continue_final_message: cannot be combined with add_generation_prompt "
+            "(set add_generation_prompt to false), as in vLLM",
+            "continue_final_message",
+        )
     kwargs = dict(req.chat_template_kwargs or {})
     if kwargs.get("chat_template") is not None:  # the refused field, passed another way (vLLM refuses it too)
-        raise APIError(400, f"chat_template_kwargs: chat_template: not supported: {REFUSED['chat_template'][1]}",
-                       "chat_template_kwargs")
+        raise APIError(
+            400,
+            f"chat_template_kwargs: chat_template: not supported: {REFUSED['chat_template'][1]}",
+            "chat_template_kwargs",
+        )
     if req.documents is not None:
         kwargs["documents"] = req.documents
     try:
-        text = tokenizer.apply_chat_template([m.template_dict() for m in req.messages], tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message, **kwargs)
+        text = tokenizer.apply_chat_template(
+            [m.template_dict() for m in req.messages],
+            tokenize=False,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            **kwargs,
+        )
     except Exception as err:  # jinja2's TemplateError (raise_exception in templates) or ValueError
         raise APIError(400, f"messages: the chat template rejected them: {err}", "messages") from err
     return list(tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens)))
@@ -132,7 +150,6 @@ def chat_echo(req: ChatRequest) -> str:
     if not req.echo or req.messages[-1].role != "assistant":
         return ""
     return req.messages[-1].template_dict()["content"]
-
 
 
 # ---------------------------------------------------------------------------- logprobs
@@ -162,7 +179,7 @@ def _token_text(tokenizer: Tokenizer, token_id: int, as_id: bool, context: Seque
                 break
         prefix: str = tokenizer.decode(ctx[:clean_end]) if clean_end else ""
         if full.startswith(prefix):
-            return full[len(prefix):]
+            return full[len(prefix) :]
         common = 0
         for a, b in zip(prefix, full):
             if a != b:
@@ -199,6 +216,7 @@ class LogprobsShaper:
 
     def _texts(self, lp: "pb.TokenLogprobs") -> tuple[str, list[tuple[str, float]]]:
         """The sampled token's text and the position's entries as (text, logprob), in vLLM's order."""
+
         def text(tid: int) -> str:
             return _token_text(self.tokenizer, tid, self.as_ids, self.context)
 
@@ -223,10 +241,16 @@ class LogprobsShaper:
         for lp in logprobs:
             token, entries = self._texts(lp)
             top = entries[: self.top]
-            content.append({"token": token, "logprob": _clamp(lp.logprob),
-                            "bytes": list(token.encode("utf-8", "replace")),
-                            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))}
-                                             for t, v in top]})
+            content.append(
+                {
+                    "token": token,
+                    "logprob": _clamp(lp.logprob),
+                    "bytes": list(token.encode("utf-8", "replace")),
+                    "top_logprobs": [
+                        {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))} for t, v in top
+                    ],
+                }
+            )
         return {"content": content}
 
 
@@ -258,10 +282,18 @@ def _chat_choice(text: str, finish: str | None, streaming: bool) -> dict[str, An
     return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
 
 
-COMPLETION = Shape("text_completion", "text_completion", "cmpl-", "prompt", _completion_choice,
-                   LogprobsShaper.completion)
-CHAT = Shape("chat.completion", "chat.completion.chunk", "chatcmpl-", "messages", _chat_choice, LogprobsShaper.chat,
-             opening_delta={"role": "assistant", "content": ""})
+COMPLETION = Shape(
+    "text_completion", "text_completion", "cmpl-", "prompt", _completion_choice, LogprobsShaper.completion
+)
+CHAT = Shape(
+    "chat.completion",
+    "chat.completion.chunk",
+    "chatcmpl-",
+    "messages",
+    _chat_choice,
+    LogprobsShaper.chat,
+    opening_delta={"role": "assistant", "content": ""},
+)
 
 
 @dataclass
@@ -276,8 +308,9 @@ class Answer:
     token_ids: bool = False  # return_token_ids
     started: float = field(default_factory=time.perf_counter)
 
-    def choice(self, text: str, finish: str | None, streaming: bool, ids: Sequence[int],
-               logprobs: Sequence["pb.TokenLogprobs"]) -> dict[str, Any]:
+    def choice(
+        self, text: str, finish: str | None, streaming: bool, ids: Sequence[int], logprobs: Sequence["pb.TokenLogprobs"]
+    ) -> dict[str, Any]:
         c = self.shape.choice(text, finish, streaming)
         if self.logprobs is not None and (logprobs or not streaming):
             c["logprobs"] = self.shape.logprobs(self.logprobs, logprobs)
@@ -354,8 +387,9 @@ class EventStreamResponse(StreamingResponse):
     (and with them the generation) are closed and the response ends unfinished (the server
     then closes the connection). `on_timeout()` is called once when that happens."""
 
-    def __init__(self, events: AsyncGenerator[str, None], write_timeout_s: float,
-                 on_timeout: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, events: AsyncGenerator[str, None], write_timeout_s: float, on_timeout: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(events, media_type="text/event-stream")
         self.events, self.write_timeout_s, self.on_timeout = events, write_timeout_s, on_timeout
 
@@ -407,8 +441,9 @@ class EventStreamResponse(StreamingResponse):
             await self.events.aclose()  # ends the generation now, not at GC
 
 
-async def stream_events(answer: Answer, first: Chunk | None, chunks: AsyncGenerator[Chunk, None],
-                        include_usage: bool) -> AsyncGenerator[str, None]:
+async def stream_events(
+    answer: Answer, first: Chunk | None, chunks: AsyncGenerator[Chunk, None], include_usage: bool
+) -> AsyncGenerator[str, None]:
     """The server-sent events of one streamed generation (`first`, already read, then `chunks`):
     an event per chunk with text or a finish reason, the usage chunk (with vLLM's `metrics`) when
     asked for, then [DONE]. An error after the first byte is sent as an error event (the status
@@ -416,8 +451,13 @@ async def stream_events(answer: Answer, first: Chunk | None, chunks: AsyncGenera
     shape, head = answer.shape, {**answer.head, "object": answer.shape.chunk_object}
     extra = {"usage": None} if include_usage else {}
     if shape.opening_delta is not None:
-        yield _sse({**head, "choices": [{"index": 0, "delta": shape.opening_delta, "logprobs": None,
-                                         "finish_reason": None}], **extra})
+        yield _sse(
+            {
+                **head,
+                "choices": [{"index": 0, "delta": shape.opening_delta, "logprobs": None, "finish_reason": None}],
+                **extra,
+            }
+        )
     if answer.echo:
         yield _sse({**head, "choices": [answer.choice(answer.echo, None, True, [], [])], **extra})
         if answer.logprobs is not None:
@@ -441,8 +481,14 @@ async def stream_events(answer: Answer, first: Chunk | None, chunks: AsyncGenera
             return
     if include_usage and last is not None and last.usage is not None and last.stats is not None:
         total_ms = (time.perf_counter() - answer.started) * 1e3
-        yield _sse({**head, "choices": [], "usage": usage_dict(last.usage, last.stats),
-                    "metrics": metrics_dict(last.stats, tokens, first_ms, total_ms)})
+        yield _sse(
+            {
+                **head,
+                "choices": [],
+                "usage": usage_dict(last.usage, last.stats),
+                "metrics": metrics_dict(last.stats, tokens, first_ms, total_ms),
+            }
+        )
     yield _sse("[DONE]")
 
 
@@ -469,8 +515,15 @@ class OpenAIServing:
     within `stream_write_timeout_s` (0: no limit; EventStreamResponse), counted in
     `stream_write_timeouts`."""
 
-    def __init__(self, core: Core, tokenizer: Tokenizer, model_name: str, tokenizer_executor: Executor,
-                 stream_write_timeout_s: float = 0.0, stream_write_timeouts: Counter | None = None) -> None:
+    def __init__(
+        self,
+        core: Core,
+        tokenizer: Tokenizer,
+        model_name: str,
+        tokenizer_executor: Executor,
+        stream_write_timeout_s: float = 0.0,
+        stream_write_timeouts: Counter | None = None,
+    ) -> None:
         self.core, self.tokenizer, self.model_name = core, tokenizer, model_name
         self.executor = tokenizer_executor
         self.stream_write_timeout_s, self.stream_write_timeouts = stream_write_timeout_s, stream_write_timeouts
@@ -487,14 +540,19 @@ class OpenAIServing:
         ids = await self._off_loop(chat_prompt, self.tokenizer, req)
         return await self.generate(req, ids, CHAT, request, echo=chat_echo(req))
 
-    async def generate(self, req: GenerationRequest, prompt_ids: list[int], shape: Shape, request: Request,
-                       echo: str = "") -> Any:
+    async def generate(
+        self, req: GenerationRequest, prompt_ids: list[int], shape: Shape, request: Request, echo: str = ""
+    ) -> Any:
         """Run one request on the core and answer it in `shape`. The caller's `Authorization`
         goes to the core (which checks the key again and applies its rate limits); a deadline
         header (DEADLINE_HEADERS) becomes the generation's deadline."""
         if req.model and req.model != self.model_name:
-            raise APIError(404, f"model: the model {req.model!r} does not exist; this server has {self.model_name!r}",
-                           "model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model: the model {req.model!r} does not exist; this server has {self.model_name!r}",
+                "model",
+                code="model_not_found",
+            )
         deadline_s = client_deadline_s(request.headers)
         request_id = req.request_id or uuid.uuid4().hex
         try:
@@ -502,11 +560,19 @@ class OpenAIServing:
         except InvalidField as err:  # named by its OpenAI field already
             raise APIError(400, str(err), err.field) from err
         answer = Answer(
-            shape, {"id": shape.id_prefix + request_id, "object": shape.object, "created": int(time.time()),
-                    "model": self.model_name},
-            prompt_ids, echo=echo, token_ids=bool(req.return_token_ids),
-            logprobs=None if not spec.sampling.HasField("logprobs") else
-            LogprobsShaper(self.tokenizer, spec.sampling.logprobs, bool(req.return_tokens_as_token_ids)),
+            shape,
+            {
+                "id": shape.id_prefix + request_id,
+                "object": shape.object,
+                "created": int(time.time()),
+                "model": self.model_name,
+            },
+            prompt_ids,
+            echo=echo,
+            token_ids=bool(req.return_token_ids),
+            logprobs=None
+            if not spec.sampling.HasField("logprobs")
+            else LogprobsShaper(self.tokenizer, spec.sampling.logprobs, bool(req.return_tokens_as_token_ids)),
         )
         authorization = request.headers.get("authorization")
         if req.stream:
@@ -518,12 +584,16 @@ class OpenAIServing:
                 raise api_error(err, shape.prompt_param) from err
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             timeouts = self.stream_write_timeouts
-            return EventStreamResponse(stream_events(answer, first, stream, include_usage), self.stream_write_timeout_s,
-                                       on_timeout=timeouts.inc if timeouts is not None else None)
+            return EventStreamResponse(
+                stream_events(answer, first, stream, include_usage),
+                self.stream_write_timeout_s,
+                on_timeout=timeouts.inc if timeouts is not None else None,
+            )
         # as vLLM's `with_cancellation`: a client that goes away cancels its generation (the
         # core's, so the verifier's engine and the drafter stop working for it)
-        call = asyncio.ensure_future(_collect(self.core.generate(spec, authorization=authorization,
-                                                                 deadline_s=deadline_s)))
+        call = asyncio.ensure_future(
+            _collect(self.core.generate(spec, authorization=authorization, deadline_s=deadline_s))
+        )
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -548,5 +618,10 @@ class OpenAIServing:
         extra = {"prompt_token_ids": prompt_ids} if answer.token_ids and shape is CHAT else {}
         usage = last.usage or pb.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids))
         stats = last.stats or pb.SpeculationStats()
-        return {**answer.head, "choices": [choice], "usage": usage_dict(usage, stats), **extra,
-                "metrics": metrics_dict(stats, len(token_ids), last.first_token_ms, last.total_ms)}
+        return {
+            **answer.head,
+            "choices": [choice],
+            "usage": usage_dict(usage, stats),
+            **extra,
+            "metrics": metrics_dict(stats, len(token_ids), last.first_token_ms, last.total_ms),
+        }

@@ -91,18 +91,22 @@ def mismatch(target: Vocabulary, draft: Vocabulary, draft_role: str = "draft") -
     `draft_role` names the other part in the line ("draft", "gateway tokenizer")."""
     head = f"{draft_role} {draft.model!r} does not fit target {target.model!r}"
     if target.fingerprint != draft.fingerprint:
-        sizes = (f"{target.tokenizer_size} tokens each" if target.tokenizer_size == draft.tokenizer_size
-                 else f"{target.tokenizer_size} vs {draft.tokenizer_size} tokens")
-        return (f"{head}: different vocabularies ({sizes}; tokenizer fingerprints {target.fingerprint} vs "
-                f"{draft.fingerprint})")
+        sizes = (
+            f"{target.tokenizer_size} tokens each"
+            if target.tokenizer_size == draft.tokenizer_size
+            else f"{target.tokenizer_size} vs {draft.tokenizer_size} tokens"
+        )
+        return (
+            f"{head}: different vocabularies ({sizes}; tokenizer fingerprints {target.fingerprint} vs "
+            f"{draft.fingerprint})"
+        )
     for name in SPECIALS:
         t, d = getattr(target, f"{name}_token_id"), getattr(draft, f"{name}_token_id")
         if t != d:
             return f"{head}: {name.upper()} token id {t} vs {d}"
     for facts in (target, draft):
         if facts.vocab_size and facts.vocab_size < facts.tokenizer_size:
-            return (f"{head}: {facts.model!r} has {facts.vocab_size} embedding rows for {facts.tokenizer_size} "
-                    "tokens")
+            return f"{head}: {facts.model!r} has {facts.vocab_size} embedding rows for {facts.tokenizer_size} tokens"
     return None
 
 
@@ -110,16 +114,16 @@ def check(target: Vocabulary, draft: Vocabulary, draft_role: str = "draft") -> N
     """Raise IncompatibleModels with `mismatch`'s line unless `draft` fits `target`."""
     line = mismatch(target, draft, draft_role)
     if line:
-        raise IncompatibleModels(line, "serve a draft made for this target (same tokenizer), or the n-gram "
-                                 "drafter, which needs no model")
+        raise IncompatibleModels(
+            line, "serve a draft made for this target (same tokenizer), or the n-gram drafter, which needs no model"
+        )
 
 
 def to_pb(facts: Vocabulary) -> Any:
     """The wire form (specdec.v1.Vocabulary) of `facts`."""
     from specdec.wire import pb
 
-    msg = pb.Vocabulary(vocab_size=facts.vocab_size, tokenizer_size=facts.tokenizer_size,
-                        fingerprint=facts.fingerprint)
+    msg = pb.Vocabulary(vocab_size=facts.vocab_size, tokenizer_size=facts.tokenizer_size, fingerprint=facts.fingerprint)
     for name in SPECIALS:
         value = getattr(facts, f"{name}_token_id")
         if value is not None:
@@ -137,6 +141,5 @@ def from_pb(msg: Any, model: str) -> Vocabulary | None:
         vocab_size=msg.vocab_size,
         tokenizer_size=msg.tokenizer_size,
         fingerprint=msg.fingerprint,
-        **{f"{n}_token_id": getattr(msg, f"{n}_token_id") if msg.HasField(f"{n}_token_id") else None
-           for n in SPECIALS},
+        **{f"{n}_token_id": getattr(msg, f"{n}_token_id") if msg.HasField(f"{n}_token_id") else None for n in SPECIALS},
     )

@@ -48,8 +48,9 @@ class Placement:
     quantize: str  # "none" or "int8"
 
 
-def draft_placement(device: str = "auto", dtype: str = "auto", quantize: str = "auto",
-                    probe: Callable[[], GpuProbe] = cuda_probe) -> Placement:
+def draft_placement(
+    device: str = "auto", dtype: str = "auto", quantize: str = "auto", probe: Callable[[], GpuProbe] = cuda_probe
+) -> Placement:
     """Decide the drafter's placement (see module docstring). Asking for cuda on a host without
     one, or int8 on cuda, is a UserError naming the setting."""
     if device not in DEVICES:

@@ -76,14 +76,20 @@ def resolve(ref: str, revision: str | None = None) -> Path:
     revision = revision or at or "main"
     cache, local_only = cache_dir(), offline()
     try:
-        folder = snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=local_only,
-                                   allow_patterns=ALLOW_PATTERNS)
+        folder = snapshot_download(
+            repo, revision=revision, cache_dir=cache, local_files_only=local_only, allow_patterns=ALLOW_PATTERNS
+        )
     except HFValidationError as err:
-        raise ModelNotFoundError(f"model {ref!r} is not a valid Hugging Face repo id ({err})",
-                                 "pass a folder, a registry name PAIR/ROLE or ORG/NAME") from None
+        raise ModelNotFoundError(
+            f"model {ref!r} is not a valid Hugging Face repo id ({err})",
+            "pass a folder, a registry name PAIR/ROLE or ORG/NAME",
+        ) from None
     except Exception as err:  # noqa: BLE001 (huggingface_hub raises many kinds: all mean "not available")
-        how = "HF_HUB_OFFLINE is set, so only the cache was read" if local_only else \
-            f"the hub did not provide it either ({type(err).__name__})"
+        how = (
+            "HF_HUB_OFFLINE is set, so only the cache was read"
+            if local_only
+            else f"the hub did not provide it either ({type(err).__name__})"
+        )
         raise ModelNotFoundError(
             f"model {repo!r} (revision {revision!r}) is not in the Hugging Face cache {cache}; {how}",
             f"download it into that cache first (`hf download {repo} --revision {revision}` where the hub is "
@@ -91,6 +97,8 @@ def resolve(ref: str, revision: str | None = None) -> Path:
         ) from None
     path = Path(folder)
     if not (path / "config.json").is_file():
-        raise ModelNotFoundError(f"model {repo!r} (revision {revision!r}) in {path} has no config.json",
-                                 "it is not a transformers checkpoint vLLM can serve")
+        raise ModelNotFoundError(
+            f"model {repo!r} (revision {revision!r}) in {path} has no config.json",
+            "it is not a transformers checkpoint vLLM can serve",
+        )
     return path

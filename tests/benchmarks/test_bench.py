@@ -25,9 +25,22 @@ def _record(ttft: float, step: float, sizes: list[int], tokens: list[int] | None
 def test_summary_of_known_records() -> None:
     run = {"system": "specdec", "kind": "specdec", "gamma": 4, "cores": [0]}
     # first token at 1 s, then 4 steps of 0.5 s delivering 4 tokens each: 17 tokens
-    result = {"concurrency": 1, "wall_s": 3.0, "requests": [_record(1.0, 0.5, [1, 4, 4, 4, 4])],
-              "spec": {"drafts": 4, "draft_tokens": 16, "accepted": 12, "steps": 4, "verify_ms": 1600.0,
-                       "draft_wait_ms": 100.0, "draft_ms": 1000.0, "draft_tokens_sent": 20, "rejections": 4}}
+    result = {
+        "concurrency": 1,
+        "wall_s": 3.0,
+        "requests": [_record(1.0, 0.5, [1, 4, 4, 4, 4])],
+        "spec": {
+            "drafts": 4,
+            "draft_tokens": 16,
+            "accepted": 12,
+            "steps": 4,
+            "verify_ms": 1600.0,
+            "draft_wait_ms": 100.0,
+            "draft_ms": 1000.0,
+            "draft_tokens_sent": 20,
+            "rejections": 4,
+        },
+    }
     row = bench.summarise(run, result)
     assert row["decode_tok_s"] == pytest.approx(16 / 2.0)
     assert row["throughput_tok_s"] == pytest.approx(17 / 3.0)
@@ -43,8 +56,10 @@ def test_summary_of_known_records() -> None:
     assert row["overhead_ms"] == pytest.approx(100.0)
     assert row["draft_token_ms"] == pytest.approx(50.0)
     assert row["held_steps"] == 0 and row["drafter_batch_rows_mean"] is None  # not in this result's spec
-    result["spec"] |= {"held_steps": 2.0, "drafter_batch_rows": {"forwards": 4, "mean": 2.5, "max": 3,
-                                                                 "histogram": {"1": 1, "3": 3}}}
+    result["spec"] |= {
+        "held_steps": 2.0,
+        "drafter_batch_rows": {"forwards": 4, "mean": 2.5, "max": 3, "histogram": {"1": 1, "3": 3}},
+    }
     row = bench.summarise(run, result)
     assert row["held_steps"] == 2 and isinstance(row["held_steps"], int)
     assert (row["drafter_forwards"], row["drafter_batch_rows_mean"], row["drafter_batch_rows_max"]) == (4, 2.5, 3)
@@ -59,10 +74,25 @@ def test_speedup_bound_and_exactness_against_target_only() -> None:
     base = bench.summarise(
         base_run, {"concurrency": 1, "wall_s": 9.0, "requests": [_record(1.0, 0.5, [1] * 17, tokens)]}
     )
-    spec = bench.summarise(spec_run, {
-        "concurrency": 1, "wall_s": 3.0, "requests": [_record(1.0, 0.5, [1, 4, 4, 4, 4], tokens)],
-        "spec": {"drafts": 4, "draft_tokens": 16, "accepted": 12, "steps": 4, "verify_ms": 2000.0, "draft_wait_ms": 0.0,
-                 "draft_ms": 1600.0, "draft_tokens_sent": 16, "rejections": 4}})
+    spec = bench.summarise(
+        spec_run,
+        {
+            "concurrency": 1,
+            "wall_s": 3.0,
+            "requests": [_record(1.0, 0.5, [1, 4, 4, 4, 4], tokens)],
+            "spec": {
+                "drafts": 4,
+                "draft_tokens": 16,
+                "accepted": 12,
+                "steps": 4,
+                "verify_ms": 2000.0,
+                "draft_wait_ms": 0.0,
+                "draft_ms": 1600.0,
+                "draft_tokens_sent": 16,
+                "rejections": 4,
+            },
+        },
+    )
     rows = [base, spec]
     bench.relate(rows, {"code": [[1, 2, 3]]})
     assert spec["speedup"] == pytest.approx(4.0)  # 0.5 s per token vs 0.5 s per 4 tokens
@@ -124,8 +154,14 @@ def test_expected_tokens_closed_form() -> None:
 
 def test_a_childs_events_are_read_and_its_other_output_skipped() -> None:
     seen = []
-    lines = ['INFO a library printing\n', '{"event": "request"}\n', '[1, 2]\n', '{"event": "result", "n": 1}\n',
-             '{"event": "request"}\n', '{"event": "result", "n": 2}\n']
+    lines = [
+        "INFO a library printing\n",
+        '{"event": "request"}\n',
+        "[1, 2]\n",
+        '{"event": "result", "n": 1}\n',
+        '{"event": "request"}\n',
+        '{"event": "result", "n": 2}\n',
+    ]
     assert bench.read_events(lines, lambda: seen.append(1)) == [
         {"event": "result", "n": 1},
         {"event": "result", "n": 2},
@@ -139,8 +175,12 @@ def test_prompts_file_is_vllm_custom_jsonl(tmp_path: Path) -> None:
         json.dumps({"prompt": "def f(x):\n"}) + "\n\n" + json.dumps({"prompt": "SELECT", "output_tokens": 9}) + "\n"
     )
     assert bench.file_prompts(f) == (["mine.jsonl:1", "mine.jsonl:3"], ["def f(x):\n", "SELECT"])
-    for bad, what in (('{"text": "x"}', "line 1: no `prompt` string"), ("not json", "line 1: not JSON"),
-                      ('{"prompt": ""}', "line 1: no `prompt` string"), ("", "no prompts")):
+    for bad, what in (
+        ('{"text": "x"}', "line 1: no `prompt` string"),
+        ("not json", "line 1: not JSON"),
+        ('{"prompt": ""}', "line 1: no `prompt` string"),
+        ("", "no prompts"),
+    ):
         f.write_text(bad + "\n")
         with pytest.raises(UserError, match=what):
             bench.file_prompts(f)
@@ -151,8 +191,23 @@ def test_prompts_file_is_vllm_custom_jsonl(tmp_path: Path) -> None:
 def test_bench_with_a_bad_prompts_file_says_so_in_one_line(tmp_path: Path) -> None:
     f = tmp_path / "bad.jsonl"
     f.write_text('{"text": "x"}\n')
-    proc = subprocess.run([sys.executable, "-m", "specdec_cli", "bench", "--models", "tiny", "--prompts-file", str(f),
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdec_cli",
+            "bench",
+            "--models",
+            "tiny",
+            "--prompts-file",
+            str(f),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "bad.jsonl line 1: no `prompt` string" in proc.stderr.strip().splitlines()[-1]
 
@@ -160,8 +215,12 @@ def test_bench_with_a_bad_prompts_file_says_so_in_one_line(tmp_path: Path) -> No
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run([sys.executable, "-m", "specdec_cli", "bench", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "bench", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| system |" in proc.stdout
     return out
@@ -169,12 +228,33 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_quick_run_writes_every_field(quick: Path) -> None:
     report = json.loads((quick / "bench.json").read_text())
-    for key in ("command", "models", "prompts", "prompt_tokens", "max_tokens", "gammas", "concurrency", "cores",
-                "cpu", "versions", "started", "duration_s"):
+    for key in (
+        "command",
+        "models",
+        "prompts",
+        "prompt_tokens",
+        "max_tokens",
+        "gammas",
+        "concurrency",
+        "cores",
+        "cpu",
+        "versions",
+        "started",
+        "duration_s",
+    ):
         assert key in report["meta"], key
     rows = report["rows"]
-    fields = {k for k, _, _ in bench.COLUMNS} | {"requests", "tokens", "tokens_per_step", "verify_step_ms", "round_ms",
-                                                 "draft_wait_ms", "bound", "draft_token_ms", "alpha_token"}
+    fields = {k for k, _, _ in bench.COLUMNS} | {
+        "requests",
+        "tokens",
+        "tokens_per_step",
+        "verify_step_ms",
+        "round_ms",
+        "draft_wait_ms",
+        "bound",
+        "draft_token_ms",
+        "alpha_token",
+    }
     for row in rows:
         assert fields <= set(row), fields - set(row)
     seen = {(r["system"], r["gamma"], r["concurrency"], r["cores"]) for r in rows}
@@ -192,8 +272,11 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
             assert row["exact"] == 1.0, row
         assert row["tokens"] == row["requests"] * report["meta"]["max_tokens"]
     spec1 = [r for r in rows if r["system"].startswith("specdec") and r["gamma"] and r["concurrency"] == 1]
-    assert all(r[k] is not None for r in spec1 for k in ("alpha", "alpha_token", "bound_fraction", "overhead_ms",
-                                                         "verify_step_ms", "draft_token_ms"))
+    assert all(
+        r[k] is not None
+        for r in spec1
+        for k in ("alpha", "alpha_token", "bound_fraction", "overhead_ms", "verify_step_ms", "draft_token_ms")
+    )
     assert set(report["goals"]) == set(bench.GOALS) | {"branch_hit_rate"}
     # the realistic workloads: a long prompt (specdec against its own gamma 0) and 8 requests at once
     assert {w: len(v["prompt_tokens"]) for w, v in report["meta"]["workloads"].items()} == {
@@ -202,9 +285,15 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
         "c8": 8,
     }
     realistic = {(r["workload"], r["system"], r["gamma"], r["concurrency"]) for r in rows if r["workload"] != "code"}
-    assert realistic == {("long", "target-only", 0, 1), ("long", "vllm-draft", 4, 1), ("long", "specdec", 0, 1),
-                         ("long", "specdec", 4, 1), ("c8", "target-only", 0, 8), ("c8", "vllm-draft", 4, 8),
-                         ("c8", "specdec", 4, 8)}
+    assert realistic == {
+        ("long", "target-only", 0, 1),
+        ("long", "vllm-draft", 4, 1),
+        ("long", "specdec", 0, 1),
+        ("long", "specdec", 4, 1),
+        ("c8", "target-only", 0, 8),
+        ("c8", "vllm-draft", 4, 8),
+        ("c8", "specdec", 4, 8),
+    }
     for row in rows:
         if row["system"].startswith("specdec"):
             assert row["fallbacks"] == 0 and row["max_draft_wait_ms"] is not None, row

@@ -74,7 +74,7 @@ def test_many_small_writes_arrive_intact_and_in_order_both_ways() -> None:
 
 def test_a_large_payload_arrives_intact_both_ways() -> None:
     payload = os.urandom(8 << 20)
-    pieces = [payload[i:i + 100_000] for i in range(0, len(payload), 100_000)]
+    pieces = [payload[i : i + 100_000] for i in range(0, len(payload), 100_000)]
     got = asyncio.run(_with_proxy(_echo, 10, lambda port: _send_all_and_read_back(port, pieces)))
     assert len(got) == len(payload) and got == payload
 
@@ -217,9 +217,21 @@ def test_grpc_health_check_through_the_proxy_process() -> None:
     upstream_port = server.add_insecure_port(f"{LOOP}:0")
     server.start()
     port, delay_ms = free_port(), 20.0
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.delay_proxy", "--listen", f"{LOOP}:{port}",
-                             "--upstream", f"{LOOP}:{upstream_port}", "--delay-ms", str(delay_ms)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.delay_proxy",
+            "--listen",
+            f"{LOOP}:{port}",
+            "--upstream",
+            f"{LOOP}:{upstream_port}",
+            "--delay-ms",
+            str(delay_ms),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"

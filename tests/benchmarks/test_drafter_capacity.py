@@ -15,15 +15,33 @@ import pytest
 
 from specdec_cli import main as cli
 
-TINY = ["--sessions", "1,2,3", "--prompt", "8", "--gamma", "4", "--accept", "2", "--seconds", "0", "--min-rounds", "2",
-        "--warmup", "1"]
+TINY = [
+    "--sessions",
+    "1,2,3",
+    "--prompt",
+    "8",
+    "--gamma",
+    "4",
+    "--accept",
+    "2",
+    "--seconds",
+    "0",
+    "--min-rounds",
+    "2",
+    "--warmup",
+    "1",
+]
 
 
 @pytest.mark.e2e  # loads the tiny draft model (tests/conftest.py tiers)
 def test_bench_drafter_measures_each_session_count_in_both_modes(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "specdec_cli", "bench-drafter", *TINY, "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "bench-drafter", *TINY, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     report = json.loads((out / "drafter-capacity.json").read_text())
     rows = {(r["sessions"], r["mode"]): r for r in report["rows"]}
@@ -43,21 +61,29 @@ def test_bench_drafter_measures_each_session_count_in_both_modes(tmp_path: Path)
 @pytest.mark.e2e  # loads the tiny draft model
 def test_the_module_runs_the_same_benchmark(tmp_path: Path) -> None:
     """`python -m benchmarks.drafter_capacity` takes the subcommand's flags (here `--copies`)."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.drafter_capacity", "--copies", "2", "--prompt", "8",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.drafter_capacity", "--copies", "2", "--prompt", "8", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 sessions, prompts 8+: batched step" in proc.stdout and "of which cache copies" in proc.stdout
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--sessions", "1,x"], "argument --sessions: '1,x' is not a comma-separated list of integers"),
-    (["--sessions", "0,2"], "argument --sessions: '0,2': give one or more session counts, each at least 1"),
-    (["--accept", "8", "--gamma", "8"], "--accept 8: must be 0 to gamma - 1 (7)"),
-    (["--prompt", "0"], "--prompt 0: must be at least 1"),
-    (["--core", "100000"], "--core 100000: not one of this process's cores"),
-])
-def test_bad_settings_are_one_line_errors_naming_the_flag(argv: list[str], message: str,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sessions", "1,x"], "argument --sessions: '1,x' is not a comma-separated list of integers"),
+        (["--sessions", "0,2"], "argument --sessions: '0,2': give one or more session counts, each at least 1"),
+        (["--accept", "8", "--gamma", "8"], "--accept 8: must be 0 to gamma - 1 (7)"),
+        (["--prompt", "0"], "--prompt 0: must be at least 1"),
+        (["--core", "100000"], "--core 100000: not one of this process's cores"),
+    ],
+)
+def test_bad_settings_are_one_line_errors_naming_the_flag(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     try:
         status = cli.main(["bench-drafter", *argv])
     except SystemExit as exit:  # argparse's usage error (--sessions' own type)

@@ -14,9 +14,21 @@ from benchmarks import link
 
 
 def _row(variant: str, fraction: float, delay_ms: float, speedup: float, **extra: object) -> dict:
-    return {"system": "specdec", "variant": variant, "rtt_fraction": fraction, "delay_ms": delay_ms,
-            "rtt_ms": 2 * delay_ms, "speedup": speedup, "decode_tok_s": 10 * speedup, "exact": 1.0,
-            "branch_hit_rate": None, "verify_step_ms": 400.0, "round_ms": 500.0, "fallbacks": 0, **extra}
+    return {
+        "system": "specdec",
+        "variant": variant,
+        "rtt_fraction": fraction,
+        "delay_ms": delay_ms,
+        "rtt_ms": 2 * delay_ms,
+        "speedup": speedup,
+        "decode_tok_s": 10 * speedup,
+        "exact": 1.0,
+        "branch_hit_rate": None,
+        "verify_step_ms": 400.0,
+        "round_ms": 500.0,
+        "fallbacks": 0,
+        **extra,
+    }
 
 
 def test_delays_from_rtt_fractions() -> None:
@@ -38,12 +50,26 @@ def test_variants_are_names_and_drafter_flags() -> None:
 
 
 def test_fraction_of_zero_delay_speedup_table_and_goals() -> None:
-    base = {"system": "target-only", "variant": None, "rtt_ms": None, "speedup": None, "decode_tok_s": 10.0,
-            "exact": None, "verify_step_ms": None, "round_ms": None, "fallbacks": None, "branch_hit_rate": None}
-    rows = [base,
-            _row("branches", 0.0, 0.0, 2.0, branch_hit_rate=0.5), _row("branches", 0.1, 20.0, 1.9),
-            _row("branches", 0.25, 50.0, 1.4),
-            _row("no-branches", 0.0, 0.0, 1.6), _row("no-branches", 0.25, 50.0, 1.3)]
+    base = {
+        "system": "target-only",
+        "variant": None,
+        "rtt_ms": None,
+        "speedup": None,
+        "decode_tok_s": 10.0,
+        "exact": None,
+        "verify_step_ms": None,
+        "round_ms": None,
+        "fallbacks": None,
+        "branch_hit_rate": None,
+    }
+    rows = [
+        base,
+        _row("branches", 0.0, 0.0, 2.0, branch_hit_rate=0.5),
+        _row("branches", 0.1, 20.0, 1.9),
+        _row("branches", 0.25, 50.0, 1.4),
+        _row("no-branches", 0.0, 0.0, 1.6),
+        _row("no-branches", 0.25, 50.0, 1.3),
+    ]
     link.relate_link(rows, verify_ref_ms=400.0)
     assert [r.get("rtt_pct") for r in rows[1:]] == pytest.approx([0, 10, 25, 0, 25])
     assert [r.get("of_zero") for r in rows[1:]] == pytest.approx([1.0, 0.95, 0.7, 1.0, 1.3 / 1.6])
@@ -83,8 +109,12 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int]:
     if reason is not None:
         pytest.skip(f"no network namespaces: {reason}")
     out = tmp_path_factory.mktemp("bench-link")
-    proc = subprocess.Popen([sys.executable, "-m", "specdec_cli", "bench-link", "--quick", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdec_cli", "bench-link", "--quick", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=900)
     finally:
@@ -117,7 +147,8 @@ def test_quick_run_across_namespaces(quick: tuple[Path, str, int]) -> None:
         assert variant not in ran and reason, (variant, reason)
         assert f"variant {variant} failed" in stdout
     assert {(g["variant"], g["rtt_fraction"]) for g in report["goals"]} == {
-        (v, f) for v in link.VARIANTS for f in link.GOALS}
+        (v, f) for v in link.VARIANTS for f in link.GOALS
+    }
     assert (out / "link.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

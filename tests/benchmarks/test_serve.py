@@ -48,11 +48,24 @@ def test_the_token_counts_are_the_qwen_coder_tokenizers() -> None:
 def _result(ttfts: list[float], itls: list[list[float]], texts: list[str], duration: float) -> dict:
     """A `vllm bench serve --save-result --save-detailed` result with the fields serve.row reads."""
     lens = [len(i) + 1 for i in itls]  # one token per event unless a test says otherwise
-    return {"max_concurrency": len(ttfts), "completed": len(ttfts), "failed": 0, "total_output_tokens": sum(lens),
-            "duration": duration, "mean_ttft_ms": 1e3 * sum(ttfts) / len(ttfts), "p99_ttft_ms": 1e3 * max(ttfts),
-            "mean_tpot_ms": 500.0, "p99_itl_ms": 1e3 * max(max(i) for i in itls), "p50_itl_ms": 500.0,
-            "output_throughput": sum(lens) / duration, "itls": itls, "output_lens": lens, "ttfts": ttfts,
-            "generated_texts": texts, "errors": [""] * len(ttfts)}
+    return {
+        "max_concurrency": len(ttfts),
+        "completed": len(ttfts),
+        "failed": 0,
+        "total_output_tokens": sum(lens),
+        "duration": duration,
+        "mean_ttft_ms": 1e3 * sum(ttfts) / len(ttfts),
+        "p99_ttft_ms": 1e3 * max(ttfts),
+        "mean_tpot_ms": 500.0,
+        "p99_itl_ms": 1e3 * max(max(i) for i in itls),
+        "p50_itl_ms": 500.0,
+        "output_throughput": sum(lens) / duration,
+        "itls": itls,
+        "output_lens": lens,
+        "ttfts": ttfts,
+        "generated_texts": texts,
+        "errors": [""] * len(ttfts),
+    }
 
 
 def test_rows_ratios_and_exactness_from_known_results() -> None:
@@ -92,16 +105,22 @@ def test_the_client_sends_every_prompt_at_once_greedy_in_file_order(tmp_path: Pa
 def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
     """Both rows, the ratios and exactness, from one `specdec bench --quick --workloads serve-c8`."""
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "specdec_cli", "bench", "--quick", "--workloads", "serve-c8",
-                           "--out", str(out)], capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "bench", "--quick", "--workloads", "serve-c8", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())["serve"]
     assert [r["system"] for r in report["rows"]] == ["target-only", "specdec"]
     for r in report["rows"]:
         assert (r["completed"], r["failed"], r["errors"]) == (8, 0, []), r
         assert r["output_tokens"] == 8 * report["output_len"] == 8 * bench.QUICK["max_tokens"]
-        assert all(r[k] is not None and r[k] > 0 for k in ("ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "itl_p99_ms",
-                                                            "output_tok_s")), r
+        assert all(
+            r[k] is not None and r[k] > 0
+            for k in ("ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "itl_p99_ms", "output_tok_s")
+        ), r
         assert len(r["texts"]) == 8 and all(r["texts"])
     base, spec = report["rows"]
     assert set(report["ratios"]) == {k for k, *_ in serve.FIGURES} and all(v > 0 for v in report["ratios"].values())

@@ -50,8 +50,12 @@ def test_a_drafters_batch_rows_are_read_from_its_metrics_endpoint() -> None:
         for rows in (3, 3, 1, 16, 40):
             metrics.batch_rows.observe(rows)
         after = scrape_histogram(url, BATCH_ROWS)
-        assert batch_rows(before, after) == {"forwards": 5, "mean": 63 / 5, "max": 48,
-                                             "histogram": {"1": 1, "3": 2, "16": 1, "48": 1}}
+        assert batch_rows(before, after) == {
+            "forwards": 5,
+            "mean": 63 / 5,
+            "max": 48,
+            "histogram": {"1": 1, "3": 2, "16": 1, "48": 1},
+        }
         with pytest.raises(RuntimeError, match="no histogram specdec:nothing"):
             scrape_histogram(url, "specdec:nothing")
     finally:

@@ -34,8 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kubelet import Cluster, render  # noqa: E402
 
 # the counters that say a pod served a generation: /metrics family by Deployment
-SERVED = {"drafter": "specdec:drafter_requests_total", "verifier": "specdec:verifier_requests_total",
-          "gateway": "specdec:requests_total"}
+SERVED = {
+    "drafter": "specdec:drafter_requests_total",
+    "verifier": "specdec:verifier_requests_total",
+    "gateway": "specdec:requests_total",
+}
 
 
 def emit(phase: str, **data: Any) -> None:
@@ -58,8 +61,9 @@ def served(pod: Any) -> float:
         text = urllib.request.urlopen(f"http://{pod.ip}:{metrics_port(pod)}/metrics", timeout=5).read().decode()
     except OSError:
         return -1.0
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == SERVED[pod.deployment])
+    return sum(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == SERVED[pod.deployment]
+    )
 
 
 class Client:
@@ -85,8 +89,15 @@ class Client:
         self.model = r.json()["data"][0]["id"]
 
     def body(self, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
-        return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True, "stream": stream}
+        return {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": stream,
+        }
 
     async def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
         r = await self.http.post("/v1/completions", json=self.body(prompt, max_tokens, False), extensions=self.ext)
@@ -99,13 +110,14 @@ class Client:
         ids: list[int] = []
         finish = None
         try:
-            async with self.http.stream("POST", "/v1/completions", json=self.body(prompt, max_tokens, True),
-                                        extensions=self.ext) as r:
+            async with self.http.stream(
+                "POST", "/v1/completions", json=self.body(prompt, max_tokens, True), extensions=self.ext
+            ) as r:
                 r.raise_for_status()
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    choice = json.loads(line[len("data: "):])["choices"][0]
+                    choice = json.loads(line[len("data: ") :])["choices"][0]
                     ids += choice.get("token_ids") or []
                     finish = choice.get("finish_reason") or finish
                     if ids:
@@ -117,23 +129,37 @@ class Client:
 
 
 async def main(cfg: dict[str, Any]) -> None:
-    cluster = Cluster(render(Path(cfg["kustomization"])), Path(cfg["dockerfile"]),
-                      {k: Path(v) for k, v in cfg["claims"].items()}, cfg["secrets"], Path(cfg["bin_dir"]),
-                      Path(cfg["log_dir"]))
+    cluster = Cluster(
+        render(Path(cfg["kustomization"])),
+        Path(cfg["dockerfile"]),
+        {k: Path(v) for k, v in cfg["claims"].items()},
+        cfg["secrets"],
+        Path(cfg["bin_dir"]),
+        Path(cfg["log_dir"]),
+    )
     try:
         t0 = time.monotonic()
         await cluster.start()
         await cluster.wait_ready(None, len(cluster.pods), 900)
         emit("up", seconds=round(time.monotonic() - t0, 1), pods=sorted(cluster.pods), events=cluster.events)
 
-        names = {svc["metadata"]["name"]: f"{svc['metadata']['name']}.{cluster.namespace}.svc.cluster.local"
-                 for svc in cluster.services}
+        names = {
+            svc["metadata"]["name"]: f"{svc['metadata']['name']}.{cluster.namespace}.svc.cluster.local"
+            for svc in cluster.services
+        }
         asker = next(p for p in cluster.pods.values() if p.deployment == "gateway")
-        code = ("import json, socket, sys\nout = {}\nfor n in sys.argv[1:]:\n"
-                "    out[n] = sorted({i[4][0] for i in socket.getaddrinfo(n, 1, type=socket.SOCK_STREAM)})\n"
-                "print(json.dumps(out))")
-        answer = subprocess.run(["ip", "netns", "exec", asker.netns, sys.executable, "-c", code, *names.values()],
-                                capture_output=True, text=True, timeout=60, check=True).stdout
+        code = (
+            "import json, socket, sys\nout = {}\nfor n in sys.argv[1:]:\n"
+            "    out[n] = sorted({i[4][0] for i in socket.getaddrinfo(n, 1, type=socket.SOCK_STREAM)})\n"
+            "print(json.dumps(out))"
+        )
+        answer = subprocess.run(
+            ["ip", "netns", "exec", asker.netns, sys.executable, "-c", code, *names.values()],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         emit("dns", answers=json.loads(answer), pods={p.name: p.ip for p in cluster.pods.values()})
 
         gateway = next(s for s in cluster.services if s["metadata"]["name"] == "gateway")
@@ -158,16 +184,24 @@ async def main(cfg: dict[str, Any]) -> None:
         while min(served(p) for p in new) <= 0 and time.monotonic() - ready_at < 300:
             await asyncio.gather(*(one(p, 16) for p in cfg["prompts"][:8]))
             rounds += 1
-        emit("scale-out", seconds=round(time.monotonic() - ready_at, 1), rounds=rounds,
-             new=[p.name for p in new], served={p.name: served(p) - before.get(p.name, 0.0)
-                                                for p in cluster.pods.values()})
+        emit(
+            "scale-out",
+            seconds=round(time.monotonic() - ready_at, 1),
+            rounds=rounds,
+            new=[p.name for p in new],
+            served={p.name: served(p) - before.get(p.name, 0.0) for p in cluster.pods.values()},
+        )
 
         firsts = [asyncio.Event() for _ in cfg["prompts"][:8]]
-        streams = [asyncio.create_task(client.stream(p, cfg["stream_tokens"], e))
-                   for p, e in zip(cfg["prompts"][:8], firsts, strict=True)]
+        streams = [
+            asyncio.create_task(client.stream(p, cfg["stream_tokens"], e))
+            for p, e in zip(cfg["prompts"][:8], firsts, strict=True)
+        ]
         await asyncio.gather(*(e.wait() for e in firsts))
-        victims = [min((p for p in cluster.pods.values() if p.deployment == d), key=lambda p: p.name)
-                   for d in ("drafter", "verifier", "gateway")]
+        victims = [
+            min((p for p in cluster.pods.values() if p.deployment == d), key=lambda p: p.name)
+            for d in ("drafter", "verifier", "gateway")
+        ]
         open_at_delete = sum(not t.done() for t in streams)
 
         async def open_at_sigterm() -> int:  # streams still open when the first SIGTERM went out
@@ -178,9 +212,15 @@ async def main(cfg: dict[str, Any]) -> None:
         watch = asyncio.create_task(open_at_sigterm())
         await asyncio.gather(*(cluster.delete_pod(v.name) for v in victims))
         results = await asyncio.gather(*streams)
-        emit("roll", deleted=[v.name for v in victims], open_at_delete=open_at_delete, open_at_sigterm=await watch,
-             ids=[r["ids"] for r in results], errors=[r["error"] for r in results],
-             events=cluster.events[-40:])
+        emit(
+            "roll",
+            deleted=[v.name for v in victims],
+            open_at_delete=open_at_delete,
+            open_at_sigterm=await watch,
+            ids=[r["ids"] for r in results],
+            errors=[r["error"] for r in results],
+            events=cluster.events[-40:],
+        )
         await client.http.aclose()
     finally:
         await cluster.close()

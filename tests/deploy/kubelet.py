@@ -66,8 +66,9 @@ def render(kustomization_dir: Path) -> list[dict[str, Any]]:
     """The objects `kubectl kustomize DIR` renders."""
     import yaml
 
-    out = subprocess.run(["kubectl", "kustomize", str(kustomization_dir)], check=True, capture_output=True,
-                         text=True, timeout=120).stdout
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(kustomization_dir)], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
     return [o for o in yaml.safe_load_all(out) if o]
 
 
@@ -110,8 +111,10 @@ def expand(value: str, env: dict[str, str]) -> str:
 
 def cpu_value(quantity: str, divisor: str = "1") -> str:
     """A resourceFieldRef of limits.cpu as the kubelet writes it: ceil(quantity / divisor)."""
+
     def cores(q: str) -> float:
         return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
     return str(max(1, -(-cores(quantity) // cores(divisor)).__int__()))
 
 
@@ -155,8 +158,15 @@ class Cluster:
     Container logs go to `log_dir/POD-CONTAINER.log`.
     """
 
-    def __init__(self, objects: list[dict[str, Any]], dockerfile: Path, claims: dict[str, Path],
-                 secrets: dict[str, dict[str, str]], bin_dir: Path, log_dir: Path) -> None:
+    def __init__(
+        self,
+        objects: list[dict[str, Any]],
+        dockerfile: Path,
+        claims: dict[str, Path],
+        secrets: dict[str, dict[str, str]],
+        bin_dir: Path,
+        log_dir: Path,
+    ) -> None:
         self.objects = objects
         self.images = image_entrypoints(dockerfile)
         self.files = image_files(dockerfile, dockerfile.parents[2])
@@ -224,8 +234,11 @@ class Cluster:
                 subprocess.run(["ip", "addr", "add", f"{vip}/32", "dev", "eth0"], check=True)
                 self._vips[svc["metadata"]["name"]] = vip
                 for port in svc["spec"]["ports"]:
-                    self._proxies.append(await asyncio.start_server(
-                        lambda r, w, s=svc, p=port: self._forward(r, w, s, p), vip, port["port"]))
+                    self._proxies.append(
+                        await asyncio.start_server(
+                            lambda r, w, s=svc, p=port: self._forward(r, w, s, p), vip, port["port"]
+                        )
+                    )
         self._write_dns()
         # --local: the cluster domain is answered from the records alone, so a headless name with no
         # Ready pod is NXDOMAIN at once (as the cluster DNS answers), never a timed-out SERVFAIL
@@ -246,8 +259,11 @@ class Cluster:
                 f"--log-facility={self.log_dir / 'dnsmasq.log'}",
             ],
         )
-        hpa_min = {o["spec"]["scaleTargetRef"]["name"]: o["spec"].get("minReplicas", 1)
-                   for o in self.objects if o["kind"] == "HorizontalPodAutoscaler"}
+        hpa_min = {
+            o["spec"]["scaleTargetRef"]["name"]: o["spec"].get("minReplicas", 1)
+            for o in self.objects
+            if o["kind"] == "HorizontalPodAutoscaler"
+        }
         for name, dep in self.deployments.items():
             for _ in range(dep["spec"].get("replicas", hpa_min.get(name, 1))):
                 await self.add_pod(name)
@@ -262,8 +278,9 @@ class Cluster:
                     return int(p["containerPort"])
         raise KeyError(f"pod {pod.name} has no port named {target}")
 
-    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, svc: dict[str, Any],
-                       port: dict[str, Any]) -> None:
+    async def _forward(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, svc: dict[str, Any], port: dict[str, Any]
+    ) -> None:
         """kube-proxy's userspace mode: one connection to a Ready endpoint (round robin)."""
         pods = self.endpoints(svc)
         if not pods:
@@ -303,16 +320,25 @@ class Cluster:
         ns = self.net.hosts[name][0]
         self._etc_netns(ns, name, ip)
         spec = tpl["spec"]
-        pod = Pod(name, deployment, dict(tpl["metadata"].get("labels", {})), spec, ns, ip,
-                  self._volumes(name, spec), [Container(c["name"], c) for c in spec["containers"]])
+        pod = Pod(
+            name,
+            deployment,
+            dict(tpl["metadata"].get("labels", {})),
+            spec,
+            ns,
+            ip,
+            self._volumes(name, spec),
+            [Container(c["name"], c) for c in spec["containers"]],
+        )
         self.pods[name] = pod
         self.events.append(f"{time.monotonic():.1f} pod {name} scheduled ({ip})")
         for init in spec.get("initContainers", []):
             proc = self._run(pod, init)
             code = await asyncio.to_thread(proc.wait)
             if code != 0:
-                raise RuntimeError(f"init container {init['name']} of {name} exited {code}; "
-                                   f"log: {self._log(pod, init['name'])}")
+                raise RuntimeError(
+                    f"init container {init['name']} of {name} exited {code}; log: {self._log(pod, init['name'])}"
+                )
         for c in pod.containers:
             c.proc, c.env = self._run(pod, c.spec), self._env(pod, c.spec)
             pod.tasks.append(asyncio.create_task(self._probe_loop(pod, c)))
@@ -330,8 +356,9 @@ class Cluster:
             folder.mkdir(parents=True)
             if "secret" in v or "configMap" in v:
                 src = v.get("secret") or v["configMap"]
-                data = (self.secrets.get(src["secretName"], {}) if "secret" in v
-                        else self.configmaps.get(src["name"], {}))
+                data = (
+                    self.secrets.get(src["secretName"], {}) if "secret" in v else self.configmaps.get(src["name"], {})
+                )
                 if not data and not src.get("optional"):
                     raise KeyError(f"pod {pod}: volume {v['name']} needs {src} which was not given")
                 items = src.get("items") or [{"key": k, "path": k} for k in data]
@@ -354,8 +381,11 @@ class Cluster:
     def _env(self, pod: Pod, c: dict[str, Any]) -> dict[str, str]:
         env = {"PATH": f"{self.bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOSTNAME": pod.name}
         for src in c.get("envFrom", []):
-            data = (self.configmaps.get(src["configMapRef"]["name"], {}) if "configMapRef" in src
-                    else self.secrets.get(src["secretRef"]["name"], {}))
+            data = (
+                self.configmaps.get(src["configMapRef"]["name"], {})
+                if "configMapRef" in src
+                else self.secrets.get(src["secretRef"]["name"], {})
+            )
             env.update({src.get("prefix", "") + k: v for k, v in data.items()})
         for e in c.get("env", []):
             if "value" in e:
@@ -367,13 +397,19 @@ class Cluster:
             elif "secretKeyRef" in ref:
                 env[e["name"]] = self.secrets[ref["secretKeyRef"]["name"]][ref["secretKeyRef"]["key"]]
             elif "fieldRef" in ref:
-                env[e["name"]] = {"metadata.namespace": self.namespace, "metadata.name": pod.name,
-                                  "status.podIP": pod.ip}[ref["fieldRef"]["fieldPath"]]
+                env[e["name"]] = {
+                    "metadata.namespace": self.namespace,
+                    "metadata.name": pod.name,
+                    "status.podIP": pod.ip,
+                }[ref["fieldRef"]["fieldPath"]]
             elif "resourceFieldRef" in ref:
                 r = ref["resourceFieldRef"]
                 kind, res = r["resource"].split(".")
-                named = next(x for x in pod.spec["containers"] + pod.spec.get("initContainers", [])
-                             if x["name"] == r.get("containerName", c["name"]))
+                named = next(
+                    x
+                    for x in pod.spec["containers"] + pod.spec.get("initContainers", [])
+                    if x["name"] == r.get("containerName", c["name"])
+                )
                 env[e["name"]] = cpu_value(named["resources"][kind][res], str(r.get("divisor", "1")))
         return env
 
@@ -425,21 +461,40 @@ class Cluster:
                 upper, work = root / f"keep{i}-upper", root / f"keep{i}-work"
                 upper.mkdir()
                 work.mkdir()
-                script += [f"mkdir -p {target}",
-                           f"mount -t overlay overlay -o lowerdir={shlex.quote(str(keep))},upperdir={upper},"
-                           f"workdir={work} {target}",
-                           f"chmod o+rx {target}"]
+                script += [
+                    f"mkdir -p {target}",
+                    f"mount -t overlay overlay -o lowerdir={shlex.quote(str(keep))},upperdir={upper},"
+                    f"workdir={work} {target}",
+                    f"chmod o+rx {target}",
+                ]
         if sc.get("readOnlyRootFilesystem"):
             script.append(f"mount -o remount,bind,ro {r}")
         user = f"--userspec={sc['runAsUser']}:{sc.get('runAsGroup', sc['runAsUser'])}" if "runAsUser" in sc else ""
         groups = f"--groups={sc['fsGroup']}" if "fsGroup" in pod.spec.get("securityContext", {}) else ""
         envs = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
-        script.append(f"cd {r} && exec chroot {user} {groups} {r} /usr/bin/env -i {envs} "
-                      + " ".join(shlex.quote(a) for a in argv))
+        script.append(
+            f"cd {r} && exec chroot {user} {groups} {r} /usr/bin/env -i {envs} "
+            + " ".join(shlex.quote(a) for a in argv)
+        )
         log = open(self._log(pod, c["name"]), "ab")  # noqa: SIM115 (the child holds it)
-        proc = subprocess.Popen(["ip", "netns", "exec", pod.netns, "unshare", "-m", "--propagation", "private",
-                                 "sh", "-euc", "\n".join(script)], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                pod.netns,
+                "unshare",
+                "-m",
+                "--propagation",
+                "private",
+                "sh",
+                "-euc",
+                "\n".join(script),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         self.events.append(f"{time.monotonic():.1f} {pod.name}/{c['name']} started: {' '.join(argv)}")
         return proc
@@ -452,7 +507,8 @@ class Cluster:
             async with grpc.aio.insecure_channel(f"{pod.ip}:{g['port']}") as channel:
                 try:
                     answer = await health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(service=g.get("service", "")), timeout=timeout)
+                        health_pb2.HealthCheckRequest(service=g.get("service", "")), timeout=timeout
+                    )
                 except grpc.aio.AioRpcError:
                     return False
                 return answer.status == health_pb2.HealthCheckResponse.SERVING
@@ -560,8 +616,10 @@ class Cluster:
                     if c.restarts > 3:
                         raise RuntimeError(f"{p.name}/{c.name} keeps exiting; log: {self._log(p, c.name)}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{count} Ready pods of {deployment or 'every Deployment'} not within "
-                                   f"{timeout_s:g} s; events:\n" + "\n".join(self.events[-20:]))
+                raise TimeoutError(
+                    f"{count} Ready pods of {deployment or 'every Deployment'} not within "
+                    f"{timeout_s:g} s; events:\n" + "\n".join(self.events[-20:])
+                )
             await asyncio.sleep(0.2)
 
     async def delete_pod(self, name: str) -> None:

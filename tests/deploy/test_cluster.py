@@ -93,8 +93,9 @@ def kustomization(tmp: Path, mtls: bool) -> Path:
     folder.mkdir()
     overlay = os.path.relpath(REPO / "deploy/k8s/overlays/cpu", folder)
     comps = f"components:\n  - {os.path.relpath(REPO / 'deploy/k8s/components/mtls', folder)}\n" if mtls else ""
-    patches = "".join(PATCH.format(name=n, env=KV_ENV if n == "verifier" else "")
-                      for n in ("drafter", "verifier", "gateway"))
+    patches = "".join(
+        PATCH.format(name=n, env=KV_ENV if n == "verifier" else "") for n in ("drafter", "verifier", "gateway")
+    )
     (folder / "kustomization.yaml").write_text(KUSTOMIZATION.format(overlay=overlay, components=comps, patches=patches))
     return folder
 
@@ -103,13 +104,29 @@ def certificates(tmp: Path) -> dict[str, dict[str, str]]:
     """A Secret specdec-ROLE-tls per role (tls.crt, tls.key, ca.crt: cert-manager's layout) from
     `specdec certs`, each role's own certificate."""
     out = tmp / "certs"
-    names = ",".join(f"{svc}.specdec.svc.cluster.local,{svc}" for svc in
-                     ("gateway", "drafter", "drafter-headless", "verifier", "verifier-headless")) + ",localhost"
-    subprocess.run([sys.executable, "-m", "specdec_cli", "certs", str(out), "--hosts", names],
-                   check=True, capture_output=True, text=True, timeout=120)
+    names = (
+        ",".join(
+            f"{svc}.specdec.svc.cluster.local,{svc}"
+            for svc in ("gateway", "drafter", "drafter-headless", "verifier", "verifier-headless")
+        )
+        + ",localhost"
+    )
+    subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "certs", str(out), "--hosts", names],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     files = {p.name: p.read_text() for p in out.iterdir()}
-    return {f"specdec-{role}-tls": {"tls.crt": files[f"{role}.pem"], "tls.key": files[f"{role}-key.pem"],
-                                    "ca.crt": files["ca.pem"]} for role in ("gateway", "drafter", "verifier")}
+    return {
+        f"specdec-{role}-tls": {
+            "tls.crt": files[f"{role}.pem"],
+            "tls.key": files[f"{role}-key.pem"],
+            "ca.crt": files["ca.pem"],
+        }
+        for role in ("gateway", "drafter", "verifier")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +134,13 @@ def run(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> dict[str
     tmp = tmp_path_factory.mktemp("cluster")
     mtls = os.environ.get("SPECDEC_CLUSTER_MTLS") == "1"
     models = tmp / "models"  # the PersistentVolume behind the specdec-models claim
-    subprocess.run([sys.executable, "-m", "specdec_cli", "models", "pull", "tiny"], check=True, timeout=600,
-                   env={**os.environ, "SPECDEC_CACHE_DIR": str(models)}, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "models", "pull", "tiny"],
+        check=True,
+        timeout=600,
+        env={**os.environ, "SPECDEC_CACHE_DIR": str(models)},
+        capture_output=True,
+    )
     subprocess.run(["chmod", "-R", "a+rX", str(models)], check=True)
     ps = prompts(AutoTokenizer.from_pretrained(tiny_target), 12, seed=3)
     secrets = {"specdec-api-keys": {"api-keys": API_KEY}}
@@ -126,25 +148,42 @@ def run(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> dict[str
     if mtls:
         secrets.update(certificates(tmp))
         tls = {"ca": str(tmp / "certs" / "ca.pem")}  # the gateway's users authenticate with API keys (components/mtls)
-    cfg = {"kustomization": str(kustomization(tmp, mtls)), "dockerfile": str(REPO / "deploy/docker/Dockerfile"),
-           "claims": {"specdec-models": str(models)}, "secrets": secrets,
-           "bin_dir": str(Path(shutil.which("specdec") or Path(sys.executable).parent / "specdec").parent),
-           "log_dir": str(tmp), "prompts": ps, "max_tokens": MAX_TOKENS, "stream_tokens": STREAM_TOKENS,
-           "api_key": API_KEY, "tls": tls}
+    cfg = {
+        "kustomization": str(kustomization(tmp, mtls)),
+        "dockerfile": str(REPO / "deploy/docker/Dockerfile"),
+        "claims": {"specdec-models": str(models)},
+        "secrets": secrets,
+        "bin_dir": str(Path(shutil.which("specdec") or Path(sys.executable).parent / "specdec").parent),
+        "log_dir": str(tmp),
+        "prompts": ps,
+        "max_tokens": MAX_TOKENS,
+        "stream_tokens": STREAM_TOKENS,
+        "api_key": API_KEY,
+        "tls": tls,
+    }
     (tmp / "config.json").write_text(json.dumps(cfg))
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "cluster_run.py"), str(tmp / "config.json")],
-                          capture_output=True, text=True, timeout=1800, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "cluster_run.py"), str(tmp / "config.json")],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=REPO,
+    )
     phases = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
             d = json.loads(line)
             phases[d.pop("phase")] = d
-            print(d.get("events", "")[-12:] if "events" in d else "", {k: v for k, v in d.items()
-                                                                        if k not in ("ids", "events")})
+            print(
+                d.get("events", "")[-12:] if "events" in d else "",
+                {k: v for k, v in d.items() if k not in ("ids", "events")},
+            )
     assert proc.returncode == 0, f"{proc.stderr[-4000:]}\nlogs in {tmp}"
-    ref = vllm_reference(tiny_target, [{"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True}
-                                       for n in (MAX_TOKENS, STREAM_TOKENS) for p in ps])
-    phases["reference"] = {"exact": ref[:len(ps)], "roll": ref[len(ps):len(ps) + 8]}
+    ref = vllm_reference(
+        tiny_target,
+        [{"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True} for n in (MAX_TOKENS, STREAM_TOKENS) for p in ps],
+    )
+    phases["reference"] = {"exact": ref[: len(ps)], "roll": ref[len(ps) : len(ps) + 8]}
     return phases
 
 

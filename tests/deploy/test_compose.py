@@ -36,8 +36,12 @@ def _default(value: str) -> str:
 
 def test_compose_file_validates_against_the_compose_spec_schema() -> None:
     pytest.importorskip("check_jsonschema", reason="pip install check-jsonschema (the `test` extra)")
-    done = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
-                           str(COMPOSE)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -155,8 +159,11 @@ def test_each_role_serves_the_model_named_as_in_the_kubernetes_configmap(compose
     base = yaml.safe_load((DEPLOY / "k8s" / "base" / "kustomization.yaml").read_text())
     (generator,) = [g for g in base["configMapGenerator"] if g["name"] == "specdec-models"]
     keys = dict(literal.split("=", 1) for literal in generator["literals"])
-    wanted = {"verifier": ("SPECDEC_MODEL", "VERIFIER_MODEL"), "drafter": ("SPECDEC_MODEL", "DRAFTER_MODEL"),
-              "gateway": ("SPECDEC_TOKENIZER", "TOKENIZER")}
+    wanted = {
+        "verifier": ("SPECDEC_MODEL", "VERIFIER_MODEL"),
+        "drafter": ("SPECDEC_MODEL", "DRAFTER_MODEL"),
+        "gateway": ("SPECDEC_TOKENIZER", "TOKENIZER"),
+    }
     for role, (var, key) in wanted.items():
         value = compose["services"][role]["environment"][var]
         assert value == f"${{{key}:-{keys[key]}}}", f"{role}: {var}={value}"

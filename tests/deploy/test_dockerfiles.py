@@ -130,7 +130,7 @@ def _pip_installs(stage: Stage) -> list[list[str]]:
         for part in re.split(r"&&|;", run):
             words = shlex.split(part)
             if "pip" in words and "install" in words and words.index("install") == words.index("pip") + 1:
-                out.append(words[words.index("install") + 1:])
+                out.append(words[words.index("install") + 1 :])
     return out
 
 
@@ -311,8 +311,9 @@ class HealthServer:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = "127.0.0.1:0"
-        self.port = (self.server.add_secure_port(address, credentials) if credentials
-                     else self.server.add_insecure_port(address))
+        self.port = (
+            self.server.add_secure_port(address, credentials) if credentials else self.server.add_insecure_port(address)
+        )
         self.server.start()
 
     def set(self, service: str, serving: bool) -> None:
@@ -325,8 +326,13 @@ class HealthServer:
 
 def _check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_TLS_")}
-    return subprocess.run([sys.executable, str(HEALTHCHECK), *args], env={**clean, **(env or {})},
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(HEALTHCHECK), *args],
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_healthcheck_script_plaintext() -> None:
@@ -354,11 +360,16 @@ def test_healthcheck_script_mutual_tls(tmp_path: Path) -> None:
 
     write_certs(tmp_path, ["gateway.specdec.svc.cluster.local"])
     pem = {name: (tmp_path / name).read_bytes() for name in ("ca.pem", "gateway.pem", "gateway-key.pem")}
-    creds = grpc.ssl_server_credentials([(pem["gateway-key.pem"], pem["gateway.pem"])],
-                                        root_certificates=pem["ca.pem"], require_client_auth=True)
+    creds = grpc.ssl_server_credentials(
+        [(pem["gateway-key.pem"], pem["gateway.pem"])], root_certificates=pem["ca.pem"], require_client_auth=True
+    )
     server = HealthServer(creds)
-    tls = {"SPECDEC_TLS_CERT": str(tmp_path / "gateway.pem"), "SPECDEC_TLS_KEY": str(tmp_path / "gateway-key.pem"),
-           "SPECDEC_TLS_CA": str(tmp_path / "ca.pem"), "SPECDEC_PORT": str(server.port)}
+    tls = {
+        "SPECDEC_TLS_CERT": str(tmp_path / "gateway.pem"),
+        "SPECDEC_TLS_KEY": str(tmp_path / "gateway-key.pem"),
+        "SPECDEC_TLS_CA": str(tmp_path / "ca.pem"),
+        "SPECDEC_PORT": str(server.port),
+    }
     try:
         server.set("", True)
         ok = _check(env=tls)
@@ -366,8 +377,11 @@ def test_healthcheck_script_mutual_tls(tmp_path: Path) -> None:
         assert _check(env={"SPECDEC_PORT": str(server.port)}).returncode == 1  # plaintext is refused
         wrong_name = _check(env={**tls, "HEALTHCHECK_TLS_SERVER_NAME": "elsewhere.example"})
         assert wrong_name.returncode == 1
-        verifier = {**tls, "SPECDEC_TLS_CERT": str(tmp_path / "verifier.pem"),
-                    "SPECDEC_TLS_KEY": str(tmp_path / "verifier-key.pem")}
+        verifier = {
+            **tls,
+            "SPECDEC_TLS_CERT": str(tmp_path / "verifier.pem"),
+            "SPECDEC_TLS_KEY": str(tmp_path / "verifier-key.pem"),
+        }
         assert _check(env=verifier).returncode == 1  # a server-only certificate is no client certificate
     finally:
         server.stop()
@@ -377,8 +391,12 @@ def test_healthcheck_script_health_port(tmp_path: Path) -> None:
     """With SPECDEC_HEALTH_PORT (a service's plaintext health port) the probe goes there, in
     plaintext, whatever TLS settings the container has."""
     server = HealthServer()
-    env = {"SPECDEC_TLS_CERT": str(tmp_path / "absent.pem"), "SPECDEC_TLS_KEY": str(tmp_path / "absent.pem"),
-           "SPECDEC_PORT": "1", "SPECDEC_HEALTH_PORT": str(server.port)}
+    env = {
+        "SPECDEC_TLS_CERT": str(tmp_path / "absent.pem"),
+        "SPECDEC_TLS_KEY": str(tmp_path / "absent.pem"),
+        "SPECDEC_PORT": "1",
+        "SPECDEC_HEALTH_PORT": str(server.port),
+    }
     try:
         server.set("", True)
         ok = _check(env=env)

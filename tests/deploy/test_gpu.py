@@ -27,7 +27,7 @@ def test_the_gpu_verifier_leaves_the_cuda_defaults_to_vllm() -> None:
     assert not gpu & CUDA_AUTO, gpu & CUDA_AUTO
     assert {"SPECDEC_DTYPE", "HF_HOME", "HF_HUB_OFFLINE"} <= gpu
     dockerfile = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
-    cuda_stage = dockerfile[dockerfile.index("AS verifier-cuda"):]
+    cuda_stage = dockerfile[dockerfile.index("AS verifier-cuda") :]
     assert not any(name in cuda_stage for name in CUDA_AUTO)
 
 

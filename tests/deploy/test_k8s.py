@@ -25,8 +25,10 @@ from specdec import config, serving, telemetry
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 KUBECTL = shutil.which("kubectl")
-pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed: the manifests are "
-                                 "rendered with `kubectl kustomize` (kustomize built in)")
+pytestmark = pytest.mark.skipif(
+    KUBECTL is None,
+    reason="kubectl is not installed: the manifests are rendered with `kubectl kustomize` (kustomize built in)",
+)
 
 OVERLAYS = ("cpu", "gpu", "production")
 COMPONENTS = ("mtls", "cert-manager", "keda", "servicemonitor", "tracing", "pull-models", "ingress")
@@ -50,11 +52,17 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
     for name, components in (("cpu+all-components", COMPONENTS), ("cpu+ingress", ("ingress",))):
         root = tmp_path_factory.mktemp("kustomize-all")
         rel = lambda p, root=root: os.path.relpath(p, root)  # noqa: E731
-        (root / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "specdec",
-            "resources": [rel(K8S / "overlays" / "cpu")],
-            "components": [rel(K8S / "components" / c) for c in components],
-        }))
+        (root / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                    "kind": "Kustomization",
+                    "namespace": "specdec",
+                    "resources": [rel(K8S / "overlays" / "cpu")],
+                    "components": [rel(K8S / "components" / c) for c in components],
+                }
+            )
+        )
         out[name] = _kustomize(root)
     return out
 
@@ -89,8 +97,12 @@ def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
         return False
     for expr in selector.get("matchExpressions") or []:
         key, op, values = expr["key"], expr["operator"], expr.get("values", [])
-        if (op == "In" and labels.get(key) not in values) or (op == "NotIn" and labels.get(key) in values) \
-                or (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels):
+        if (
+            (op == "In" and labels.get(key) not in values)
+            or (op == "NotIn" and labels.get(key) in values)
+            or (op == "Exists" and key not in labels)
+            or (op == "DoesNotExist" and key in labels)
+        ):
             return False
     return True
 
@@ -133,8 +145,17 @@ def test_core_kinds_validate_strictly_against_kubernetes_schemas(objs) -> None:
 
 
 def test_only_known_kinds(objs) -> None:
-    core = {"Namespace", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-            "NetworkPolicy", "PersistentVolumeClaim", "Ingress"}
+    core = {
+        "Namespace",
+        "ConfigMap",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "NetworkPolicy",
+        "PersistentVolumeClaim",
+        "Ingress",
+    }
     assert {o["kind"] for o in objs} <= core | CRD_KINDS
 
 
@@ -330,8 +351,11 @@ def test_network_policy_lets_only_gateways_reach_verifiers_and_drafters(objs) ->
                     assert "ipBlock" not in peer, kind
                     assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
                     assert ports == {cfg.metrics_port}, f"{kind}: monitoring may reach {ports}"
-        gateway_rules = [r for r in spec["ingress"] if any(
-            "namespaceSelector" not in p and _matches(p["podSelector"], pods["gateway"]) for p in r["from"])]
+        gateway_rules = [
+            r
+            for r in spec["ingress"]
+            if any("namespaceSelector" not in p and _matches(p["podSelector"], pods["gateway"]) for p in r["from"])
+        ]
         assert gateway_rules, f"{kind}: gateways must be let in"
 
 
@@ -379,8 +403,9 @@ def test_gpu_overlay_requests_a_gpu_and_the_cuda_image(rendered) -> None:
             assert "nvidia.com/gpu" not in str(_deployment(rendered[name], kind))
     cpu = _main(_deployment(rendered["cpu"], "verifier"))
     assert cpu["image"].startswith("specdec/verifier-cpu:") and "nvidia.com/gpu" not in str(cpu)
-    models = _named(rendered["cpu"], "ConfigMap", next(
-        c["metadata"]["name"] for c in _of(rendered["cpu"], "ConfigMap")))["data"]
+    models = _named(
+        rendered["cpu"], "ConfigMap", next(c["metadata"]["name"] for c in _of(rendered["cpu"], "ConfigMap"))
+    )["data"]
     assert models["MODEL_PAIR"] == "qwen-coder" and models["VERIFIER_MODEL"] == "qwen-coder/target"
 
 
@@ -399,8 +424,10 @@ def test_every_role_reads_its_model_from_the_read_only_model_volume(rendered) ->
             where = f"{name}/{dep['metadata']['name']}"
             pod = dep["spec"]["template"]["spec"]
             assert not pod.get("initContainers"), f"{where}: pulling is opt-in (components/pull-models)"
-            assert _models_volume(dep) == {"name": "models", "persistentVolumeClaim": {
-                "claimName": "specdec-models", "readOnly": True}}, where
+            assert _models_volume(dep) == {
+                "name": "models",
+                "persistentVolumeClaim": {"claimName": "specdec-models", "readOnly": True},
+            }, where
             main = _main(dep)
             (mount,) = [m for m in main["volumeMounts"] if m["name"] == "models"]
             assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}, where
@@ -411,9 +438,11 @@ def test_every_role_reads_its_model_from_the_read_only_model_volume(rendered) ->
 
 # what each role's init container pulls (components/pull-models): its own model, the gateway only
 # the tokenizer; and the ConfigMap key its main container reads the same reference from
-PULLS = {"verifier": (["$(VERIFIER_MODEL)"], "VERIFIER_MODEL", "SPECDEC_MODEL"),
-         "drafter": (["$(DRAFTER_MODEL)"], "DRAFTER_MODEL", "SPECDEC_MODEL"),
-         "gateway": (["$(TOKENIZER)", "--tokenizer"], "TOKENIZER", "SPECDEC_TOKENIZER")}
+PULLS = {
+    "verifier": (["$(VERIFIER_MODEL)"], "VERIFIER_MODEL", "SPECDEC_MODEL"),
+    "drafter": (["$(DRAFTER_MODEL)"], "DRAFTER_MODEL", "SPECDEC_MODEL"),
+    "gateway": (["$(TOKENIZER)", "--tokenizer"], "TOKENIZER", "SPECDEC_TOKENIZER"),
+}
 
 
 def test_pull_models_component_pulls_each_roles_own_model_onto_the_model_volume(rendered) -> None:
@@ -432,7 +461,8 @@ def test_pull_models_component_pulls_each_roles_own_model_onto_the_model_volume(
         assert ref["key"] == key and ref["name"] == _of(objs, "ConfigMap")[0]["metadata"]["name"], kind
         main_env = _env(_main(dep))
         assert main_env[main_var]["valueFrom"]["configMapKeyRef"] == env[key]["valueFrom"]["configMapKeyRef"], (
-            f"{kind}: pulls the model its service reads")
+            f"{kind}: pulls the model its service reads"
+        )
         # the image the overlay set for the service (the gateway's has no GGUF reader: the drafter's)
         assert init["image"] == images["drafter" if kind == "gateway" else kind], kind
         # it writes only to the model volume: the one mount it has, read-write; a read-only root;

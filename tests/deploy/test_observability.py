@@ -32,15 +32,31 @@ PROMETHEUS_RULE = REPO / "deploy" / "k8s" / "components" / "servicemonitor" / "p
 SCALED_OBJECT = REPO / "deploy" / "k8s" / "components" / "keda" / "scaledobject.yaml"
 
 METRIC = re.compile(r"specdec:[A-Za-z0-9_:]+")
-SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-            "summary": ("", "_sum", "_count", "_created"), "gauge": ("",), "info": ("_info",),
-            "untyped": ("",), "unknown": ("",), "stateset": ("",), "gaugehistogram": ("_bucket", "_gsum", "_gcount")}
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+    "gauge": ("",),
+    "info": ("_info",),
+    "untyped": ("",),
+    "unknown": ("",),
+    "stateset": ("",),
+    "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+}
 # Grafana's variables, replaced by a value of their kind before an expression is parsed
 GRAFANA_VARS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
 REQUIRED_PANELS = {
-    "Acceptance rate over time", "Mean accepted length over time", "Acceptance by position", "Round stage p99",
-    "Latency spikes by stage", "Drafter fallbacks", "Queue depth", "Tokens per second",
-    "Replicas serving", "Error rate", "Latency: time to first token and end-to-end",
+    "Acceptance rate over time",
+    "Mean accepted length over time",
+    "Acceptance by position",
+    "Round stage p99",
+    "Latency spikes by stage",
+    "Drafter fallbacks",
+    "Queue depth",
+    "Tokens per second",
+    "Replicas serving",
+    "Error rate",
+    "Latency: time to first token and end-to-end",
 }
 REQUIRED_ALERTS = {
     "SpecdecAcceptanceCollapse",
@@ -228,9 +244,16 @@ def test_every_metric_used_is_exported_by_a_running_stack(exported: dict[str, se
 
 def test_every_family_the_operators_asked_for_is_on_the_dashboard(exported: dict[str, set[str]]) -> None:
     text = DASHBOARD.read_text()
-    for name in ("specdec:spec_decode_num_accepted_tokens_per_pos_total", "specdec:round_stage_seconds_bucket",
-                 "specdec:latency_spikes_total", "specdec:drafter_fallbacks_total", "specdec:requests_running",
-                 "specdec:generation_tokens_total", "specdec:verifier_sessions", "specdec:drafter_step_seconds_sum"):
+    for name in (
+        "specdec:spec_decode_num_accepted_tokens_per_pos_total",
+        "specdec:round_stage_seconds_bucket",
+        "specdec:latency_spikes_total",
+        "specdec:drafter_fallbacks_total",
+        "specdec:requests_running",
+        "specdec:generation_tokens_total",
+        "specdec:verifier_sessions",
+        "specdec:drafter_step_seconds_sum",
+    ):
         assert name in text, name
         assert any(name in names for names in exported.values()), name
 
@@ -307,10 +330,13 @@ def test_both_scrape_configs_set_component() -> None:
     assert compose == ROLES and all("component" in sc["labels"] for job in jobs for sc in job["static_configs"])
     monitor = yaml.safe_load(SERVICE_MONITOR.read_text())["spec"]
     for endpoint in monitor["endpoints"]:
-        assert {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
-                "targetLabel": "component"} in endpoint["relabelings"]
-    (components,) = [e["values"] for e in monitor["selector"]["matchExpressions"]
-                     if e["key"] == "app.kubernetes.io/component"]
+        assert {
+            "sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
+            "targetLabel": "component",
+        } in endpoint["relabelings"]
+    (components,) = [
+        e["values"] for e in monitor["selector"]["matchExpressions"] if e["key"] == "app.kubernetes.io/component"
+    ]
     assert set(components) == ROLES
     for where, expr in _all_exprs():  # the values matched are those
         for _, label, op, value in _matchers(expr):
@@ -340,7 +366,8 @@ def test_every_label_value_matched_has_a_series_before_the_first_request() -> No
                 continue  # Prometheus's `up`, a target label (namespace, component)
             assert op == "Equal", f"{where}: match specdec labels exactly ({label}{op}{value})"
             assert any(labels.get(label) == value for labels in fresh.get(metric, [])), (
-                f"{where}: {metric}{{{label}={value!r}}} has no series until it first happens")
+                f"{where}: {metric}{{{label}={value!r}}} has no series until it first happens"
+            )
             checked += 1
     assert checked >= 4
 
@@ -353,4 +380,5 @@ def test_readme_says_what_each_alert_means_and_what_to_do() -> None:
         assert section, f"deploy/README.md: no heading for {rule['alert']}"
         body = section.group(1)
         assert "**Means**:" in body and "**Do**:" in body, (
-            f"deploy/README.md {rule['alert']}: what it means, what to do")
+            f"deploy/README.md {rule['alert']}: what it means, what to do"
+        )

@@ -45,16 +45,32 @@ def _run(model: torch.nn.Module, batched: bool, temperature: float, steps: int =
             if isinstance(item, Ready):
                 emitted[k].append(("ready", item.prefilled_tokens, []))
             elif isinstance(item, BlockOut):
-                emitted[k].append(("block", item.start_position,
-                                   [(d.token_id, d.prob, d.support, d.conf, d.alts) for d in item.drafts]))
+                emitted[k].append(
+                    (
+                        "block",
+                        item.start_position,
+                        [(d.token_id, d.prob, d.support, d.conf, d.alts) for d in item.drafts],
+                    )
+                )
+
         return emit
 
     for step in range(steps):
         for k, (at, length, seed, branches) in enumerate(OPENS):
             if at == step:
                 prompt = [(seed * 31 + 7 * j) % VOCAB for j in range(length)]
-                s = ModelDraftSession(model, prompt, 4, 5, temperature=temperature, top_k=0, top_p=1.0, seed=seed,
-                                      q_top_k=8, prefill_chunk=16)
+                s = ModelDraftSession(
+                    model,
+                    prompt,
+                    4,
+                    5,
+                    temperature=temperature,
+                    top_k=0,
+                    top_p=1.0,
+                    seed=seed,
+                    q_top_k=8,
+                    prefill_chunk=16,
+                )
                 s.branches = branches
                 s.flush_ms = 1e9  # blocks end at gamma drafts or when final, never on a timer: comparable runs
                 sessions[k], emitted[k] = s, []
@@ -123,8 +139,15 @@ def _qwen2_gqa() -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -135,9 +158,19 @@ def test_a_batched_row_equals_a_single_forward(model: torch.nn.Module, kind: str
     if kind == "qwen2-gqa":
         model = _qwen2_gqa()
         assert model.config._attn_implementation == "sdpa"
+
     def session(length: int) -> ModelDraftSession:
-        return ModelDraftSession(model, [(5 * j + 3) % VOCAB for j in range(length)], 4, 0, temperature=0.0, top_k=0,
-                                 top_p=1.0, seed=0, q_top_k=8)
+        return ModelDraftSession(
+            model,
+            [(5 * j + 3) % VOCAB for j in range(length)],
+            4,
+            0,
+            temperature=0.0,
+            top_k=0,
+            top_p=1.0,
+            seed=0,
+            q_top_k=8,
+        )
 
     lengths = [(9, 1), (1, 3), (30, 5), (12, 2)]  # (cached, new)
     rows, twins = [session(c + n) for c, n in lengths], [session(c + n) for c, n in lengths]

@@ -84,7 +84,8 @@ def test_a_commit_decides_drafts_at_their_reach() -> None:
     decided: list[tuple[float, bool]] = []
     policy = s.confidence
     assert policy is not None
-    policy.calibration.record = lambda reach, survived: decided.append((reach, survived))  # type: ignore[method-assign]
+    spy = lambda reach, survived: decided.append((reach, survived))  # noqa: E731
+    policy.calibration.record = spy  # type: ignore[method-assign]  # a spy on what the calibration is told
     s.commit(4, [101, 102, 9])  # two accepted, the third rejected: the fourth dies with it
     assert [ok for _, ok in decided] == [True, True, False, False]
     assert [r for r, _ in decided] == pytest.approx([0.9, 0.72, 0.36, 0.18])
@@ -99,7 +100,8 @@ def test_commits_that_accept_everything_are_undecided_past_the_verdict() -> None
     decided: list[tuple[float, bool]] = []
     policy = s.confidence
     assert policy is not None
-    policy.calibration.record = lambda reach, survived: decided.append((reach, survived))  # type: ignore[method-assign]
+    spy = lambda reach, survived: decided.append((reach, survived))  # noqa: E731
+    policy.calibration.record = spy  # type: ignore[method-assign]  # a spy on what the calibration is told
     s.commit(4, [101, 102, 103])  # two drafts accepted, the bonus equals the third draft
     assert decided == [(pytest.approx(0.9), True), (pytest.approx(0.81), True), (pytest.approx(0.729), True)]
     assert s.breaks == 0

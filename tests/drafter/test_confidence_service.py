@@ -43,9 +43,17 @@ def test_fixed_tau_cuts_blocks_and_the_metrics_count_cuts_tau_and_branch_breaks_
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 call = rpc.DrafterServiceStub(channel).Draft()
-                await call.write(pb.DraftRequest(open=pb.DraftOpen(
-                    request_id="r", prompt_token_ids=PROMPT, gamma=4, method=pb.DRAFT_METHOD_MODEL,
-                    sampling=pb.SamplingParams(max_tokens=16))))
+                await call.write(
+                    pb.DraftRequest(
+                        open=pb.DraftOpen(
+                            request_id="r",
+                            prompt_token_ids=PROMPT,
+                            gamma=4,
+                            method=pb.DRAFT_METHOD_MODEL,
+                            sampling=pb.SamplingParams(max_tokens=16),
+                        )
+                    )
+                )
                 await call.write(pb.DraftRequest(commit=pb.DraftCommit(start_position=5, token_ids=[35])))
                 first = await _next_block(call, branch=False)
                 branch = await _next_block(call, branch=True)  # drafted in the steps the cut freed

@@ -21,14 +21,22 @@ BOUND_S = 60.0  # for 100 streams to be ended after 1 s, on a loaded host
 
 
 def _open() -> pb.DraftRequest:
-    return pb.DraftRequest(open=pb.DraftOpen(request_id="real", prompt_token_ids=[5, 6, 7, 8], gamma=2,
-                                             method=pb.DRAFT_METHOD_MODEL, sampling=pb.SamplingParams(max_tokens=8)))
+    return pb.DraftRequest(
+        open=pb.DraftOpen(
+            request_id="real",
+            prompt_token_ids=[5, 6, 7, 8],
+            gamma=2,
+            method=pb.DRAFT_METHOD_MODEL,
+            sampling=pb.SamplingParams(max_tokens=8),
+        )
+    )
 
 
 def test_100_half_open_sessions_do_not_block_a_real_one() -> None:
     async def run() -> tuple[list[grpc.StatusCode], int, pb.DraftResponse]:
-        cfg = DrafterConfig(model="tiny/draft-mid", quantize="none", max_sessions=SLOTS,
-                            first_message_timeout_s=FIRST_MESSAGE_TIMEOUT_S)
+        cfg = DrafterConfig(
+            model="tiny/draft-mid", quantize="none", max_sessions=SLOTS, first_message_timeout_s=FIRST_MESSAGE_TIMEOUT_S
+        )
         servicer = build(cfg, CollectorRegistry())
         server = grpc.aio.server()
         rpc.add_DrafterServiceServicer_to_server(servicer, server)

@@ -101,8 +101,9 @@ def test_drafts_stay_in_allowed_token_ids(model, temperature: float) -> None:
     free.commit(len(prompt), [35])
     _, unconstrained = _drafted(free)
     allowed = [t for t in range(0, 512, 3) if t not in unconstrained[:2]] + [10**6]
-    s = ModelDraftSession(model, prompt, 6, 0, temperature=temperature, top_k=0, top_p=1.0, seed=0, q_top_k=8,
-                          allowed_token_ids=allowed)
+    s = ModelDraftSession(
+        model, prompt, 6, 0, temperature=temperature, top_k=0, top_p=1.0, seed=0, q_top_k=8, allowed_token_ids=allowed
+    )
     s.commit(len(prompt), [35])
     _, drafts = _drafted(s)
     assert len(drafts) == 6 and set(drafts) <= set(allowed)

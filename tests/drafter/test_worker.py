@@ -55,16 +55,25 @@ def _tiny_llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(config).eval()
 
 
 def _rows(metrics: telemetry.DrafterMetrics) -> dict[int, float]:
     """specdec:drafter_batch_rows as {rows: forwards observed with that many rows} (buckets
     up to 32 are the integers, so a bucket's own count is the count of that batch size)."""
-    cumulative = {le: metrics.registry.get_sample_value("specdec:drafter_batch_rows_bucket", {"le": f"{le:.1f}"}) or 0.0
-                  for le in range(1, 33)}
+    cumulative = {
+        le: metrics.registry.get_sample_value("specdec:drafter_batch_rows_bucket", {"le": f"{le:.1f}"}) or 0.0
+        for le in range(1, 33)
+    }
     return {n: c - cumulative.get(n - 1, 0.0) for n, c in cumulative.items() if c - cumulative.get(n - 1, 0.0)}
 
 
@@ -77,8 +86,19 @@ def test_each_draft_forward_is_observed_with_its_rows(batched: bool) -> None:
     metrics = telemetry.DrafterMetrics(CollectorRegistry())
     worker = DraftWorker(metrics=metrics, batch=batched)
     sessions: list[DraftSession] = [
-        ModelDraftSession(model, [3 + i + j for j in range(5 + 7 * i)], gamma=4, lookahead=100, temperature=0.0,
-                          top_k=0, top_p=1.0, seed=i, q_top_k=4) for i in range(3)]
+        ModelDraftSession(
+            model,
+            [3 + i + j for j in range(5 + 7 * i)],
+            gamma=4,
+            lookahead=100,
+            temperature=0.0,
+            top_k=0,
+            top_p=1.0,
+            seed=i,
+            q_top_k=4,
+        )
+        for i in range(3)
+    ]
     ngram = NgramDraftSession([1, 2, 3, 4, 1, 2], gamma=3, lookahead=100, ngram_max=3, ngram_min=1)
     ngram.commit(6, [3])
     active: list[tuple[DraftSession, Emit]] = [(s, _no_error) for s in [*sessions, ngram]]

@@ -20,7 +20,7 @@ TEXT_PROMPTS = [
     "for i in range(10):\n",
     "while True:\n    line = input()\n",
     "def fib(n):\n    if n < 2:\n        return n\n",
-    "# Copyright\n\"\"\"Module docstring.\"\"\"\n",
+    '# Copyright\n"""Module docstring."""\n',
     "try:\n    import json\nexcept ImportError:\n",
     "x = [i * i for i in range(",
     "with open(path) as f:\n    data = f.read()\n",

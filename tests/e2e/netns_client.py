@@ -56,8 +56,14 @@ def ready(task: dict[str, Any]) -> str:
 
 def _client(task: dict[str, Any], timeout_s: float) -> GatewayClient:
     tls = task.get("tls") or {}
-    return GatewayClient(task["address"], timeout_s, tls_ca=tls.get("ca", ""), tls_cert=tls.get("cert", ""),
-                         tls_key=tls.get("key", ""), api_key=task.get("api_key"))
+    return GatewayClient(
+        task["address"],
+        timeout_s,
+        tls_ca=tls.get("ca", ""),
+        tls_cert=tls.get("cert", ""),
+        tls_key=tls.get("key", ""),
+        api_key=task.get("api_key"),
+    )
 
 
 def generate(task: dict[str, Any]) -> list[dict[str, Any]]:
@@ -65,16 +71,22 @@ def generate(task: dict[str, Any]) -> list[dict[str, Any]]:
     with _client(task, 120) as client:
         for prompt in task["prompts"]:
             r = client.generate(generation_spec(prompt, max_tokens=task["max_tokens"], gamma=task["gamma"]))
-            out.append({"token_ids": list(r.token_ids), "drafted": r.stats.drafted_tokens,
-                        "fallback": r.stats.drafter_fallback})
+            out.append(
+                {
+                    "token_ids": list(r.token_ids),
+                    "drafted": r.stats.drafted_tokens,
+                    "fallback": r.stats.drafter_fallback,
+                }
+            )
     return out
 
 
 def probe(task: dict[str, Any]) -> dict[str, str]:
     with _client(task, 10) as client:
         try:
-            client.stub.Generate(pb.GenerateRequest(spec=generation_spec([1, 2, 3], max_tokens=2)), timeout=10,
-                                 metadata=client.metadata)
+            client.stub.Generate(
+                pb.GenerateRequest(spec=generation_spec([1, 2, 3], max_tokens=2)), timeout=10, metadata=client.metadata
+            )
             return {"code": "OK", "details": ""}
         except grpc.RpcError as err:
             return {"code": err.code().name, "details": err.details() or ""}

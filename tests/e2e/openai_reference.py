@@ -51,8 +51,14 @@ def log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
 class VllmOpenAIServer:
     """One `vllm.entrypoints.openai.api_server` process serving `model_dir` as `served_name`."""
 
-    def __init__(self, model_dir: Path, work_dir: Path, served_name: str = "tiny/target",
-                 chat_template: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        work_dir: Path,
+        served_name: str = "tiny/target",
+        chat_template: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.model_dir, self.work_dir, self.served_name = model_dir, work_dir, served_name
         self.chat_template, self.extra_args = chat_template, extra_args
         self.port = 0
@@ -67,10 +73,22 @@ class VllmOpenAIServer:
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir), "--served-model-name", self.served_name,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "2048",
+            "--enforce-eager",
             "--disable-uvicorn-access-log",
         ]
         if self.chat_template is not None:
@@ -87,8 +105,9 @@ class VllmOpenAIServer:
         self.started_at = time.monotonic()
         with open(self.log_path, "wb") as log:
             # own session: stop() signals the whole group (the engine core is a child process)
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         cwd=self.work_dir, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.work_dir, start_new_session=True
+            )
 
     def failure(self, what: str) -> str:
         return f"vLLM OpenAI server {what}; log {self.log_path}, its tail:\n{log_tail(self.log_path)}"
@@ -132,10 +151,16 @@ class VllmOpenAIServer:
 
 
 @contextmanager
-def vllm_openai_server(model_dir: Path, work_dir: Path, *, chat_template: str | None = None,
-                       served_name: str = "tiny/target", timeout_s: float = READY_TIMEOUT_S,
-                       while_starting: Callable[[], object] | None = None,
-                       extra_args: tuple[str, ...] = ()) -> Iterator[VllmOpenAIServer]:
+def vllm_openai_server(
+    model_dir: Path,
+    work_dir: Path,
+    *,
+    chat_template: str | None = None,
+    served_name: str = "tiny/target",
+    timeout_s: float = READY_TIMEOUT_S,
+    while_starting: Callable[[], object] | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> Iterator[VllmOpenAIServer]:
     """A ready vLLM OpenAI server; `while_starting` runs between launch and the readiness wait
     (start other things while vLLM loads). The process group is killed on exit."""
     server = VllmOpenAIServer(model_dir, work_dir, served_name, chat_template, extra_args)
@@ -149,10 +174,21 @@ def vllm_openai_server(model_dir: Path, work_dir: Path, *, chat_template: str | 
         server.stop()
 
 
-def vllm_cli(args: list[str], log_path: Path, timeout_s: float = 300, cwd: Path | None = None,
-             ) -> subprocess.CompletedProcess:
+def vllm_cli(
+    args: list[str],
+    log_path: Path,
+    timeout_s: float = 300,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess:
     """Run `vllm ARGS...` (vLLM's own CLI, unmodified) with the CPU environment; output to `log_path`."""
     env = {**os.environ, **VLLM_CPU_ENV}
     with open(log_path, "wb") as log:
-        return subprocess.run([sys.executable, "-c", CLI_SHIM, *args], stdout=log, stderr=subprocess.STDOUT,
-                              env=env, cwd=cwd, timeout=timeout_s, check=False)
+        return subprocess.run(
+            [sys.executable, "-c", CLI_SHIM, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            timeout=timeout_s,
+            check=False,
+        )

@@ -30,8 +30,9 @@ def case(tiny_target) -> tuple[list[list[int]], list[int], list[list[int]], list
     rng = random.Random(0)
     used = sorted({t for out in free for t in out})
     allowed = sorted(set(rng.sample(used, len(used) // 2)) | set(rng.sample(range(tok.vocab_size), 64)))
-    constrained = vllm_reference(tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS,
-                                                "allowed_token_ids": allowed} for p in ps])
+    constrained = vllm_reference(
+        tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "allowed_token_ids": allowed} for p in ps]
+    )
     return ps, allowed, free, constrained
 
 
@@ -46,8 +47,10 @@ def test_greedy_with_allowed_token_ids_equals_plain_vllm(services: Services, cas
     accepted = sum(r.stats.accepted_tokens for r in responses)
     changed = sum(a != b for a, b in zip(free, constrained, strict=True))
     # the figures docs/adding-a-sampling-field.md quotes (pytest -s shows them)
-    print(f"\n{drafter}: {len(allowed)} allowed ids, {changed}/{len(ps)} outputs changed by them, "
-          f"{accepted}/{drafted} drafts accepted")
+    print(
+        f"\n{drafter}: {len(allowed)} allowed ids, {changed}/{len(ps)} outputs changed by them, "
+        f"{accepted}/{drafted} drafts accepted"
+    )
     assert drafted > 0, "no draft was verified: the test would not cover the rejection sampler"
     if drafter == "model":
         assert accepted > 0
@@ -55,8 +58,12 @@ def test_greedy_with_allowed_token_ids_equals_plain_vllm(services: Services, cas
 
 def test_sampled_tokens_stay_in_the_set(services: Services, case) -> None:
     ps, allowed, _, _ = case
-    specs = [spec(p, MAX_TOKENS, gamma=4, drafter="model", temperature=1.0, seed=i, ignore_eos=True,
-                  allowed_token_ids=allowed) for i, p in enumerate(ps)]
+    specs = [
+        spec(
+            p, MAX_TOKENS, gamma=4, drafter="model", temperature=1.0, seed=i, ignore_eos=True, allowed_token_ids=allowed
+        )
+        for i, p in enumerate(ps)
+    ]
     responses = generate_all(services.gateways["mid"].address, specs, concurrency=4)
     tokens = [t for r in responses for t in r.token_ids]
     assert len(tokens) == MAX_TOKENS * len(ps) and set(tokens) <= set(allowed)

@@ -19,9 +19,18 @@ KEYS = ("sk-auth-a1", "sk-auth-b2")
 @pytest.fixture(scope="module")
 def gateway(services) -> Iterator[Service]:
     gw = services.start_gateway(
-        services.drafters["mid"].address, services.verifier.address,
-        ("--api-keys", ",".join(KEYS), "--rate-limit-rps", "0.01", "--rate-limit-burst", "2",
-         "--max-prompt-tokens", "8"),
+        services.drafters["mid"].address,
+        services.verifier.address,
+        (
+            "--api-keys",
+            ",".join(KEYS),
+            "--rate-limit-rps",
+            "0.01",
+            "--rate-limit-burst",
+            "2",
+            "--max-prompt-tokens",
+            "8",
+        ),
     )
     gw.wait_ready(120)
     yield gw
@@ -45,15 +54,20 @@ def test_keys_limits_and_open_health(gateway: Service) -> None:
     err = call(gateway, KEYS[0], [1, 2, 3])
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate_limit_rps" in err.details()
     assert int(dict(err.trailing_metadata())["retry-after"]) >= 1
-    r = httpx.post(f"http://127.0.0.1:{gateway.rest_port}/v1/completions", timeout=60,
-                   headers={"Authorization": f"Bearer {KEYS[0]}"}, json={"prompt": [1, 2], "max_tokens": 2})
+    r = httpx.post(
+        f"http://127.0.0.1:{gateway.rest_port}/v1/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEYS[0]}"},
+        json={"prompt": [1, 2], "max_tokens": 2},
+    )
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["type"] == "rate_limit_error"
     # key b has its own bucket; a prompt over max_prompt_tokens is refused before any work, by name
     err = call(gateway, KEYS[1], list(range(1, 10)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_prompt_tokens (8)" in err.details()
-    r = httpx.post(f"http://127.0.0.1:{gateway.rest_port}/v1/completions", timeout=60,
-                   json={"prompt": [1, 2], "max_tokens": 2})
+    r = httpx.post(
+        f"http://127.0.0.1:{gateway.rest_port}/v1/completions", timeout=60, json={"prompt": [1, 2], "max_tokens": 2}
+    )
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     with grpc.insecure_channel(gateway.address) as channel:  # health checks need no key
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
@@ -70,8 +84,9 @@ TENANTS = ("sk-tenant-one", "sk-tenant-two")
 
 @pytest.fixture(scope="module")
 def tenants_gateway(services) -> Iterator[Service]:
-    gw = services.start_gateway(services.drafters["mid"].address, services.verifier.address,
-                                ("--api-keys", ",".join(TENANTS)))
+    gw = services.start_gateway(
+        services.drafters["mid"].address, services.verifier.address, ("--api-keys", ",".join(TENANTS))
+    )
     gw.wait_ready(120)
     yield gw
     gw.stop()
@@ -86,10 +101,13 @@ def test_tenants_cannot_touch_each_others_request_ids(tenants_gateway: Service) 
     from gateway.client import AsyncGatewayClient
 
     async def run() -> tuple[list[int], list[int], list[int]]:
-        async with AsyncGatewayClient(tenants_gateway.address, timeout_s=120, api_key=TENANTS[0]) as one, \
-                AsyncGatewayClient(tenants_gateway.address, timeout_s=120, api_key=TENANTS[1]) as two:
-            long = one.stream(generation_spec([5, 6, 7, 8], max_tokens=300, gamma=2, ignore_eos=True,
-                                              request_id="shared"))
+        async with (
+            AsyncGatewayClient(tenants_gateway.address, timeout_s=120, api_key=TENANTS[0]) as one,
+            AsyncGatewayClient(tenants_gateway.address, timeout_s=120, api_key=TENANTS[1]) as two,
+        ):
+            long = one.stream(
+                generation_spec([5, 6, 7, 8], max_tokens=300, gamma=2, ignore_eos=True, request_id="shared")
+            )
             first = await long.read()  # tenant one's "shared" is in the verifier now
             same = await two.generate(generation_spec([5, 6, 7, 8], max_tokens=4, request_id="shared"))
             migrated = await two.generate(generation_spec([5, 6, 7, 8], max_tokens=4, request_id="shared-m1"))

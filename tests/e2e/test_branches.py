@@ -36,8 +36,10 @@ def stack(services: Services) -> Iterator[Services]:
     own = Services(services.log_dir)
     own.verifier = services.verifier
     try:
-        drafter = own._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none",
-                                         "--branches", str(BRANCHES)])
+        drafter = own._start(
+            "drafter",
+            ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none", "--branches", str(BRANCHES)],
+        )
         own.drafters["mid"] = drafter
         own.gateways["mid"] = own.start_gateway(drafter.address, own.verifier.address)
         for svc in own.started:
@@ -50,10 +52,12 @@ def stack(services: Services) -> Iterator[Services]:
 
 def test_greedy_with_branches_is_exact_and_hits(stack: Services, tiny_target: Path) -> None:
     ps = prompts(AutoTokenizer.from_pretrained(tiny_target), 6, seed=11)
-    reference = vllm_reference(tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-                                             for p in ps])
-    responses = generate_all(stack.gateways["mid"].address,
-                             [spec(p, MAX_TOKENS, gamma=4, ignore_eos=True) for p in ps], concurrency=2)
+    reference = vllm_reference(
+        tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True} for p in ps]
+    )
+    responses = generate_all(
+        stack.gateways["mid"].address, [spec(p, MAX_TOKENS, gamma=4, ignore_eos=True) for p in ps], concurrency=2
+    )
     assert [list(r.token_ids) for r in responses] == reference
     drafted = sum(r.stats.branches_drafted for r in responses)
     used = sum(r.stats.branches_used for r in responses)
@@ -73,8 +77,9 @@ def test_greedy_with_branches_is_exact_and_hits(stack: Services, tiny_target: Pa
 
 
 def test_sampling_with_branches_keeps_the_target_distribution(stack: Services, tiny_target: Path) -> None:
-    responses, p = sampled_against_vllm(tiny_target, stack.gateways["mid"].address, N_SAMPLED, SAMPLED_TOKENS,
-                                        gamma=2, concurrency=32)
+    responses, p = sampled_against_vllm(
+        tiny_target, stack.gateways["mid"].address, N_SAMPLED, SAMPLED_TOKENS, gamma=2, concurrency=32
+    )
     assert sum(r.stats.branches_used for r in responses) > 0
     # one test on the joint sequences, at the family-wise level of test_sampling_lossless.py
     assert p > P_MIN, f"joint sequences: p = {p:.2e}"

@@ -32,8 +32,11 @@ MAX_TOKENS = 40
 N_SAMPLED = 600
 SAMPLED_TOKENS = 4
 # name -> (draft model, --draft-confidence)
-DRAFTERS = {"mid-auto": ("tiny/draft-mid", "auto"), "far-auto": ("tiny/draft-far", "auto"),
-            "mid-fixed": ("tiny/draft-mid", "0.5")}
+DRAFTERS = {
+    "mid-auto": ("tiny/draft-mid", "auto"),
+    "far-auto": ("tiny/draft-far", "auto"),
+    "mid-fixed": ("tiny/draft-mid", "0.5"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +46,21 @@ def stack(services: Services) -> Iterator[Services]:
     own.verifier = services.verifier
     try:
         for name, (draft, mode) in DRAFTERS.items():
-            own.drafters[name] = own._start("drafter", [
-                "--model", draft, "--threads", "1", "--quantize", "none", "--branches", str(BRANCHES),
-                "--draft-confidence", mode])
+            own.drafters[name] = own._start(
+                "drafter",
+                [
+                    "--model",
+                    draft,
+                    "--threads",
+                    "1",
+                    "--quantize",
+                    "none",
+                    "--branches",
+                    str(BRANCHES),
+                    "--draft-confidence",
+                    mode,
+                ],
+            )
             own.gateways[name] = own.start_gateway(own.drafters[name].address, own.verifier.address)
         for svc in own.started:
             svc.wait_ready(300)
@@ -58,8 +73,9 @@ def stack(services: Services) -> Iterator[Services]:
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_greedy_with_confidence_cuts_is_exact(stack: Services, tiny_target: Path, name: str) -> None:
     ps = prompts(AutoTokenizer.from_pretrained(tiny_target), 6, seed=5)
-    reference = vllm_reference(tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-                                             for p in ps])
+    reference = vllm_reference(
+        tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True} for p in ps]
+    )
     specs = [spec(p, MAX_TOKENS, gamma=g, ignore_eos=True) for g in GAMMAS for p in ps]
     responses = generate_all(stack.gateways[name].address, specs, concurrency=2)
     wrong = [i for i, r in enumerate(responses) if list(r.token_ids) != reference[i % len(ps)]]
@@ -69,8 +85,13 @@ def test_greedy_with_confidence_cuts_is_exact(stack: Services, tiny_target: Path
     accepted = sum(s.num_accepted_tokens for s in stats)
     cuts = sum(s.confidence_cuts for s in stats)
     per_gamma = {h.gamma: (h.hits, h.breaks) for h in branch_hits_by_gamma(stats)}
-    diagnosis = {"drafted": drafted, "accepted": accepted, "cuts": cuts, "branch hits per gamma": per_gamma,
-                 "fallbacks": {s.fallback_reason for s in stats if s.fallback_reason}}
+    diagnosis = {
+        "drafted": drafted,
+        "accepted": accepted,
+        "cuts": cuts,
+        "branch hits per gamma": per_gamma,
+        "fallbacks": {s.fallback_reason for s in stats if s.fallback_reason},
+    }
     assert not diagnosis["fallbacks"], diagnosis
     # the drafts were really verified (accepted and rejected), and confidence really cut blocks
     assert drafted > 0 and accepted < drafted and cuts > 0, diagnosis
@@ -88,8 +109,9 @@ def test_greedy_with_confidence_cuts_is_exact(stack: Services, tiny_target: Path
 
 
 def test_sampling_with_confidence_cuts_keeps_the_target_distribution(stack: Services, tiny_target: Path) -> None:
-    responses, p = sampled_against_vllm(tiny_target, stack.gateways["mid-fixed"].address, N_SAMPLED, SAMPLED_TOKENS,
-                                        gamma=4, concurrency=32)
+    responses, p = sampled_against_vllm(
+        tiny_target, stack.gateways["mid-fixed"].address, N_SAMPLED, SAMPLED_TOKENS, gamma=4, concurrency=32
+    )
     drafted = sum(r.stats.drafted_tokens for r in responses)
     cuts = sum(r.stats.confidence_cuts for r in responses)
     assert drafted > 0 and cuts > 0, (drafted, cuts)

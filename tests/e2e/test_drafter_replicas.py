@@ -48,8 +48,7 @@ def _private_hosts_unavailable() -> str | None:
     return None if probe.returncode == 0 else f"unshare -m failed: {probe.stderr.strip()}"
 
 
-pytestmark = pytest.mark.skipif(_private_hosts_unavailable() is not None,
-                                reason=str(_private_hosts_unavailable()))
+pytestmark = pytest.mark.skipif(_private_hosts_unavailable() is not None, reason=str(_private_hosts_unavailable()))
 
 
 def with_hosts(hosts_file: Path) -> list[str]:
@@ -68,17 +67,35 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         port = free_port()
         drafters = []
         for host in HOSTS:
-            d = start_service("drafter", port, ["--model", "tiny/draft-mid", "--threads", "1", "--host", host],
-                              logs / host, metrics_port=free_port())  # a folder each: the log is named by port
+            d = start_service(
+                "drafter",
+                port,
+                ["--model", "tiny/draft-mid", "--threads", "1", "--host", host],
+                logs / host,
+                metrics_port=free_port(),
+            )  # a folder each: the log is named by port
             d.host = host
             s.started.append(d)
             drafters.append(d)
         gateways = {"list": s.start_gateway(",".join(d.address for d in drafters), verifier.address)}
         rest_port = free_port()
-        g = start_service("gateway", free_port(),
-                          ["--tokenizer", "tiny/target", "--drafter-address", f"dns:///{NAME}:{port}",
-                           "--verifier-address", verifier.address, "--rest-port", str(rest_port)],
-                          logs, metrics_port=free_port(), prefix=with_hosts(hosts))
+        g = start_service(
+            "gateway",
+            free_port(),
+            [
+                "--tokenizer",
+                "tiny/target",
+                "--drafter-address",
+                f"dns:///{NAME}:{port}",
+                "--verifier-address",
+                verifier.address,
+                "--rest-port",
+                str(rest_port),
+            ],
+            logs,
+            metrics_port=free_port(),
+            prefix=with_hosts(hosts),
+        )
         g.rest_port = rest_port
         s.started.append(g)
         gateways["dns"] = g
@@ -92,13 +109,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 @pytest.fixture(scope="module")
 def cases(tiny_target: Path) -> tuple[list[list[int]], list[list[int]]]:
     ps = prompts(AutoTokenizer.from_pretrained(tiny_target), N, seed=11)
-    ref = vllm_reference(tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-                                       for p in ps])
+    ref = vllm_reference(
+        tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True} for p in ps]
+    )
     return ps, ref
 
 
 def serving_drafters(gateway: Service) -> float:
-    return scrape(gateway.metrics_port)['specdec:gateway_replicas{pool=drafter,state=serving}']
+    return scrape(gateway.metrics_port)["specdec:gateway_replicas{pool=drafter,state=serving}"]
 
 
 def sessions(drafter: Service) -> float:

@@ -72,8 +72,9 @@ async def wait_not_serving(svc: Service, timeout_s: float = 60) -> None:
 @pytest.fixture(scope="module")
 def cases(tiny_target: Path) -> tuple[list[list[int]], list[list[int]]]:
     ps = prompts(AutoTokenizer.from_pretrained(tiny_target), N, seed=3)
-    reference = vllm_reference(tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-                                             for p in ps])
+    reference = vllm_reference(
+        tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True} for p in ps]
+    )
     return ps, reference
 
 
@@ -158,8 +159,7 @@ def silent_verifier() -> Iterator[str]:
 def test_a_drain_that_runs_out_says_so(services: Services, silent_verifier: str) -> None:
     """A gateway whose drain is shorter than its generation, in front of a verifier that never
     answers: the drain runs out and says so."""
-    gateway = services.start_gateway(services.drafters["mid"].address, silent_verifier,
-                                     ("--shutdown-timeout-s", "0.5"))
+    gateway = services.start_gateway(services.drafters["mid"].address, silent_verifier, ("--shutdown-timeout-s", "0.5"))
     gateway.wait_ready(120)
 
     def in_flight() -> float:

@@ -90,8 +90,10 @@ def _open(**kw) -> "pb.VerifyRequest":
         ([_open(request_id="")], "open.request_id"),
         ([_open(prompt_token_ids=[9999])], "open.prompt_token_ids"),
         ([_open(gamma=64)], "open.gamma"),
-        ([_open(sampling=pb.SamplingParams(max_tokens=8, allowed_token_ids=[5, 9999]))],
-         "open.sampling.allowed_token_ids"),
+        (
+            [_open(sampling=pb.SamplingParams(max_tokens=8, allowed_token_ids=[5, 9999]))],
+            "open.sampling.allowed_token_ids",
+        ),
     ],
 )
 def test_verifier_rejects_bad_input(services, messages, field: str) -> None:
@@ -103,9 +105,15 @@ def test_verifier_rejects_bad_input(services, messages, field: str) -> None:
 def test_verifier_drops_a_bad_block_and_the_session_goes_on(services) -> None:
     """A block is a drafter's, relayed: one with an id outside the vocabulary is dropped (the
     session goes on without drafts), never INVALID_ARGUMENT (tests/e2e/test_hostile_drafter.py)."""
-    code, _, n = asyncio.run(_verify_session(services.verifier.address, [
-        _open(request_id="bad-block", sampling=pb.SamplingParams(max_tokens=5)),
-        pb.VerifyRequest(block=pb.DraftBlock(start_position=5, token_ids=[4, 70000]))]))
+    code, _, n = asyncio.run(
+        _verify_session(
+            services.verifier.address,
+            [
+                _open(request_id="bad-block", sampling=pb.SamplingParams(max_tokens=5)),
+                pb.VerifyRequest(block=pb.DraftBlock(start_position=5, token_ids=[4, 70000])),
+            ],
+        )
+    )
     assert code == grpc.StatusCode.OK and n >= 5
 
 
@@ -140,6 +148,7 @@ def test_drafter_rejects_unknown_method(services) -> None:
 
 def test_verifier_errors_keep_their_status(services, gateway_address: str) -> None:
     """A request id already running in the verifier: the gateway passes INVALID_ARGUMENT on."""
+
     async def run() -> tuple[object, object]:
         async with grpc.aio.insecure_channel(gateway_address) as channel:
             stub = rpc.GatewayServiceStub(channel)

@@ -80,11 +80,23 @@ def gateway(services: Services) -> Iterator[Services]:
 def _gaps(rest_port: int) -> list[float]:
     """One streamed completion; the seconds between its token-carrying chunks."""
     stamps: list[float] = []
-    body = {"model": "tiny/target", "prompt": [5, 6, 7, 8], "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=120) as client, client.stream(
-            "POST", f"http://127.0.0.1:{rest_port}/v1/completions", json=body,
-            headers={"Authorization": f"Bearer {KEY}"}) as r:
+    body = {
+        "model": "tiny/target",
+        "prompt": [5, 6, 7, 8],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream(
+            "POST",
+            f"http://127.0.0.1:{rest_port}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+        ) as r,
+    ):
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
@@ -94,15 +106,30 @@ def _gaps(rest_port: int) -> list[float]:
 
 
 def test_a_flood_without_keys_does_not_slow_a_stream(gateway) -> None:
-    refused_before = scrape(gateway.metrics_port).get('specdec:gateway_refused_total{reason=unauthenticated}', 0.0)
+    refused_before = scrape(gateway.metrics_port).get("specdec:gateway_refused_total{reason=unauthenticated}", 0.0)
     quiet: list[float] = []
     flooded: list[float] = []
     sent = 0
     for _ in range(ROUNDS):
         quiet += _gaps(gateway.rest_port)
         flood = subprocess.Popen(
-            ["nice", "-n", "19", sys.executable, "-c", FLOODER, "127.0.0.1", str(gateway.rest_port), str(BODY_MB),
-             str(FLOODERS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ)
+            [
+                "nice",
+                "-n",
+                "19",
+                sys.executable,
+                "-c",
+                FLOODER,
+                "127.0.0.1",
+                str(gateway.rest_port),
+                str(BODY_MB),
+                str(FLOODERS),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ,
+        )
         try:
             assert flood.stdout is not None and flood.stdout.readline().strip() == "flooding"
             flooded += _gaps(gateway.rest_port)
@@ -110,9 +137,11 @@ def test_a_flood_without_keys_does_not_slow_a_stream(gateway) -> None:
             out, _ = flood.communicate(timeout=60)  # closes its stdin: it stops
         sent += int(out.split()[-1])
     ratio = statistics.median(flooded) / statistics.median(quiet)
-    refused = scrape(gateway.metrics_port).get('specdec:gateway_refused_total{reason=unauthenticated}', 0.0)
-    print(f"median token gap: {statistics.median(quiet) * 1e3:.2f} ms quiet, "
-          f"{statistics.median(flooded) * 1e3:.2f} ms under a flood of {sent} unauthenticated "
-          f"{BODY_MB} MiB bodies ({FLOODERS} senders): ratio {ratio:.2f}")
+    refused = scrape(gateway.metrics_port).get("specdec:gateway_refused_total{reason=unauthenticated}", 0.0)
+    print(
+        f"median token gap: {statistics.median(quiet) * 1e3:.2f} ms quiet, "
+        f"{statistics.median(flooded) * 1e3:.2f} ms under a flood of {sent} unauthenticated "
+        f"{BODY_MB} MiB bodies ({FLOODERS} senders): ratio {ratio:.2f}"
+    )
     assert sent > 0 and refused - refused_before >= sent  # every flood request was refused (401)
     assert ratio <= BOUND, f"gaps under the flood are {ratio:.2f}x the quiet ones"

@@ -57,9 +57,16 @@ TIMEOUT_S = 30.0  # one call; an accepted one generates MAX_RUN_TOKENS tokens on
 PROBE_S = 15.0
 HOLD_S = 1.0
 FUZZ_SETTINGS = dict(
-    max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large,
-                           HealthCheck.filter_too_much],
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
 )
 TEXT_PROMPTS = ["def f(x):", "a", "\u00e9\u4e2d \U0001f600", "  x = [1, 2", "\x00"]
 UNSET = object()  # an optional field left unset
@@ -83,8 +90,13 @@ def target(services) -> Target:
     with grpc.insecure_channel(services.drafters["mid"].address) as channel:
         draft = rpc.DrafterServiceStub(channel).GetDrafterInfo(pb.GetDrafterInfoRequest(), timeout=30)
     tok = AutoTokenizer.from_pretrained(resolve("tiny/target"))  # the gateways' --tokenizer
-    return Target(info.vocab_size, info.max_model_len, info.max_gamma, draft.vocab_size,
-                  {text: len(tok.encode(text)) for text in TEXT_PROMPTS})
+    return Target(
+        info.vocab_size,
+        info.max_model_len,
+        info.max_gamma,
+        draft.vocab_size,
+        {text: len(tok.encode(text)) for text in TEXT_PROMPTS},
+    )
 
 
 def assert_alive(services) -> None:
@@ -101,8 +113,9 @@ class ServiceStopped(BaseException):
 
 def verifier_serves(address: str) -> str:
     """'' when the verifier generates one token for a plain session within PROBE_S, else why not."""
-    open_ = pb.VerifyOpen(request_id=f"probe-{next(_ids)}", prompt_token_ids=[5, 6, 7],
-                          sampling=pb.SamplingParams(max_tokens=1), gamma=0)
+    open_ = pb.VerifyOpen(
+        request_id=f"probe-{next(_ids)}", prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=1), gamma=0
+    )
     try:
         with grpc.insecure_channel(address) as channel:
             list(rpc.VerifierServiceStub(channel).Verify(iter([pb.VerifyRequest(open=open_)]), timeout=PROBE_S))
@@ -117,8 +130,10 @@ def stop_if_wedged(services, err: grpc.RpcError, where: str) -> None:
     if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         why = verifier_serves(services.verifier.address)
         if why:
-            STOPPED.append(f"{where}: no answer in {TIMEOUT_S:g} s, and the verifier no longer serves a "
-                           f"plain 1-token session ({why}); its log: {services.verifier.log_path}")
+            STOPPED.append(
+                f"{where}: no answer in {TIMEOUT_S:g} s, and the verifier no longer serves a "
+                f"plain 1-token session ({why}); its log: {services.verifier.log_path}"
+            )
             raise ServiceStopped(STOPPED[0])
 
 
@@ -160,8 +175,19 @@ class Fields:
         return self.draw(st.sampled_from(valid))
 
 
-SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "max_tokens", "stop", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "min_tokens", "stop_token_ids", "logprobs"]
+SAMPLING_FIELDS = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "stop_token_ids",
+    "logprobs",
+]
 NAN, INF = math.nan, math.inf
 # Fields whose values do not depend on the request: (valid, invalid); vLLM's range for
 # temperature is [0, 2] (SamplingParams._verify_args), as OpenAI's is.
@@ -183,8 +209,9 @@ def _set(message: Any, name: str, value: Any) -> None:
         setattr(message, name, value)
 
 
-def draw_sampling(f: Fields, vocab_size: int | None, context_left: int | None,
-                  max_tokens_optional: bool = False) -> tuple[Any, int, int | None]:
+def draw_sampling(
+    f: Fields, vocab_size: int | None, context_left: int | None, max_tokens_optional: bool = False
+) -> tuple[Any, int, int | None]:
     """A SamplingParams under f.prefix ("spec.sampling"); returns it, its max_tokens and logprobs.
     `vocab_size`: None when the service does not check stop_token_ids; `context_left`: the room
     the prompt leaves (None: the service does not check it)."""
@@ -198,16 +225,21 @@ def draw_sampling(f: Fields, vocab_size: int | None, context_left: int | None,
     for name, value in values.items():
         _set(sp, name, value)
     too_long = [context_left + 1, 2**31 - 1] if context_left is not None else []
-    max_tokens = pick("max_tokens", list(range(1, MAX_RUN_TOKENS + 1)),
-                      [0, -1, -(2**31), *too_long] + ([] if max_tokens_optional else [UNSET]))
+    max_tokens = pick(
+        "max_tokens",
+        list(range(1, MAX_RUN_TOKENS + 1)),
+        [0, -1, -(2**31), *too_long] + ([] if max_tokens_optional else [UNSET]),
+    )
     if max_tokens is not UNSET:
         sp.max_tokens = max_tokens
     seed = draw(st.sampled_from([UNSET, 0, 1, 2**64 - 1]))
     if seed is not UNSET:
         sp.seed = seed
-    stop = pick("stop", [[], ["\n"], ["zz", "q"], ["\u00e9\u4e2d"], ["s"] * MAX_STOP_STRINGS,
-                         ["x" * MAX_STOP_STRING_CHARS]],
-                [[""], ["a", ""], ["s"] * (MAX_STOP_STRINGS + 1), ["a", "x" * (MAX_STOP_STRING_CHARS + 1)]])
+    stop = pick(
+        "stop",
+        [[], ["\n"], ["zz", "q"], ["\u00e9\u4e2d"], ["s"] * MAX_STOP_STRINGS, ["x" * MAX_STOP_STRING_CHARS]],
+        [[""], ["a", ""], ["s"] * (MAX_STOP_STRINGS + 1), ["a", "x" * (MAX_STOP_STRING_CHARS + 1)]],
+    )
     bad = [i for i, s in enumerate(stop) if not s or len(s) > MAX_STOP_STRING_CHARS]
     if bad and len(stop) <= MAX_STOP_STRINGS:  # the path names the bad one
         f.invalid.discard(f"{f.prefix}.sampling.stop")
@@ -217,8 +249,13 @@ def draw_sampling(f: Fields, vocab_size: int | None, context_left: int | None,
     if mt is not None:
         sp.min_tokens = pick("min_tokens", list(range(0, min(mt, MAX_RUN_TOKENS) + 1)), [mt + 1, 2**32 - 1])
     if vocab_size is not None:
-        sp.stop_token_ids.extend(pick("stop_token_ids", [[], [0], [vocab_size - 1], [0] * MAX_STOP_TOKEN_IDS],
-                                        [[-1], [vocab_size], [5, 2**31 - 1], [0] * (MAX_STOP_TOKEN_IDS + 1)]))
+        sp.stop_token_ids.extend(
+            pick(
+                "stop_token_ids",
+                [[], [0], [vocab_size - 1], [0] * MAX_STOP_TOKEN_IDS],
+                [[-1], [vocab_size], [5, 2**31 - 1], [0] * (MAX_STOP_TOKEN_IDS + 1)],
+            )
+        )
     else:
         sp.stop_token_ids.extend(draw(st.sampled_from([[], [0], [-1], [2**31 - 1]])))  # unchecked there
     logprobs = values["logprobs"]
@@ -374,7 +411,8 @@ def verify_streams(draw: Any, t: Target) -> tuple[Drawn, list[Any], str]:
         blocks(n, t.vocab_size).map(lambda b: pb.VerifyRequest(block=b)),
         st.just(pb.VerifyRequest(end=pb.DraftEnd(reason="fuzz"))),
         st.sampled_from([0.0, 5.0, NAN, INF, -1.0, 1e30]).map(
-            lambda ms: pb.VerifyRequest(ready=pb.DraftReady(prefilled_tokens=n, draft_ms_per_token=ms))),
+            lambda ms: pb.VerifyRequest(ready=pb.DraftReady(prefilled_tokens=n, draft_ms_per_token=ms))
+        ),
     )
     rest = draw(st.lists(follow, max_size=6))
     order = draw(
@@ -467,12 +505,21 @@ def draft_streams(draw: Any, t: Target) -> tuple[Drawn, list[Any], str]:
             bogus = True
         else:
             context = start + len(ids)
-        rest.append(pb.DraftRequest(commit=pb.DraftCommit(start_position=start, token_ids=ids, gamma=gamma,
-                                                          accepted=draw(st.sampled_from([0, 1, 2**32 - 1])))))
+        rest.append(
+            pb.DraftRequest(
+                commit=pb.DraftCommit(
+                    start_position=start, token_ids=ids, gamma=gamma, accepted=draw(st.sampled_from([0, 1, 2**32 - 1]))
+                )
+            )
+        )
     bad_commit = st.sampled_from([[-1], [t.draft_vocab_size], [1, 2**31 - 1]]).map(
-        lambda ids: pb.DraftRequest(commit=pb.DraftCommit(start_position=d.prompt_len, token_ids=ids)))
-    order = draw(st.sampled_from(["open first"] * 6 + ["no open", "commit before open", "two opens", "empty message",
-                                                        "bad commit"]))
+        lambda ids: pb.DraftRequest(commit=pb.DraftCommit(start_position=d.prompt_len, token_ids=ids))
+    )
+    order = draw(
+        st.sampled_from(
+            ["open first"] * 6 + ["no open", "commit before open", "two opens", "empty message", "bad commit"]
+        )
+    )
     opened = pb.DraftRequest(open=req)
     if order == "open first":
         return d, [opened, *rest], "ok or commit" if bogus else "ok"
@@ -500,8 +547,9 @@ def held_open(messages: list[Any], sent: threading.Event, answered: threading.Ev
 
 def _far_commit() -> tuple[Drawn, list[Any], str]:
     """Always tried: a commit far past the context (the largest uint32 position)."""
-    open_ = pb.DraftOpen(prompt_token_ids=[5, 6, 7], gamma=1, method=pb.DRAFT_METHOD_NGRAM,
-                         sampling=pb.SamplingParams(max_tokens=4))
+    open_ = pb.DraftOpen(
+        prompt_token_ids=[5, 6, 7], gamma=1, method=pb.DRAFT_METHOD_NGRAM, sampling=pb.SamplingParams(max_tokens=4)
+    )
     far = pb.DraftCommit(start_position=2**32 - 1, token_ids=[1])
     return Drawn(open_, set(), 4, None, 3), [pb.DraftRequest(open=open_), pb.DraftRequest(commit=far)], "ok or commit"
 
@@ -562,6 +610,7 @@ def test_drafter_draft_stream_fuzz(services, target: Target) -> None:
 def test_gateway_refuses_each_invalid_value(services, target: Target) -> None:
     """Each invalid value of the pools above, alone on a valid request: INVALID_ARGUMENT naming
     its field (the fuzz tests draw from the pools; this goes through all of them, in order)."""
+
     def base() -> Any:
         return pb.GenerationSpec(prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=2))
 
@@ -624,8 +673,12 @@ def test_every_service_still_serves_after_fuzzing(services, target: Target) -> N
             r = rpc.GatewayServiceStub(channel).Generate(pb.GenerateRequest(spec=spec), timeout=TIMEOUT_S)
         assert len(r.token_ids) == 8 and r.finish_reason == pb.FINISH_REASON_LENGTH, name
     with grpc.insecure_channel(services.verifier.address) as channel:
-        open_ = pb.VerifyOpen(request_id=f"after-fuzz-{next(_ids)}", prompt_token_ids=[5, 6, 7],
-                              sampling=pb.SamplingParams(max_tokens=3), gamma=0)
+        open_ = pb.VerifyOpen(
+            request_id=f"after-fuzz-{next(_ids)}",
+            prompt_token_ids=[5, 6, 7],
+            sampling=pb.SamplingParams(max_tokens=3),
+            gamma=0,
+        )
         verdicts = list(
             rpc.VerifierServiceStub(channel).Verify(iter([pb.VerifyRequest(open=open_)]), timeout=TIMEOUT_S)
         )

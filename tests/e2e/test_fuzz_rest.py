@@ -76,7 +76,10 @@ STATE: dict[str, Any] = {}  # the verifier's address and log, and why it stopped
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 OPERATIONS = [("POST", COMPLETIONS), ("POST", CHAT), ("GET", "/v1/models"), ("GET", "/health")]
 FUZZ_SETTINGS = dict(
-    max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
     suppress_health_check=list(HealthCheck),
 )
 # Contract mode: the 400s a request valid field by field may still get, by `param`: the rules
@@ -154,32 +157,61 @@ def contract_document(served: dict[str, Any], vocab_size: int) -> dict[str, Any]
         # float32 on the wire: a positive double below ~1e-45 becomes 0 (and is refused as 0)
         "top_p": opt({**number, "minimum": 1e-6, "maximum": 1}),
         "top_k": opt({"type": "integer", "minimum": -1, "maximum": 10_000}),
-        "stop": opt({"anyOf": [{"type": "string", "minLength": 1, "maxLength": 8},
-                               {"type": "array", "maxItems": 3,
-                                "items": {"type": "string", "minLength": 1, "maxLength": 8}}]}),
-        "stop_token_ids": opt({"type": "array", "maxItems": 3,
-                               "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}),
+        "stop": opt(
+            {
+                "anyOf": [
+                    {"type": "string", "minLength": 1, "maxLength": 8},
+                    {"type": "array", "maxItems": 3, "items": {"type": "string", "minLength": 1, "maxLength": 8}},
+                ]
+            }
+        ),
+        "stop_token_ids": opt(
+            {"type": "array", "maxItems": 3, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+        ),
         # a set of ids in the vocabulary; [] is refused (vLLM refuses it too: leave the field out)
-        "allowed_token_ids": opt({"type": "array", "minItems": 1, "maxItems": 8,
-                                  "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}),
+        "allowed_token_ids": opt(
+            {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 8,
+                "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
+            }
+        ),
         "min_tokens": {"type": "integer", "minimum": 0, "maximum": 1},
         "presence_penalty": opt({**number, "minimum": -2, "maximum": 2}),
         "frequency_penalty": opt({**number, "minimum": -2, "maximum": 2}),
         "repetition_penalty": opt({**number, "minimum": 1e-6, "maximum": 10_000}),
         "n": {"enum": [1, None]},
         "request_id": opt({"type": "string", "pattern": "^[A-Za-z0-9._:-]{0,64}$"}),  # specdec.validation's rule
-        "response_format": opt({"type": "object", "properties": {"type": {"enum": ["text"]}}, "required": ["type"],
-                                "additionalProperties": False}),
+        "response_format": opt(
+            {
+                "type": "object",
+                "properties": {"type": {"enum": ["text"]}},
+                "required": ["type"],
+                "additionalProperties": False,
+            }
+        ),
         "gamma": opt({"type": "integer", "minimum": 0, "maximum": MAX_GAMMA}),
     }
     completion = schemas["CompletionRequest"]
     completion["properties"].update(common)
-    completion["properties"]["prompt"] = {"anyOf": [
-        {"type": "string", "minLength": 1, "maxLength": 200},
-        {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "integer", "minimum": 0,
-                                                                     "maximum": vocab_size - 1}},
-        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1, "maxLength": 200}},
-    ]}
+    completion["properties"]["prompt"] = {
+        "anyOf": [
+            {"type": "string", "minLength": 1, "maxLength": 200},
+            {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 64,
+                "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
+            },
+            {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 1,
+                "items": {"type": "string", "minLength": 1, "maxLength": 200},
+            },
+        ]
+    }
     completion["properties"]["logprobs"] = opt({"type": "integer", "minimum": 0, "maximum": 20})
     chat = schemas["ChatRequest"]
     chat["properties"].update(common)
@@ -215,7 +247,7 @@ def _events(text: str) -> list[Any]:
         if not block.strip():
             continue
         assert block.startswith("data: "), f"not a server-sent event: {block!r}"
-        data = block[len("data: "):]
+        data = block[len("data: ") :]
         out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -259,14 +291,20 @@ def stop_if_wedged(where: str) -> None:
     """A request that got no answer in TIMEOUT_S: when the verifier behind the bridge no longer
     serves at all, end the test now (ServiceStopped is not shrunk by hypothesis) instead of timing
     out every example after it; the tests after it in this module then fail at once."""
-    open_ = pb.VerifyOpen(request_id=f"probe-{uuid.uuid4().hex}", prompt_token_ids=[5, 6, 7],
-                          sampling=pb.SamplingParams(max_tokens=1), gamma=0)
+    open_ = pb.VerifyOpen(
+        request_id=f"probe-{uuid.uuid4().hex}",
+        prompt_token_ids=[5, 6, 7],
+        sampling=pb.SamplingParams(max_tokens=1),
+        gamma=0,
+    )
     try:
         with grpc.insecure_channel(STATE["verifier"]) as channel:
             list(rpc.VerifierServiceStub(channel).Verify(iter([pb.VerifyRequest(open=open_)]), timeout=15))
     except grpc.RpcError as err:
-        STATE["stopped"] = (f"{where}: no answer in {TIMEOUT_S} s, and the verifier no longer serves a plain 1-token "
-                            f"session ({err.code().name}); its log: {STATE['verifier_log']}")
+        STATE["stopped"] = (
+            f"{where}: no answer in {TIMEOUT_S} s, and the verifier no longer serves a plain 1-token "
+            f"session ({err.code().name}); its log: {STATE['verifier_log']}"
+        )
         raise ServiceStopped(STATE["stopped"]) from None
 
 
@@ -302,8 +340,9 @@ def _call(case: Any, seen: Counter[str]) -> dict[str, Any] | None:
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
-def test_bridge_schema_fuzz(served_document: dict[str, Any], bridges: dict[str, str], path: str,
-                            mode: GenerationMode) -> None:
+def test_bridge_schema_fuzz(
+    served_document: dict[str, Any], bridges: dict[str, str], path: str, mode: GenerationMode
+) -> None:
     """Every request schemathesis generates from the served document, valid for it (positive)
     or not (negative), gets a 2xx or an OpenAI-shaped 4xx, never a 5xx."""
     operation = _schema(served_document, bridges[path])[path]["POST"]
@@ -319,8 +358,9 @@ def test_bridge_schema_fuzz(served_document: dict[str, Any], bridges: dict[str, 
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
-def test_bridge_contract_fuzz(served_document: dict[str, Any], bridges: dict[str, str], vocab_size: int,
-                              path: str) -> None:
+def test_bridge_contract_fuzz(
+    served_document: dict[str, Any], bridges: dict[str, str], vocab_size: int, path: str
+) -> None:
     """Requests valid field by field run: 200, or a 400 for a rule between fields (CONTRACT_400)."""
     operation = _schema(contract_document(served_document, vocab_size), bridges[path])[path]["POST"]
     seen: Counter[str] = Counter()
@@ -338,15 +378,20 @@ def test_bridge_contract_fuzz(served_document: dict[str, Any], bridges: dict[str
 
 
 @pytest.mark.parametrize("method, path", OPERATIONS)
-def test_bridge_schema_coverage(served_document: dict[str, Any], bridges: dict[str, str], method: str,
-                                path: str) -> None:
+def test_bridge_schema_coverage(
+    served_document: dict[str, Any], bridges: dict[str, str], method: str, path: str
+) -> None:
     """schemathesis' coverage phase on the served document (deterministic; a few hundred
     requests per generating route, nearly all answered 400 at once)."""
     schema = _schema(served_document, bridges[path])
     operation = schema[path][method]
-    cases = list(schema.iter_coverage_cases(
-        operation, generation_modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
-        generation_config=schema.config.generation_for(operation=operation)))
+    cases = list(
+        schema.iter_coverage_cases(
+            operation,
+            generation_modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
+            generation_config=schema.config.generation_for(operation=operation),
+        )
+    )
     assert cases
     seen: Counter[str] = Counter()
     for case in cases:
@@ -370,29 +415,72 @@ HOSTILE = st.one_of(
     st.sampled_from([None, True, False, [], {}, [[]], {"a": {"b": [None]}}, {"\ud800": 1}, {"type": "\ud800"}]),
 )
 COMPLETION_FIELDS = [
-    "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "min_tokens",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "echo", "n", "stream",
-    "stream_options", "user", "request_id", "gamma", "drafter", "model", "response_format", "return_token_ids",
-    "skip_special_tokens", "include_stop_str_in_output", "ignore_eos", "suffix", "min_p", "logit_bias",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "echo",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "request_id",
+    "gamma",
+    "drafter",
+    "model",
+    "response_format",
+    "return_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "suffix",
+    "min_p",
+    "logit_bias",
     "\ud800",
 ]
 CHAT_FIELDS = [
-    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs", "documents",
-    "add_generation_prompt", "continue_final_message", "echo", "add_special_tokens", "tools", "chat_template",
-    "temperature", "stop", "seed", "stream", "request_id", "user",
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "chat_template_kwargs",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "echo",
+    "add_special_tokens",
+    "tools",
+    "chat_template",
+    "temperature",
+    "stop",
+    "seed",
+    "stream",
+    "request_id",
+    "user",
 ]
 MESSAGES = st.one_of(
     HOSTILE,
-    st.sampled_from([
-        [{"role": "user", "content": "\ud800"}],
-        [{"role": "\ud800", "content": "hi"}],
-        [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}],
-        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-        [{"role": "user"}],
-        [{"role": "assistant", "content": None}],
-        [{"content": "no role"}],
-        [{"role": "user", "content": "hi", "\ud800": 1}],
-    ]),
+    st.sampled_from(
+        [
+            [{"role": "user", "content": "\ud800"}],
+            [{"role": "\ud800", "content": "hi"}],
+            [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}],
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            [{"role": "user"}],
+            [{"role": "assistant", "content": None}],
+            [{"content": "no role"}],
+            [{"role": "user", "content": "hi", "\ud800": 1}],
+        ]
+    ),
 )
 
 
@@ -445,8 +533,11 @@ def test_bridge_raw_json_fuzz(bridges: dict[str, str], request_: tuple[str, str]
         (CHAT, b'{"messages": []}'),
         (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "documents": [{"\\ud800": "x"}]}'),
         # the refused `chat_template`, passed to the template another way
-        (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, '
-               b'"chat_template_kwargs": {"chat_template": "{{ messages[0].content }}"}}'),
+        (
+            CHAT,
+            b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, '
+            b'"chat_template_kwargs": {"chat_template": "{{ messages[0].content }}"}}',
+        ),
     ],
 )
 def test_bridge_malformed_bodies(bridges: dict[str, str], path: str, data: bytes) -> None:
@@ -467,8 +558,9 @@ def test_bridge_malformed_bodies(bridges: dict[str, str], path: str, data: bytes
         ("POST", COMPLETIONS, {"content-type": "application/json"}, b"\x00\x00\x00\x00\x00"),
     ],
 )
-def test_bridge_http_errors_are_openai_shaped(bridges: dict[str, str], method: str, path: str,
-                                              headers: dict[str, str], data: bytes | None) -> None:
+def test_bridge_http_errors_are_openai_shaped(
+    bridges: dict[str, str], method: str, path: str, headers: dict[str, str], data: bytes | None
+) -> None:
     r = requests.request(method, bridges[COMPLETIONS] + path, data=data, headers=headers, timeout=TIMEOUT_S)
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
     assert_openai_error(r.json(), f"{method} {path}")
@@ -478,12 +570,31 @@ def test_bridge_http_errors_are_openai_shaped(bridges: dict[str, str], method: s
 # field. The contract test's document stops at these bounds; this steps over each, once.
 # temperature last: one above 2 (vLLM's bound) that got through would stop the verifier (reported).
 OUT_OF_CONTRACT = [
-    ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("presence_penalty", 2.5), ("frequency_penalty", -2.5),
-    ("repetition_penalty", 0.0), ("logprobs", 21), ("n", 2), ("gamma", MAX_GAMMA + 1), ("max_tokens", 0),
-    ("max_tokens", MAX_MODEL_LEN), ("min_tokens", MAX_RUN_TOKENS + 1), ("stop_token_ids", [-1]),
-    ("stop_token_ids", [10**6]), ("stop", [""]), ("prompt", []), ("prompt", [-1]), ("prompt", [""]),
-    ("drafter", "bogus"), ("model", "other"), ("response_format", {"type": "json_object"}),
-    ("temperature", -0.5), ("temperature", 2.5), ("temperature", 30.0), ("temperature", 1e300),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_k", -2),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -2.5),
+    ("repetition_penalty", 0.0),
+    ("logprobs", 21),
+    ("n", 2),
+    ("gamma", MAX_GAMMA + 1),
+    ("max_tokens", 0),
+    ("max_tokens", MAX_MODEL_LEN),
+    ("min_tokens", MAX_RUN_TOKENS + 1),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", [10**6]),
+    ("stop", [""]),
+    ("prompt", []),
+    ("prompt", [-1]),
+    ("prompt", [""]),
+    ("drafter", "bogus"),
+    ("model", "other"),
+    ("response_format", {"type": "json_object"}),
+    ("temperature", -0.5),
+    ("temperature", 2.5),
+    ("temperature", 30.0),
+    ("temperature", 1e300),
 ]
 
 

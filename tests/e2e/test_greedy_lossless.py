@@ -101,8 +101,9 @@ def test_a_saturated_verifier_holds_the_drafter_and_stays_exact(default_services
         for svc in own.started:
             svc.wait_ready(300)
         with injected(own.verifier, token_delay_ms=TOKEN_DELAY_MS):
-            responses = generate_all(gateway.address, [spec(p, MAX_TOKENS, gamma=8, drafter="model") for p in ps],
-                                     concurrency=len(ps))
+            responses = generate_all(
+                gateway.address, [spec(p, MAX_TOKENS, gamma=8, drafter="model") for p in ps], concurrency=len(ps)
+            )
     finally:
         own.stop()
     assert [list(r.token_ids) for r in responses] == reference

@@ -23,8 +23,13 @@ def test_a_held_session_takes_empty_commits_and_drafts_again_when_released(servi
     async def run() -> tuple[list["pb.DraftBlock"], "pb.DraftBlock"]:
         async with grpc.aio.insecure_channel(services.drafters["mid"].address) as channel:
             call = rpc.DrafterServiceStub(channel).Draft()
-            await call.write(pb.DraftRequest(open=pb.DraftOpen(
-                request_id="held", prompt_token_ids=PROMPT, gamma=2, sampling=pb.SamplingParams(max_tokens=64))))
+            await call.write(
+                pb.DraftRequest(
+                    open=pb.DraftOpen(
+                        request_id="held", prompt_token_ids=PROMPT, gamma=2, sampling=pb.SamplingParams(max_tokens=64)
+                    )
+                )
+            )
             assert (await call.read()).HasField("ready")
             await call.write(pb.DraftRequest(commit=pb.DraftCommit(start_position=5, token_ids=[20])))
             first = [(await call.read()).block]  # drafts from position 6

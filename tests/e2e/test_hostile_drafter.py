@@ -59,14 +59,17 @@ def _garbage(mode: str, committed: int, gamma: int) -> list["pb.DraftBlock"]:
     if mode == "open":
         return [pb.DraftBlock(start_position=committed, token_ids=[10**9] * gamma, committed_length=committed)] * 3
     if mode == "ids":
-        return [pb.DraftBlock(start_position=committed, token_ids=[10**9, -5, 1, 2][:gamma],
-                              committed_length=committed),
-                pb.DraftBlock(start_position=committed, token_ids=[-5] * gamma, committed_length=committed)]
+        return [
+            pb.DraftBlock(start_position=committed, token_ids=[10**9, -5, 1, 2][:gamma], committed_length=committed),
+            pb.DraftBlock(start_position=committed, token_ids=[-5] * gamma, committed_length=committed),
+        ]
     if mode == "positions":
-        return [pb.DraftBlock(start_position=0, token_ids=[1] * gamma),  # in the prompt
-                pb.DraftBlock(start_position=committed - 2, token_ids=[1, 1], committed_length=committed - 2),  # stale
-                pb.DraftBlock(start_position=2**31, token_ids=[1] * gamma, committed_length=committed),
-                pb.DraftBlock(start_position=committed + 100_000, token_ids=[1] * gamma, committed_length=committed)]
+        return [
+            pb.DraftBlock(start_position=0, token_ids=[1] * gamma),  # in the prompt
+            pb.DraftBlock(start_position=committed - 2, token_ids=[1, 1], committed_length=committed - 2),  # stale
+            pb.DraftBlock(start_position=2**31, token_ids=[1] * gamma, committed_length=committed),
+            pb.DraftBlock(start_position=committed + 100_000, token_ids=[1] * gamma, committed_length=committed),
+        ]
     if mode == "huge":
         return [pb.DraftBlock(start_position=committed, token_ids=[1] * HUGE, committed_length=committed)]
     if mode == "empty":  # the polite hostile drafter: valid, in time, and never a draft
@@ -93,8 +96,9 @@ class HostileDrafter(rpc.DrafterServiceServicer):
         for req in request_iterator:
             if req.WhichOneof("kind") == "open":
                 gamma, committed = req.open.gamma, len(req.open.prompt_token_ids)
-                yield pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=committed, prefill_ms=1.0,
-                                                           draft_ms_per_token=1.0))
+                yield pb.DraftResponse(
+                    ready=pb.DraftReady(prefilled_tokens=committed, prefill_ms=1.0, draft_ms_per_token=1.0)
+                )
                 if self.mode != "open":
                     continue
             else:
@@ -176,8 +180,9 @@ def test_a_hostile_drafter_changes_nothing_and_fails_nothing(services, hostile, 
     before = rss_mib(pid)
     with futures.ThreadPoolExecutor(2) as pool:  # a normal request beside the hostile one
         bad = pool.submit(_generate, gateway.address, spec(PROMPT, MAX_TOKENS, gamma=GAMMA, ignore_eos=True))
-        good = pool.submit(_generate, services.gateways["mid"].address,
-                           spec(OTHER, MAX_TOKENS, gamma=GAMMA, ignore_eos=True))
+        good = pool.submit(
+            _generate, services.gateways["mid"].address, spec(OTHER, MAX_TOKENS, gamma=GAMMA, ignore_eos=True)
+        )
         r, normal = bad.result(timeout=120), good.result(timeout=120)
     assert drafter.sent > sent  # the hostile drafter did get to answer
     assert list(r.token_ids) == plain[tuple(PROMPT), MAX_TOKENS]
@@ -195,7 +200,12 @@ def test_a_hostile_drafter_changes_nothing_and_fails_nothing(services, hostile, 
 
 
 async def _verify(
-    address: str, request_id: str, prompt: list[int], max_tokens: int, gamma: int, flood: bool = False,
+    address: str,
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    gamma: int,
+    flood: bool = False,
     blocks: tuple["pb.DraftBlock", ...] = (),
 ) -> tuple[list[int], int, dict[str, int]]:
     """One Verify session straight to the verifier (no gateway to filter): `blocks` are written
@@ -206,9 +216,16 @@ async def _verify(
     options = [("grpc.max_send_message_length", 16 << 20)]
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         call = rpc.VerifierServiceStub(channel).Verify()
-        await call.write(pb.VerifyRequest(open=pb.VerifyOpen(
-            request_id=request_id, prompt_token_ids=prompt, gamma=gamma,
-            sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))))
+        await call.write(
+            pb.VerifyRequest(
+                open=pb.VerifyOpen(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    gamma=gamma,
+                    sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                )
+            )
+        )
         for block in blocks:
             await call.write(pb.VerifyRequest(block=block))
         committed = [len(prompt)]
@@ -279,9 +296,11 @@ def test_the_verifier_survives_a_flood_of_garbage_blocks_in_bounded_memory(servi
     seconds = time.monotonic() - t0
     peak = sampler.stop()
     after = rss_mib(pid)
-    print(f"\nflood: {sent['blocks']} blocks ({sent['huge']} of {HUGE} tokens), {sent['tokens'] / 1e6:.1f}M draft "
-          f"tokens in {seconds:.1f} s (then an invalid block: {bool(sent['invalid'])}); verifier VmRSS "
-          f"{before:.1f} MiB before, peak {peak:.1f}, after {after:.1f}")
+    print(
+        f"\nflood: {sent['blocks']} blocks ({sent['huge']} of {HUGE} tokens), {sent['tokens'] / 1e6:.1f}M draft "
+        f"tokens in {seconds:.1f} s (then an invalid block: {bool(sent['invalid'])}); verifier VmRSS "
+        f"{before:.1f} MiB before, peak {peak:.1f}, after {after:.1f}"
+    )
     assert finish == pb.FINISH_REASON_LENGTH
     assert tokens == reference
     assert sent["huge"] >= 100, sent  # the flood did happen while the target decoded
@@ -294,9 +313,11 @@ def test_the_verifier_drops_a_block_with_ids_outside_the_vocabulary_and_goes_on(
     address = services.verifier.address
     reference = plain[tuple(PROMPT), MAX_TOKENS]
     n = len(PROMPT)
-    blocks = (pb.DraftBlock(start_position=n, token_ids=[1, 2], committed_length=n),
-              pb.DraftBlock(start_position=n, token_ids=[1, 10**9, -5], committed_length=n),
-              pb.DraftBlock(start_position=n, token_ids=[3, 4], committed_length=n))
+    blocks = (
+        pb.DraftBlock(start_position=n, token_ids=[1, 2], committed_length=n),
+        pb.DraftBlock(start_position=n, token_ids=[1, 10**9, -5], committed_length=n),
+        pb.DraftBlock(start_position=n, token_ids=[3, 4], committed_length=n),
+    )
     tokens, finish, _ = asyncio.run(_verify(address, "bad-block", PROMPT, MAX_TOKENS, GAMMA, blocks=blocks))
     assert finish == pb.FINISH_REASON_LENGTH and tokens == reference
 
@@ -349,7 +370,8 @@ def test_a_polite_drafter_costs_the_other_requests_of_its_batch_nothing_per_step
             sent = drafter.sent
             with grpc.insecure_channel(gateway.address) as channel:
                 other = rpc.GatewayServiceStub(channel).GenerateStream(
-                    pb.GenerateStreamRequest(spec=spec(PROMPT, 2000, gamma=gamma, ignore_eos=True)), timeout=600)
+                    pb.GenerateStreamRequest(spec=spec(PROMPT, 2000, gamma=gamma, ignore_eos=True)), timeout=600
+                )
                 assert next(other).token_ids  # it is decoding: its row is in every step from here
                 tokens, gaps = _gaps(services.gateways["mid"].address, normal)
                 other.cancel()
@@ -359,6 +381,8 @@ def test_a_polite_drafter_costs_the_other_requests_of_its_batch_nothing_per_step
     finally:
         gateway.stop()
     ratio = measured["with"] / measured["without"]
-    print(f"\nnormal request: {measured['without'] * 1e3:.1f} ms/token beside a request without a drafter, "
-          f"{measured['with'] * 1e3:.1f} ms/token beside one with a polite hostile drafter: ratio {ratio:.2f}")
+    print(
+        f"\nnormal request: {measured['without'] * 1e3:.1f} ms/token beside a request without a drafter, "
+        f"{measured['with'] * 1e3:.1f} ms/token beside one with a polite hostile drafter: ratio {ratio:.2f}"
+    )
     assert ratio < 2.0, measured

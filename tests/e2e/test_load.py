@@ -59,8 +59,13 @@ def test_64_streaming_clients_for_a_minute(services, tiny_target: Path) -> None:
             n = i
             while time.monotonic() < stop_at:
                 k = n % len(ps)
-                body = {"prompt": ps[k], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-                        "return_token_ids": True}
+                body = {
+                    "prompt": ps[k],
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "stream": True,
+                    "return_token_ids": True,
+                }
                 t0, first, ids = time.monotonic(), 0.0, []
                 try:
                     async with http.stream("POST", url, json=body) as r:
@@ -80,10 +85,14 @@ def test_64_streaming_clients_for_a_minute(services, tiny_target: Path) -> None:
                 n += 1
 
         limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
-        async with AsyncGatewayClient(gw.address, timeout_s=300) as client, \
-                httpx.AsyncClient(timeout=300, limits=limits) as http:
-            await asyncio.gather(*(grpc_client(i, client) for i in range(CLIENTS // 2)),
-                                 *(rest_client(i, http) for i in range(CLIENTS // 2)))
+        async with (
+            AsyncGatewayClient(gw.address, timeout_s=300) as client,
+            httpx.AsyncClient(timeout=300, limits=limits) as http,
+        ):
+            await asyncio.gather(
+                *(grpc_client(i, client) for i in range(CLIENTS // 2)),
+                *(rest_client(i, http) for i in range(CLIENTS // 2)),
+            )
         return results, errors
 
     t0 = time.monotonic()

@@ -55,8 +55,11 @@ def test_vllms_own_spec_decode_counts_agree_with_the_gateways(services) -> None:
     specdec:spec_decode_* counters, to the token and per draft position."""
     gw, ve = services.gateways["mid"], services.verifier
     before = {"gw": scrape(gw.metrics_port), "ve": scrape(ve.metrics_port)}
-    specs = [spec([5, 6, 7, 8], 40, gamma=4, ignore_eos=True), spec([9, 10, 11], 30, gamma=2, ignore_eos=True),
-             spec([5, 6, 7, 8], 25, gamma=3, ignore_eos=True)]
+    specs = [
+        spec([5, 6, 7, 8], 40, gamma=4, ignore_eos=True),
+        spec([9, 10, 11], 30, gamma=2, ignore_eos=True),
+        spec([5, 6, 7, 8], 25, gamma=3, ignore_eos=True),
+    ]
     responses = generate_all(gw.address, specs)
     after = {"gw": scrape(gw.metrics_port), "ve": scrape(ve.metrics_port)}
 
@@ -72,8 +75,9 @@ def test_vllms_own_spec_decode_counts_agree_with_the_gateways(services) -> None:
         assert moved(svc, f"{prefix}spec_decode_num_draft_tokens_total") == drafted, svc
         assert moved(svc, f"{prefix}spec_decode_num_accepted_tokens_total") == accepted, svc
     for position in range(4):
-        ours = sum(r.stats.accepted_per_position[position] for r in responses
-                   if len(r.stats.accepted_per_position) > position)
+        ours = sum(
+            r.stats.accepted_per_position[position] for r in responses if len(r.stats.accepted_per_position) > position
+        )
         name = f"spec_decode_num_accepted_tokens_per_pos_total{{position={position}}}"
         assert moved("ve", "vllm:" + name) == ours == moved("gw", "specdec:" + name), position
 

@@ -43,8 +43,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory, log_dir: Path) -> Iterator[d
         return svc
 
     try:
-        verifier = start("verifier", "--model", "acme/tiny-target", "--revision", "v1", "--max-gamma", "8",
-                         "--threads", "1", "--no-adaptive-gamma", "--draft-wait-margin-ms", "2000")
+        verifier = start(
+            "verifier",
+            "--model",
+            "acme/tiny-target",
+            "--revision",
+            "v1",
+            "--max-gamma",
+            "8",
+            "--threads",
+            "1",
+            "--no-adaptive-gamma",
+            "--draft-wait-margin-ms",
+            "2000",
+        )
         drafter = start("drafter", "--model", "acme/tiny-draft", "--quantize", "none", "--threads", "1")
         misfit = start("drafter", "--model", str(other), "--quantize", "none", "--threads", "1")
         services = {

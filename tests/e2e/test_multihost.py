@@ -59,10 +59,16 @@ class Stack:
     def tls(self, who: str = "client") -> dict[str, str]:
         """TLS files: the client's, the services' (who="server"), or a rogue CA's client's."""
         if who == "rogue":
-            return {"ca": str(self.pki / "ca.pem"), "cert": str(self.root / "rogue/client.pem"),
-                    "key": str(self.root / "rogue/client-key.pem")}
-        return {"ca": str(self.pki / "ca.pem"), "cert": str(self.pki / f"{who}.pem"),
-                "key": str(self.pki / f"{who}-key.pem")}  # who: client (an end user) or a role
+            return {
+                "ca": str(self.pki / "ca.pem"),
+                "cert": str(self.root / "rogue/client.pem"),
+                "key": str(self.root / "rogue/client-key.pem"),
+            }
+        return {
+            "ca": str(self.pki / "ca.pem"),
+            "cert": str(self.pki / f"{who}.pem"),
+            "key": str(self.pki / f"{who}-key.pem"),
+        }  # who: client (an end user) or a role
 
     def cert_dir(self, kind: str) -> Path:
         """Each service reads its own role's certificate from a folder of its own (as from its own
@@ -81,25 +87,57 @@ class Stack:
         args = {
             "verifier": ["--model", "tiny/target", "--threads", "1", "--max-gamma", "8"],
             "drafter": ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none"],
-            "gateway": ["--tokenizer", "tiny/target", "--drafter-address", self.address("drafter"),
-                        "--verifier-address", self.address("verifier"), "--rest-port", str(REST_PORT),
-                        "--metrics-auth"],
+            "gateway": [
+                "--tokenizer",
+                "tiny/target",
+                "--drafter-address",
+                self.address("drafter"),
+                "--verifier-address",
+                self.address("verifier"),
+                "--rest-port",
+                str(REST_PORT),
+                "--metrics-auth",
+            ],
         }
         for kind in ("verifier", "drafter", "gateway"):
             d = self.cert_dir(kind)
-            tls = ["--tls-cert", str(d / f"{kind}.pem"), "--tls-key", str(d / f"{kind}-key.pem"),
-                   "--tls-ca", str(d / "ca.pem"), "--tls-client-auth", "require",
-                   *(["--tls-client-ca", str(d / "client-ca.pem")] if kind == "gateway" else
-                     ["--tls-allowed-peers", GATEWAY_IDENTITY])]
+            tls = [
+                "--tls-cert",
+                str(d / f"{kind}.pem"),
+                "--tls-key",
+                str(d / f"{kind}-key.pem"),
+                "--tls-ca",
+                str(d / "ca.pem"),
+                "--tls-client-auth",
+                "require",
+                *(
+                    ["--tls-client-ca", str(d / "client-ca.pem")]
+                    if kind == "gateway"
+                    else ["--tls-allowed-peers", GATEWAY_IDENTITY]
+                ),
+            ]
             env = {"SPECDEC_TRACE_FILE": str(self.trace_file), "SPECDEC_API_KEYS": KEY}
             self.services[kind] = start_service(
-                kind, PORTS[kind], ["--host", self.net.address(kind), *args[kind], *tls], self.logs, env=env,
-                metrics_port=0, prefix=self.net.prefix(kind))
-        answer = self.client([
-            {"op": "ready", "addresses": [self.address("gateway")], "tls": self.tls(), "timeout_s": 300},
-            # health checks are open to any TLS client of the CA; the gateway's is one
-            {"op": "ready", "addresses": [self.address(k) for k in ("verifier", "drafter")], "tls": self.tls("gateway"),
-             "timeout_s": 300}])
+                kind,
+                PORTS[kind],
+                ["--host", self.net.address(kind), *args[kind], *tls],
+                self.logs,
+                env=env,
+                metrics_port=0,
+                prefix=self.net.prefix(kind),
+            )
+        answer = self.client(
+            [
+                {"op": "ready", "addresses": [self.address("gateway")], "tls": self.tls(), "timeout_s": 300},
+                # health checks are open to any TLS client of the CA; the gateway's is one
+                {
+                    "op": "ready",
+                    "addresses": [self.address(k) for k in ("verifier", "drafter")],
+                    "tls": self.tls("gateway"),
+                    "timeout_s": 300,
+                },
+            ]
+        )
         if answer != ["ready", "ready"]:
             raise RuntimeError(f"services not ready: {answer}; logs in {self.logs}")
 
@@ -108,9 +146,14 @@ class Stack:
         for svc in self.services.values():
             if svc.proc.poll() is not None:
                 raise RuntimeError(f"{svc.kind} exited with {svc.proc.returncode}; log: {svc.log_path}")
-        proc = subprocess.run([*self.net.prefix("client"), sys.executable, str(HERE / "netns_client.py")],
-                              input=json.dumps(tasks), capture_output=True, text=True, timeout=timeout_s,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        proc = subprocess.run(
+            [*self.net.prefix("client"), sys.executable, str(HERE / "netns_client.py")],
+            input=json.dumps(tasks),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"client failed:\n{proc.stderr[-3000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -150,16 +193,18 @@ def test_outputs_across_hosts_are_plain_vllms(stack: Stack, tiny_target: Path) -
 def test_clients_without_the_right_credentials_are_refused(stack: Stack) -> None:
     tls, rogue = stack.tls(), stack.tls("rogue")
     no_cert = {"ca": tls["ca"]}
-    answers = stack.client([
-        gateway_task(stack, "probe", tls=no_cert),                 # no client certificate
-        gateway_task(stack, "probe", tls=rogue),                   # a certificate from another CA
-        gateway_task(stack, "probe", tls=None),                    # plaintext
-        gateway_task(stack, "probe", api_key=None),                # no API key
-        gateway_task(stack, "probe", api_key="sk-wrong"),          # a wrong API key
-        {"op": "probe", "address": stack.address("verifier"), "tls": None},  # the verifier, in plaintext
-        {"op": "probe", "address": stack.address("drafter"), "tls": rogue},  # the drafter, rogue CA
-        gateway_task(stack, "probe"),                              # all right
-    ])
+    answers = stack.client(
+        [
+            gateway_task(stack, "probe", tls=no_cert),  # no client certificate
+            gateway_task(stack, "probe", tls=rogue),  # a certificate from another CA
+            gateway_task(stack, "probe", tls=None),  # plaintext
+            gateway_task(stack, "probe", api_key=None),  # no API key
+            gateway_task(stack, "probe", api_key="sk-wrong"),  # a wrong API key
+            {"op": "probe", "address": stack.address("verifier"), "tls": None},  # the verifier, in plaintext
+            {"op": "probe", "address": stack.address("drafter"), "tls": rogue},  # the drafter, rogue CA
+            gateway_task(stack, "probe"),  # all right
+        ]
+    )
     codes = [a["code"] for a in answers]
     assert codes[:3] == ["UNAVAILABLE"] * 3, answers  # the TLS handshake fails: no call is made
     assert codes[3:5] == ["UNAUTHENTICATED"] * 2 and "API key" in answers[3]["details"], answers
@@ -172,8 +217,11 @@ def test_only_the_gateway_identity_reaches_drafter_and_verifier(stack: Stack) ->
     (which would skip the gateway's API keys, rate limits and max_prompt_tokens): an end user's
     certificate is from a CA they do not trust, and the drafter host's own certificate is for
     server authentication only; both fail the handshake. The gateway's identity gets in."""
-    calls = [{"op": "info", "service": service, "address": stack.address(service), "tls": stack.tls(who)}
-             for service in ("verifier", "drafter") for who in ("client", "drafter", "verifier", "gateway")]
+    calls = [
+        {"op": "info", "service": service, "address": stack.address(service), "tls": stack.tls(who)}
+        for service in ("verifier", "drafter")
+        for who in ("client", "drafter", "verifier", "gateway")
+    ]
     answers = stack.client(calls)
     codes = [a["code"] for a in answers]
     assert codes == ["UNAVAILABLE", "UNAVAILABLE", "UNAVAILABLE", "OK"] * 2, answers
@@ -181,13 +229,15 @@ def test_only_the_gateway_identity_reaches_drafter_and_verifier(stack: Stack) ->
 
 def test_rest_bridge_serves_https_with_keys(stack: Stack) -> None:
     body = {"model": "tiny/target", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
-    health, no_key, ok, metrics_no_key, metrics = stack.client([
-        rest(stack, "GET", "/health", api_key=None),
-        rest(stack, "POST", "/v1/completions", body, api_key=None),
-        rest(stack, "POST", "/v1/completions", body),
-        rest(stack, "GET", "/metrics/", api_key=None),
-        rest(stack, "GET", "/metrics/"),
-    ])
+    health, no_key, ok, metrics_no_key, metrics = stack.client(
+        [
+            rest(stack, "GET", "/health", api_key=None),
+            rest(stack, "POST", "/v1/completions", body, api_key=None),
+            rest(stack, "POST", "/v1/completions", body),
+            rest(stack, "GET", "/metrics/", api_key=None),
+            rest(stack, "GET", "/metrics/"),
+        ]
+    )
     assert health["status"] == 200  # health checks stay open
     assert no_key["status"] == 401 and no_key["body"]["error"]["type"] == "authentication_error"
     assert ok["status"] == 200 and ok["body"]["usage"]["completion_tokens"] == 4
@@ -228,12 +278,14 @@ def test_the_key_never_shows_up(stack: Stack) -> None:
         return stack.trace_file.read_text().count('"specdec.generate"') if stack.trace_file.exists() else 0
 
     before = generate_spans()
-    out, ok, _refused, metrics = stack.client([
-        gateway_task(stack, "generate", prompts=PROMPTS[:1], max_tokens=6, gamma=4),
-        rest(stack, "POST", "/v1/completions", body),
-        rest(stack, "POST", "/v1/completions", body, api_key=KEY + "-wrong"),
-        rest(stack, "GET", "/metrics/"),
-    ])
+    out, ok, _refused, metrics = stack.client(
+        [
+            gateway_task(stack, "generate", prompts=PROMPTS[:1], max_tokens=6, gamma=4),
+            rest(stack, "POST", "/v1/completions", body),
+            rest(stack, "POST", "/v1/completions", body, api_key=KEY + "-wrong"),
+            rest(stack, "GET", "/metrics/"),
+        ]
+    )
     assert len(out[0]["token_ids"]) == 6 and ok["status"] == 200
     # a generation's span ends as its response leaves: wait for the file to hold it (both calls')
     wait_for(lambda: generate_spans() >= before + 2, 60, "the gateway's specdec.generate spans in the trace file")

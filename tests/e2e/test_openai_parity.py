@@ -35,8 +35,15 @@ ENDPOINTS = (COMPLETIONS, CHAT)
 ID = {COMPLETIONS: "cmpl", CHAT: "chat"}
 REQUEST_TIMEOUT_S = 30  # a greedy 24-token request takes well under a second; a dead verifier hangs it
 LOGPROB_TOL = 1e-4
-SPEC_KEYS = ("mean_acceptance_length", "draft_acceptance_rate", "acceptance_histogram", "num_spec_steps",
-             "num_accepted_draft_tokens", "num_draft_tokens", "num_spec_tokens")
+SPEC_KEYS = (
+    "mean_acceptance_length",
+    "draft_acceptance_rate",
+    "acceptance_histogram",
+    "num_spec_steps",
+    "num_accepted_draft_tokens",
+    "num_draft_tokens",
+    "num_spec_tokens",
+)
 
 
 # ---------------------------------------------------------------------------- servers
@@ -55,15 +62,20 @@ class Servers:
         for svc in used:
             if svc.proc.poll() is not None:
                 return f"{svc.kind} on {svc.address} exited with {svc.proc.returncode}; {svc.log_path}:\n" + (
-                    log_tail(svc.log_path) if svc.log_path else "")
+                    log_tail(svc.log_path) if svc.log_path else ""
+                )
         return None
 
 
 @pytest.fixture(scope="module")
 def vllm_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """vLLM's OpenAI server on the tiny target; the specdec services start while it loads."""
-    with vllm_openai_server(resolve(MODEL), tmp_path_factory.mktemp("vllm-openai"), chat_template=CHAT_TEMPLATE,
-                            while_starting=lambda: request.getfixturevalue("services")) as server:
+    with vllm_openai_server(
+        resolve(MODEL),
+        tmp_path_factory.mktemp("vllm-openai"),
+        chat_template=CHAT_TEMPLATE,
+        while_starting=lambda: request.getfixturevalue("services"),
+    ) as server:
         print(f"\nvLLM OpenAI server ready {server.startup_s:.1f} s after launch")
         yield server.url
 
@@ -116,8 +128,10 @@ def specdec_ok(s: Servers, endpoint: str, payload: dict[str, Any]) -> dict[str, 
         verifier = s.services.verifier
         log = log_tail(verifier.log_path, 200_000).splitlines()
         errors = [line for line in log if "Error" in line or "ERROR" in line]
-        _HUNG.append(f"{payload} got no answer in {REQUEST_TIMEOUT_S} s; verifier log {verifier.log_path}, "
-                     "its errors:\n" + "\n".join(line[:400] for line in errors[-6:]))
+        _HUNG.append(
+            f"{payload} got no answer in {REQUEST_TIMEOUT_S} s; verifier log {verifier.log_path}, "
+            "its errors:\n" + "\n".join(line[:400] for line in errors[-6:])
+        )
         pytest.fail(_HUNG[-1])
 
 
@@ -155,12 +169,14 @@ def vllm_shape(endpoint: str, r: dict[str, Any], stream: bool = False) -> None:
     """The answer parses as vLLM's own response model."""
     if endpoint == COMPLETIONS:
         from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionStreamResponse
+
         (CompletionStreamResponse if stream else CompletionResponse).model_validate(r)
     else:
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionResponse,
             ChatCompletionStreamResponse,
         )
+
         (ChatCompletionStreamResponse if stream else ChatCompletionResponse).model_validate(r)
 
 
@@ -183,10 +199,16 @@ PARITY_CASES = [
     ("response_format text", ENDPOINTS, {"response_format": {"type": "text"}}),
     ("n=1", ENDPOINTS, {"n": 1}),
     ("user", ENDPOINTS, {"user": "user-1234"}),
-    ("skip_special_tokens=false", (COMPLETIONS,),
-     {"prompt": EOS_PROMPT, "ignore_eos": True, "skip_special_tokens": False}),
-    ("skip_special_tokens=true", (COMPLETIONS,),
-     {"prompt": EOS_PROMPT, "ignore_eos": True, "skip_special_tokens": True}),
+    (
+        "skip_special_tokens=false",
+        (COMPLETIONS,),
+        {"prompt": EOS_PROMPT, "ignore_eos": True, "skip_special_tokens": False},
+    ),
+    (
+        "skip_special_tokens=true",
+        (COMPLETIONS,),
+        {"prompt": EOS_PROMPT, "ignore_eos": True, "skip_special_tokens": True},
+    ),
     ("skip_special_tokens=false", (CHAT,), {"skip_special_tokens": False}),
 ]
 
@@ -310,8 +332,9 @@ def test_chat_logprobs_match_vllm(servers: Servers, k: int) -> None:
         if av != pytest.approx(bv, abs=LOGPROB_TOL):
             problems.append(f"content[{i}].top_logprobs values: specdec {av} vLLM {bv}")
         if (a["token"], a.get("bytes")) != (b["token"], b.get("bytes")):
-            problems.append(f"content[{i}] token: specdec {a['token']!r} {a.get('bytes')} vLLM {b['token']!r} "
-                            f"{b.get('bytes')}")
+            problems.append(
+                f"content[{i}] token: specdec {a['token']!r} {a.get('bytes')} vLLM {b['token']!r} {b.get('bytes')}"
+            )
         at = [(t["token"], t.get("bytes")) for t in a["top_logprobs"]]
         bt = [(t["token"], t.get("bytes")) for t in b["top_logprobs"]]
         if at != bt:
@@ -363,9 +386,11 @@ def test_every_vllm_field_is_declared_or_refused(which: str) -> None:
 
     if which == "completions":
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest as Theirs
+
         ours = rest.CompletionRequest
     else:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Theirs
+
         ours = rest.ChatRequest
     refused: dict[str, Any] = convert.REFUSED
     missing = sorted(set(Theirs.model_fields) - set(ours.model_fields) - set(refused))
@@ -399,8 +424,10 @@ def check_spec_metrics(r: dict[str, Any]) -> dict[str, Any]:
     alias = r["usage"].get("speculation")
     assert alias is not None, "usage.speculation (the alias) is gone"
     assert (alias["accepted_tokens"], alias["drafted_tokens"]) == (accepted, drafts), (alias, m)
-    assert alias.get("speculative_steps", steps) == steps and alias.get("gamma", m["num_spec_tokens"]) == m[
-        "num_spec_tokens"], (alias, m)
+    assert (
+        alias.get("speculative_steps", steps) == steps
+        and alias.get("gamma", m["num_spec_tokens"]) == m["num_spec_tokens"]
+    ), (alias, m)
     return m
 
 
@@ -434,8 +461,9 @@ def test_spec_metrics_in_stream_usage_chunk(servers: Servers, endpoint: str) -> 
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS, ids=ID.get)
-@pytest.mark.parametrize("extra", [{"temperature": 0.8, "seed": 7}, {"top_k": 5, "temperature": 0.8, "seed": 7}],
-                         ids=["seed", "top_k"])
+@pytest.mark.parametrize(
+    "extra", [{"temperature": 0.8, "seed": 7}, {"top_k": 5, "temperature": 0.8, "seed": 7}], ids=["seed", "top_k"]
+)
 def test_sampled_requests_are_well_formed(servers: Servers, endpoint: str, extra: dict[str, Any]) -> None:
     """Sampling is not compared across engines (different random streams): 200 and shape only."""
     v, s = both(servers, endpoint, body(endpoint, **extra))

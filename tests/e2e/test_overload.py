@@ -67,8 +67,9 @@ def rss_mib(svc: Service) -> float:
 def own(services) -> Iterator[dict[str, Service]]:
     """A drafter and a gateway of this module's own (the drafter gets SIGSTOPped)."""
     drafter = services._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none"])
-    gateway = services.start_gateway(drafter.address, services.verifier.address,
-                                     ("--max-inflight", str(MAX_INFLIGHT), "--drafter-timeout-s", "2"))
+    gateway = services.start_gateway(
+        drafter.address, services.verifier.address, ("--max-inflight", str(MAX_INFLIGHT), "--drafter-timeout-s", "2")
+    )
     for svc in (drafter, gateway):
         svc.wait_ready(300)
     yield {"drafter": drafter, "gateway": gateway}
@@ -91,8 +92,11 @@ def engine_requests(verifier: Service) -> tuple[float, float]:
 
 def wait_engine_idle(verifier: Service, what: str) -> None:
     """Wait (bounded by ENGINE_IDLE_BOUND_S) until vLLM's scheduler holds no request."""
-    wait_for(lambda: engine_requests(verifier) == (0, 0), ENGINE_IDLE_BOUND_S,
-             f"{what}: the engine holds no request (running, waiting now: {engine_requests(verifier)})")
+    wait_for(
+        lambda: engine_requests(verifier) == (0, 0),
+        ENGINE_IDLE_BOUND_S,
+        f"{what}: the engine holds no request (running, waiting now: {engine_requests(verifier)})",
+    )
 
 
 def engine_steps(verifier: Service) -> float:
@@ -103,8 +107,11 @@ def engine_steps(verifier: Service) -> float:
 def settle(service: Service, gauge: str, timeout_s: float = 60) -> None:
     """Wait (bounded) until `service`'s `gauge` reads 0: counters of other processes catch up
     asynchronously."""
-    wait_for(lambda: scrape(service.metrics_port).get(gauge) == 0, timeout_s,
-             f"{gauge} back to 0 (now {scrape(service.metrics_port).get(gauge)})")
+    wait_for(
+        lambda: scrape(service.metrics_port).get(gauge) == 0,
+        timeout_s,
+        f"{gauge} back to 0 (now {scrape(service.metrics_port).get(gauge)})",
+    )
 
 
 def test_overload_is_refused_at_once_never_queued(own, cases) -> None:
@@ -114,6 +121,7 @@ def test_overload_is_refused_at_once_never_queued(own, cases) -> None:
 
     async def run() -> list[object]:
         async with AsyncGatewayClient(gw.address, timeout_s=300) as client:
+
             async def one(i: int) -> object:
                 try:
                     r = await client.generate(spec(ps[i % len(ps)], MAX_TOKENS, gamma=4))
@@ -126,8 +134,9 @@ def test_overload_is_refused_at_once_never_queued(own, cases) -> None:
     results = asyncio.run(run())
     done = [(i, r) for i, r in enumerate(results) if isinstance(r, list)]
     refused = [r for r in results if not isinstance(r, list)]
-    assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_inflight (32)" in r.details()
-               for r in refused), {r.code() for r in refused}
+    assert all(
+        r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_inflight (32)" in r.details() for r in refused
+    ), {r.code() for r in refused}
     assert all(int(dict(r.trailing_metadata())["retry-after"]) >= 1 for r in refused)
     assert done and refused  # 300 at once at a gateway admitting 32: both happen
     assert all(ids == ref[i % len(ps)] for i, ids in done)
@@ -138,13 +147,17 @@ def test_overload_is_refused_at_once_never_queued(own, cases) -> None:
     async def rest() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=300) as http:
             body = {"prompt": ps[0], "max_tokens": MAX_TOKENS, "temperature": 0}
-            return await asyncio.gather(*(http.post(f"http://127.0.0.1:{gw.rest_port}/v1/completions", json=body)
-                                          for _ in range(100)))
+            return await asyncio.gather(
+                *(http.post(f"http://127.0.0.1:{gw.rest_port}/v1/completions", json=body) for _ in range(100))
+            )
 
     answers = asyncio.run(rest())
     assert {r.status_code for r in answers} <= {200, 429}
-    assert all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error"
-               for r in answers if r.status_code == 429)
+    assert all(
+        int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error"
+        for r in answers
+        if r.status_code == 429
+    )
     assert all(r.json()["choices"][0]["text"] is not None for r in answers if r.status_code == 200)
 
 
@@ -159,6 +172,7 @@ def test_cancellations_free_everything(own, services, cases) -> None:
     async def run() -> int:
         sem = asyncio.Semaphore(MAX_INFLIGHT)
         async with AsyncGatewayClient(gw.address, timeout_s=300) as client:
+
             async def one(i: int) -> bool:
                 async with sem:
                     call = client.stream(spec(ps[i % len(ps)], CANCEL_TOKENS, gamma=4, ignore_eos=True))
@@ -185,8 +199,10 @@ def test_cancellations_free_everything(own, services, cases) -> None:
 
         info = rpc.VerifierServiceStub(channel).GetVerifierInfo(pb.GetVerifierInfoRequest(), timeout=10)
     assert info.active_sessions == 0
-    grown = {k: rss_mib(v) - before[k] for k, v in (("gateway", gw), ("verifier", services.verifier),
-                                                    ("drafter", own["drafter"]))}
+    grown = {
+        k: rss_mib(v) - before[k]
+        for k, v in (("gateway", gw), ("verifier", services.verifier), ("drafter", own["drafter"]))
+    }
     print(f"{cancelled} cancellations; RSS growth MiB: " + ", ".join(f"{k} {v:+.0f}" for k, v in grown.items()))
     assert all(v < 300 for v in grown.values()), grown
     with GatewayClient(gw.address, timeout_s=120) as client:  # the next request is exact

@@ -30,9 +30,14 @@ def test_qwen_coder_pair_exact_and_speculating(tmp_path) -> None:
     ids = [list(tok.encode(p)) for p in PROMPTS]
     reference = vllm_reference(target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS} for p in ids])
     off = ["--metrics-port", "0"]
-    cluster = Cluster(pair="qwen-coder", gateway_port=free_port(), drafter_port=free_port(),
-                      verifier_port=free_port(), log_dir=tmp_path,
-                      extra_args={"verifier": off, "drafter": off, "gateway": [*off, "--rest-port", "0"]})
+    cluster = Cluster(
+        pair="qwen-coder",
+        gateway_port=free_port(),
+        drafter_port=free_port(),
+        verifier_port=free_port(),
+        log_dir=tmp_path,
+        extra_args={"verifier": off, "drafter": off, "gateway": [*off, "--rest-port", "0"]},
+    )
     cluster.start()
     try:
         responses = generate_all(f"127.0.0.1:{cluster.gateway_port}", [spec(p, MAX_TOKENS, gamma=4) for p in ids], 2)

@@ -42,10 +42,24 @@ class Stack(Services):
         from specdec_cli.launch import free_port, start_service
 
         svc = start_service(
-            "verifier", port or free_port(),
-            ["--model", "tiny/target", "--max-gamma", str(MAX_GAMMA), "--threads", "1", "--no-adaptive-gamma",
-             "--draft-wait-margin-ms", "2000", *KEEPALIVE],
-            self.log_dir, env=self.env, metrics_port=free_port())
+            "verifier",
+            port or free_port(),
+            [
+                "--model",
+                "tiny/target",
+                "--max-gamma",
+                str(MAX_GAMMA),
+                "--threads",
+                "1",
+                "--no-adaptive-gamma",
+                "--draft-wait-margin-ms",
+                "2000",
+                *KEEPALIVE,
+            ],
+            self.log_dir,
+            env=self.env,
+            metrics_port=free_port(),
+        )
         self.started.append(svc)
         return svc
 
@@ -55,10 +69,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     s = Stack(tmp_path_factory.mktemp("replicas"))
     try:
         verifiers = [s.add_verifier(), s.add_verifier()]
-        drafters = [s._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none"])
-                    for _ in range(2)]
-        gateway = s.start_gateway(",".join(d.address for d in drafters), ",".join(v.address for v in verifiers),
-                                  KEEPALIVE)
+        drafters = [
+            s._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none"]) for _ in range(2)
+        ]
+        gateway = s.start_gateway(
+            ",".join(d.address for d in drafters), ",".join(v.address for v in verifiers), KEEPALIVE
+        )
         for svc in s.started:
             svc.wait_ready(300)
         yield {"stack": s, "verifiers": verifiers, "drafters": drafters, "gateway": gateway}
@@ -69,8 +85,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 @pytest.fixture(scope="module")
 def cases(tiny_target: Path) -> tuple[list[list[int]], list[list[int]]]:
     ps = prompts(AutoTokenizer.from_pretrained(tiny_target), N, seed=7)
-    ref = vllm_reference(tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-                                       for p in ps])
+    ref = vllm_reference(
+        tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True} for p in ps]
+    )
     return ps, ref
 
 
@@ -78,8 +95,9 @@ def served(v: Service) -> float:
     return scrape(v.metrics_port).get("specdec:verifier_requests_total", 0.0)
 
 
-def wait_until_both_serve(gateway: Service, verifiers: list[Service], prompt: list[int],
-                          timeout_s: float = 300) -> None:
+def wait_until_both_serve(
+    gateway: Service, verifiers: list[Service], prompt: list[int], timeout_s: float = 300
+) -> None:
     """Send short requests until each verifier has served one more: then the gateway's health
     checks count both as serving (the event itself, not a sleep for the check interval). A
     request may be refused meanwhile (UNAVAILABLE: the gateway's channel to a verifier that was

@@ -62,9 +62,15 @@ def bridge(services: Any, tok: Any, pair: str = "mid") -> Callable[[], Any]:
     `pair` and its verifier, with the gateway's default settings; `tok` (the target's tokenizer)
     is the core's and renders chat templates.
     Made in the serving loop (the core's replica pools run there); the core closes with it."""
+
     def make() -> Any:
-        cfg = GatewayConfig(tokenizer=MODEL, drafter_address=services.drafters[pair].address,
-                            verifier_address=services.verifier.address, rest_port=0, metrics_port=0)
+        cfg = GatewayConfig(
+            tokenizer=MODEL,
+            drafter_address=services.drafters[pair].address,
+            verifier_address=services.verifier.address,
+            rest_port=0,
+            metrics_port=0,
+        )
         core = GatewayCore(cfg, telemetry.GatewayMetrics(CollectorRegistry()), tok)
         app = build_app(core, tok, MODEL, tokenizer_executor=core.tokenizer_executor)
 

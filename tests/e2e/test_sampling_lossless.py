@@ -66,8 +66,9 @@ def joint_homogeneity_p(a: list[tuple[int, ...]], b: list[tuple[int, ...]], min_
     return float(chi2_contingency(pooled)[1])
 
 
-def sampled_against_vllm(model: Path, address: str, n: int, max_tokens: int, gamma: int,
-                         concurrency: int) -> tuple[list[pb.GenerationResponse], float]:
+def sampled_against_vllm(
+    model: Path, address: str, n: int, max_tokens: int, gamma: int, concurrency: int
+) -> tuple[list[pb.GenerationResponse], float]:
     """`n` seeded generations of PROMPT (temperature 1, top_p 1, ignore_eos) through the gateway
     at `address`, and the p-value of their joint sequences against `n` from plain vLLM
     (`joint_homogeneity_p`; seeds as in the module docstring). For the modules with one table
@@ -75,7 +76,8 @@ def sampled_against_vllm(model: Path, address: str, n: int, max_tokens: int, gam
     prompt = list(AutoTokenizer.from_pretrained(model).encode(PROMPT))
     sampling = {"temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
     reference = vllm_reference(
-        model, [{"prompt_token_ids": prompt, "max_tokens": max_tokens, "seed": i, **sampling} for i in range(n)])
+        model, [{"prompt_token_ids": prompt, "max_tokens": max_tokens, "seed": i, **sampling} for i in range(n)]
+    )
     specs = [spec(prompt, max_tokens, gamma=gamma, drafter="model", seed=10**6 + i, **sampling) for i in range(n)]
     responses = generate_all(address, specs, concurrency=concurrency)
     p = joint_homogeneity_p([tuple(r) for r in reference], [tuple(r.token_ids) for r in responses])
@@ -93,10 +95,19 @@ def references(tiny_target, prompt_ids) -> dict[float, list[tuple[int, ...]]]:
     requests, index = [], {}
     for top_p in (1.0, 0.9):
         index[top_p] = len(requests)
-        requests += [{"prompt_token_ids": prompt_ids, "max_tokens": MAX_TOKENS, "seed": i,
-                      "temperature": 1.0, "top_p": top_p, "ignore_eos": True} for i in range(N)]
+        requests += [
+            {
+                "prompt_token_ids": prompt_ids,
+                "max_tokens": MAX_TOKENS,
+                "seed": i,
+                "temperature": 1.0,
+                "top_p": top_p,
+                "ignore_eos": True,
+            }
+            for i in range(N)
+        ]
     out = vllm_reference(tiny_target, requests)
-    return {top_p: [tuple(t) for t in out[i:i + N]] for top_p, i in index.items()}
+    return {top_p: [tuple(t) for t in out[i : i + N]] for top_p, i in index.items()}
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
@@ -113,9 +124,17 @@ def test_sampling_matches_target_only(stack: Services, references, prompt_ids, d
     accepted = sum(r.stats.accepted_tokens for r in responses)
     held = sum(r.stats.held_steps for r in responses)
     reasons = Counter(r.stats.fallback_reason for r in responses if r.stats.drafter_fallback)
-    diagnosis = {"drafted": drafted, "accepted": accepted, "held": held, "fallbacks": dict(reasons),
-                 "drafter": {k: v for k, v in scrape(stack.drafters[draft].metrics_port).items()
-                             if k.startswith(("specdec:drafter_sessions", "specdec:drafter_requests"))}}
+    diagnosis = {
+        "drafted": drafted,
+        "accepted": accepted,
+        "held": held,
+        "fallbacks": dict(reasons),
+        "drafter": {
+            k: v
+            for k, v in scrape(stack.drafters[draft].metrics_port).items()
+            if k.startswith(("specdec:drafter_sessions", "specdec:drafter_requests"))
+        },
+    }
     # the rejection sampler must really have decided tokens: rejecting always, and accepting
     # often with the agreeing drafter. With the defaults adaptive gamma decides how many drafts
     # are verified: some, or (it backed the drafter off) a hold; either way speculation was

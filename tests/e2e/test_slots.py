@@ -33,8 +33,11 @@ IDLE_BOUND_S = 30.0
 
 @pytest.fixture(scope="module")
 def gateway(services):
-    gw = services.start_gateway(services.drafters["mid"].address, services.verifier.address,
-                                ("--stream-write-timeout-s", str(STREAM_WRITE_TIMEOUT_S)))
+    gw = services.start_gateway(
+        services.drafters["mid"].address,
+        services.verifier.address,
+        ("--stream-write-timeout-s", str(STREAM_WRITE_TIMEOUT_S)),
+    )
     try:
         gw.wait_ready(120)
         yield gw
@@ -54,8 +57,10 @@ def _idle(services) -> bool:
 def test_rest_clients_that_disconnect_leave_no_request_in_the_engine(services, gateway) -> None:
     wait_for(lambda: _idle(services), IDLE_BOUND_S, "the verifier idle before the test")
     body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, "gamma": 4}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     clients = []
     try:
         for _ in range(N_REST):
@@ -73,8 +78,11 @@ def test_rest_clients_that_disconnect_leave_no_request_in_the_engine(services, g
         for s in clients:
             s.close()  # the clients go away, without reading an answer
     wait_for(lambda: _idle(services), IDLE_BOUND_S, "no request left in the verifier's engine")
-    wait_for(lambda: scrape(gateway.metrics_port).get("specdec:requests_running") == 0, IDLE_BOUND_S,
-             "no slot held at the gateway")
+    wait_for(
+        lambda: scrape(gateway.metrics_port).get("specdec:requests_running") == 0,
+        IDLE_BOUND_S,
+        "no slot held at the gateway",
+    )
     print(f"after the clients left: {_engine(services)}")
 
 
@@ -85,14 +93,21 @@ def test_a_grpc_stream_whose_client_never_reads_is_ended_and_leaves_nothing(serv
     options = [("grpc.http2.lookahead_bytes", 4096), ("grpc.http2.bdp_probe", 0)]
     with grpc.insecure_channel(gateway.address, options=options) as channel:
         call = rpc.GatewayServiceStub(channel).GenerateStream(
-            pb.GenerateStreamRequest(spec=spec(PROMPT, MAX_TOKENS, gamma=4, ignore_eos=True)), timeout=600)
+            pb.GenerateStreamRequest(spec=spec(PROMPT, MAX_TOKENS, gamma=4, ignore_eos=True)), timeout=600
+        )
         wait_for(lambda: _engine(services)["engine_running"] >= 1, 120, "the stream's request in the engine")
         # never read: the gateway must end it
-        wait_for(lambda: scrape(gateway.metrics_port).get("specdec:gateway_stream_write_timeouts_total", 0.0)
-                 > before, 10 * STREAM_WRITE_TIMEOUT_S + IDLE_BOUND_S, "the stream ended by stream_write_timeout_s")
+        wait_for(
+            lambda: scrape(gateway.metrics_port).get("specdec:gateway_stream_write_timeouts_total", 0.0) > before,
+            10 * STREAM_WRITE_TIMEOUT_S + IDLE_BOUND_S,
+            "the stream ended by stream_write_timeout_s",
+        )
         wait_for(lambda: _idle(services), IDLE_BOUND_S, "no request left in the verifier's engine")
-        wait_for(lambda: scrape(gateway.metrics_port).get("specdec:requests_running") == 0, IDLE_BOUND_S,
-                 "no slot held at the gateway")
+        wait_for(
+            lambda: scrape(gateway.metrics_port).get("specdec:requests_running") == 0,
+            IDLE_BOUND_S,
+            "no slot held at the gateway",
+        )
         tokens = []
         with pytest.raises(grpc.RpcError) as info:
             for chunk in call:  # what was sent before the end, then the status

@@ -27,8 +27,9 @@ def slow_prefill(services):
     own = Services(services.log_dir)
     try:
         drafter = own._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none"])
-        gateway = own.start_gateway(drafter.address, services.verifier.address,
-                                    ("--drafter-timeout-s", str(DRAFTER_TIMEOUT_S)))
+        gateway = own.start_gateway(
+            drafter.address, services.verifier.address, ("--drafter-timeout-s", str(DRAFTER_TIMEOUT_S))
+        )
         for svc in own.started:
             svc.wait_ready(300)
         with injected(services.verifier, prefill_delay_ms=PREFILL_DELAY_MS):

@@ -51,15 +51,17 @@ def traced(tmp_path_factory, tiny_target, services):
         for svc in s.started:
             svc.wait_ready(300)
         tok = AutoTokenizer.from_pretrained(tiny_target)
-        with (injected(verifier, step_delay_ms=DELAY_MS, step_every=10, trace_file=str(path)),
-              injected(slow, draft_delay_ms=DELAY_MS, draft_every=15)):
+        with (
+            injected(verifier, step_delay_ms=DELAY_MS, step_every=10, trace_file=str(path)),
+            injected(slow, draft_delay_ms=DELAY_MS, draft_every=15),
+        ):
             phases = []
             for gateway, batch in zip(
-                gateways, (prompts(tok, 2 * PER_PHASE)[:PER_PHASE], prompts(tok, 2 * PER_PHASE)[PER_PHASE:]),
+                gateways,
+                (prompts(tok, 2 * PER_PHASE)[:PER_PHASE], prompts(tok, 2 * PER_PHASE)[PER_PHASE:]),
                 strict=True,
             ):
-                phases.append(generate_all(gateway.address, [spec(p, 120, gamma=4, ignore_eos=True) for p in batch],
-                                           1))
+                phases.append(generate_all(gateway.address, [spec(p, 120, gamma=4, ignore_eos=True) for p in batch], 1))
             # spans of a session are exported when it ends (each service in its own process): wait,
             # bounded, until every request's rounds and the three services' session spans are in
             responses = [r for phase in phases for r in phase]
@@ -71,8 +73,11 @@ def traced(tmp_path_factory, tiny_target, services):
         s.stop()
 
 
-SESSION_SPANS = {("gateway", "specdec.generate"), ("drafter", "specdec.draft_session"),
-                 ("verifier", "specdec.verify_session")}
+SESSION_SPANS = {
+    ("gateway", "specdec.generate"),
+    ("drafter", "specdec.draft_session"),
+    ("verifier", "specdec.verify_session"),
+}
 
 
 def _complete(spans: list, responses: list) -> bool:
@@ -97,8 +102,12 @@ def test_one_trace_links_the_three_services(traced) -> None:
     assert set(by_request) == {r.request_id for r in responses}
     for trace_id in by_request.values():
         names = {(s["service"], s["name"]) for s in spans if s["trace_id"] == trace_id}
-        assert {("gateway", "specdec.generate"), ("gateway", "specdec.round"),
-                ("drafter", "specdec.draft_session"), ("verifier", "specdec.verify_session")} <= names
+        assert {
+            ("gateway", "specdec.generate"),
+            ("gateway", "specdec.round"),
+            ("drafter", "specdec.draft_session"),
+            ("verifier", "specdec.verify_session"),
+        } <= names
 
 
 def test_round_spans_carry_speculation_attributes(traced) -> None:

@@ -33,23 +33,47 @@ def test_vllm_bench_serve_against_the_bridge(services, tmp_path: Path) -> None:
     gateway = services.gateways["mid"]
     dataset = tmp_path / "prompts.json"
     # ShareGPT rows: the first turn is the prompt; the second only sets a length, overridden below
-    dataset.write_text(json.dumps([
-        {"id": str(i), "conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "pass\n"}]}
-        for i, p in enumerate(PROMPTS)
-    ]))
+    dataset.write_text(
+        json.dumps(
+            [
+                {"id": str(i), "conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "pass\n"}]}
+                for i, p in enumerate(PROMPTS)
+            ]
+        )
+    )
     log = tmp_path / "bench.log"
-    proc = vllm_cli([
-        "bench", "serve",
-        "--backend", "openai",
-        "--base-url", f"http://127.0.0.1:{gateway.rest_port}",
-        "--model", MODEL,
-        "--tokenizer", str(resolve(MODEL)),
-        "--dataset-name", "sharegpt", "--dataset-path", str(dataset), "--sharegpt-output-len", str(OUTPUT_LEN),
-        "--num-prompts", str(len(PROMPTS)),
-        "--ignore-eos",
-        "--disable-tqdm",
-        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "result.json",
-    ], log, timeout_s=150, cwd=tmp_path)
+    proc = vllm_cli(
+        [
+            "bench",
+            "serve",
+            "--backend",
+            "openai",
+            "--base-url",
+            f"http://127.0.0.1:{gateway.rest_port}",
+            "--model",
+            MODEL,
+            "--tokenizer",
+            str(resolve(MODEL)),
+            "--dataset-name",
+            "sharegpt",
+            "--dataset-path",
+            str(dataset),
+            "--sharegpt-output-len",
+            str(OUTPUT_LEN),
+            "--num-prompts",
+            str(len(PROMPTS)),
+            "--ignore-eos",
+            "--disable-tqdm",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "result.json",
+        ],
+        log,
+        timeout_s=150,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, f"vllm bench serve exited with {proc.returncode}; log tail:\n{log_tail(log)}"
     result = json.loads((tmp_path / "result.json").read_text())
     summary = {k: result.get(k) for k in ("completed", "failed", "total_output_tokens", "num_prompts")}

@@ -26,13 +26,20 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     model = sys.argv[1]
-    llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, kv_cache_memory_bytes=1 << 30,
-              enable_prefix_caching=False)
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=2048,
+        enforce_eager=True,
+        kv_cache_memory_bytes=1 << 30,
+        enable_prefix_caching=False,
+    )
     for line in sys.stdin:
         requests = json.loads(line)
         params = [
-            SamplingParams(**{"temperature": 0.0, **{k: v for k, v in r.items() if k != "prompt_token_ids"}},
-                           detokenize=False)
+            SamplingParams(
+                **{"temperature": 0.0, **{k: v for k, v in r.items() if k != "prompt_token_ids"}}, detokenize=False
+            )
             for r in requests
         ]
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]

@@ -37,10 +37,18 @@ MISFIT = GatewayError(ErrorCode.FAILED_PRECONDITION, "gateway tokenizer 'a' does
 
 def final(text: str, ids: list[int], completion_tokens: int) -> Chunk:
     """A final chunk, as GatewayCore ends a generation."""
-    return Chunk(text, ids, 0, 0, pb.FINISH_REASON_LENGTH, request_id="r1",
-                 usage=pb.Usage(prompt_tokens=3, completion_tokens=completion_tokens),
-                 stats=pb.SpeculationStats(gamma=4, drafted_tokens=4, accepted_tokens=3, speculative_steps=1),
-                 first_token_ms=1.0, total_ms=2.0)
+    return Chunk(
+        text,
+        ids,
+        0,
+        0,
+        pb.FINISH_REASON_LENGTH,
+        request_id="r1",
+        usage=pb.Usage(prompt_tokens=3, completion_tokens=completion_tokens),
+        stats=pb.SpeculationStats(gamma=4, drafted_tokens=4, accepted_tokens=3, speculative_steps=1),
+        first_token_ms=1.0,
+        total_ms=2.0,
+    )
 
 
 HELLO = [Chunk("he", [7], 4, 3, pb.FINISH_REASON_UNSPECIFIED, request_id="r1"), final("llo", [8, 9], 3)]
@@ -60,8 +68,15 @@ class ScriptedCore:
     def serving(self) -> bool:
         return not self.draining
 
-    async def generate(self, spec: pb.GenerationSpec, *, authorization: str | None = None, parent: Any = None,
-                       deadline_s: float | None = None, stream: bool = False) -> AsyncIterator[Chunk]:
+    async def generate(
+        self,
+        spec: pb.GenerationSpec,
+        *,
+        authorization: str | None = None,
+        parent: Any = None,
+        deadline_s: float | None = None,
+        stream: bool = False,
+    ) -> AsyncIterator[Chunk]:
         self.calls.append({"spec": spec, "authorization": authorization, "deadline_s": deadline_s, "stream": stream})
         for chunk in self.chunks:
             yield chunk
@@ -76,36 +91,46 @@ class ScriptedCore:
 
 
 def test_a_gateway_error_carries_code_field_and_message_apart() -> None:
-    assert (TOP_P.code, TOP_P.field, TOP_P.message) == (ErrorCode.INVALID_ARGUMENT, "spec.sampling.top_p",
-                                                        "must be in (0, 1], got 1.5")
+    assert (TOP_P.code, TOP_P.field, TOP_P.message) == (
+        ErrorCode.INVALID_ARGUMENT,
+        "spec.sampling.top_p",
+        "must be in (0, 1], got 1.5",
+    )
     assert str(TOP_P) == "spec.sampling.top_p: must be in (0, 1], got 1.5"  # the gRPC details
     assert str(NO_VERIFIER) == NO_VERIFIER.message and NO_VERIFIER.field is None
     assert {c.name for c in ErrorCode} == {c.name for c in grpc.StatusCode} - {"OK"}  # every gRPC code maps
 
 
-@pytest.mark.parametrize("field, prompt_param, param", [
-    ("spec.sampling.top_p", "prompt", "top_p"),
-    ("spec.sampling.max_tokens", "prompt", "max_tokens"),
-    ("spec.stop[1]", "prompt", "stop"),
-    ("spec.sampling.stop_token_ids[0]", "prompt", "stop_token_ids"),
-    ("spec.gamma", "prompt", "gamma"),
-    ("spec.prompt_token_ids", "prompt", "prompt"),
-    ("spec.prompt_text", "messages", "messages"),
-])
+@pytest.mark.parametrize(
+    "field, prompt_param, param",
+    [
+        ("spec.sampling.top_p", "prompt", "top_p"),
+        ("spec.sampling.max_tokens", "prompt", "max_tokens"),
+        ("spec.stop[1]", "prompt", "stop"),
+        ("spec.sampling.stop_token_ids[0]", "prompt", "stop_token_ids"),
+        ("spec.gamma", "prompt", "gamma"),
+        ("spec.prompt_token_ids", "prompt", "prompt"),
+        ("spec.prompt_text", "messages", "messages"),
+    ],
+)
 def test_a_spec_field_is_named_as_the_openai_field(field: str, prompt_param: str, param: str) -> None:
     assert openai_param(field, prompt_param) == param
 
 
-@pytest.mark.parametrize("err, status, param, type_, headers", [
-    (TOP_P, 400, "top_p", "invalid_request_error", {}),
-    (UNKNOWN_KEY, 401, None, "authentication_error", {"WWW-Authenticate": "Bearer"}),
-    (LIMITED, 429, None, "rate_limit_error", {"Retry-After": "3"}),
-    (NO_VERIFIER, 503, None, "server_error", {}),
-    (LATE, 504, None, "server_error", {}),
-    (MISFIT, 500, None, "server_error", {}),
-])
-def test_rest_maps_each_code_to_a_status_and_names_the_field(err: GatewayError, status: int, param: str | None,
-                                                             type_: str, headers: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    "err, status, param, type_, headers",
+    [
+        (TOP_P, 400, "top_p", "invalid_request_error", {}),
+        (UNKNOWN_KEY, 401, None, "authentication_error", {"WWW-Authenticate": "Bearer"}),
+        (LIMITED, 429, None, "rate_limit_error", {"Retry-After": "3"}),
+        (NO_VERIFIER, 503, None, "server_error", {}),
+        (LATE, 504, None, "server_error", {}),
+        (MISFIT, 500, None, "server_error", {}),
+    ],
+)
+def test_rest_maps_each_code_to_a_status_and_names_the_field(
+    err: GatewayError, status: int, param: str | None, type_: str, headers: dict[str, str]
+) -> None:
     mapped = api_error(err)
     assert (mapped.status, mapped.param, mapped.type, mapped.headers) == (status, param, type_, headers)
     assert mapped.code == err.code.name.lower() and mapped.message == str(err)
@@ -131,23 +156,28 @@ async def _grpc(core: ScriptedCore, call: Callable[[Any], Any]) -> Any:
 REQUEST = pb.GenerateRequest(spec=generation_spec([1, 2, 3], max_tokens=3))
 
 
-@pytest.mark.parametrize("err, code, retry", [
-    (TOP_P, grpc.StatusCode.INVALID_ARGUMENT, None),
-    (LIMITED, grpc.StatusCode.RESOURCE_EXHAUSTED, "3"),
-    (NO_VERIFIER, grpc.StatusCode.UNAVAILABLE, None),
-    (MISFIT, grpc.StatusCode.FAILED_PRECONDITION, None),
-])
+@pytest.mark.parametrize(
+    "err, code, retry",
+    [
+        (TOP_P, grpc.StatusCode.INVALID_ARGUMENT, None),
+        (LIMITED, grpc.StatusCode.RESOURCE_EXHAUSTED, "3"),
+        (NO_VERIFIER, grpc.StatusCode.UNAVAILABLE, None),
+        (MISFIT, grpc.StatusCode.FAILED_PRECONDITION, None),
+    ],
+)
 @pytest.mark.parametrize("streaming", [False, True])
-def test_grpc_maps_the_error_to_its_status_and_details(err: GatewayError, code: grpc.StatusCode, retry: str | None,
-                                                       streaming: bool) -> None:
+def test_grpc_maps_the_error_to_its_status_and_details(
+    err: GatewayError, code: grpc.StatusCode, retry: str | None, streaming: bool
+) -> None:
     core = ScriptedCore([HELLO[0]] if streaming else [], err)
 
     async def call(stub: Any) -> tuple[list[Any], grpc.aio.AioRpcError]:
         got: list[Any] = []
         with pytest.raises(grpc.aio.AioRpcError) as info:
             if streaming:
-                async for message in stub.GenerateStream(pb.GenerateStreamRequest(spec=REQUEST.spec),
-                                                         metadata=(("authorization", "Bearer k"),), timeout=30):
+                async for message in stub.GenerateStream(
+                    pb.GenerateStreamRequest(spec=REQUEST.spec), metadata=(("authorization", "Bearer k"),), timeout=30
+                ):
                     got.append(message)
             else:
                 await stub.Generate(REQUEST, metadata=(("authorization", "Bearer k"),), timeout=30)
@@ -193,18 +223,29 @@ async def rest(core: ScriptedCore) -> AsyncIterator[httpx.AsyncClient]:
 BODY = {"prompt": [1, 2, 3], "max_tokens": 3}
 
 
-@pytest.mark.parametrize("err, status, param", [
-    (TOP_P, 400, "top_p"), (LIMITED, 429, None), (UNKNOWN_KEY, 401, None), (NO_VERIFIER, 503, None), (LATE, 504, None),
-])
+@pytest.mark.parametrize(
+    "err, status, param",
+    [
+        (TOP_P, 400, "top_p"),
+        (LIMITED, 429, None),
+        (UNKNOWN_KEY, 401, None),
+        (NO_VERIFIER, 503, None),
+        (LATE, 504, None),
+    ],
+)
 @pytest.mark.parametrize("streaming", [False, True])
-def test_rest_answers_an_error_before_the_first_chunk_as_plain_http(err: GatewayError, status: int,
-                                                                     param: str | None, streaming: bool) -> None:
+def test_rest_answers_an_error_before_the_first_chunk_as_plain_http(
+    err: GatewayError, status: int, param: str | None, streaming: bool
+) -> None:
     core = ScriptedCore([], err)
 
     async def run() -> httpx.Response:
         async with rest(core) as client:
-            return await client.post("/v1/completions", json={**BODY, "stream": streaming},
-                                     headers={"authorization": "Bearer k", "x-request-timeout": "7"})
+            return await client.post(
+                "/v1/completions",
+                json={**BODY, "stream": streaming},
+                headers={"authorization": "Bearer k", "x-request-timeout": "7"},
+            )
 
     r = asyncio.run(run())
     assert r.status_code == status and r.json()["error"]["param"] == param
@@ -217,8 +258,11 @@ def test_rest_answers_an_error_before_the_first_chunk_as_plain_http(err: Gateway
 
 
 def _events(r: httpx.Response) -> list[Any]:
-    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
-            for line in r.text.splitlines() if line.startswith("data: ")]
+    return [
+        json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+        for line in r.text.splitlines()
+        if line.startswith("data: ")
+    ]
 
 
 def test_rest_sends_an_error_after_the_first_chunk_as_an_event_naming_the_field() -> None:
@@ -232,16 +276,23 @@ def test_rest_sends_an_error_after_the_first_chunk_as_an_event_naming_the_field(
     assert r.status_code == 200
     events = _events(r)
     assert events[0]["choices"][0]["text"] == "he"
-    assert events[-1] == {"error": {"message": "spec.stop[2]: too many", "type": "invalid_request_error",
-                                    "param": "stop", "code": "invalid_argument"}}
+    assert events[-1] == {
+        "error": {
+            "message": "spec.stop[2]: too many",
+            "type": "invalid_request_error",
+            "param": "stop",
+            "code": "invalid_argument",
+        }
+    }
 
 
 def test_rest_shapes_the_chunks_whole_and_as_events() -> None:
     async def run() -> tuple[httpx.Response, httpx.Response]:
         async with rest(ScriptedCore(HELLO)) as client:
             whole = await client.post("/v1/completions", json=BODY)
-            events = await client.post("/v1/completions", json={**BODY, "stream": True,
-                                                                "stream_options": {"include_usage": True}})
+            events = await client.post(
+                "/v1/completions", json={**BODY, "stream": True, "stream_options": {"include_usage": True}}
+            )
             return whole, events
 
     whole, stream = asyncio.run(run())

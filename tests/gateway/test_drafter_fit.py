@@ -73,11 +73,20 @@ def target(tiny_target) -> compat.Vocabulary:
 
 def servicer(tiny_target, verifier_vocab: compat.Vocabulary, drafters: list[SimpleNamespace]) -> GatewayCore:
     """A real GatewayCore whose pools are fakes (no channels)."""
-    info = pb.GetVerifierInfoResponse(model="tiny/target", vocab_size=verifier_vocab.vocab_size, max_model_len=2048,
-                                      max_gamma=8, vocabulary=compat.to_pb(verifier_vocab))
+    info = pb.GetVerifierInfoResponse(
+        model="tiny/target",
+        vocab_size=verifier_vocab.vocab_size,
+        max_model_len=2048,
+        max_gamma=8,
+        vocabulary=compat.to_pb(verifier_vocab),
+    )
     pools = (FakePool([replica("verifier", info)]), FakePool(drafters))
-    return GatewayCore(GatewayConfig(tokenizer="tiny/target"), telemetry.GatewayMetrics(CollectorRegistry()),
-                       AutoTokenizer.from_pretrained(tiny_target), pools=lambda cfg: pools)
+    return GatewayCore(
+        GatewayConfig(tokenizer="tiny/target"),
+        telemetry.GatewayMetrics(CollectorRegistry()),
+        AutoTokenizer.from_pretrained(tiny_target),
+        pools=lambda cfg: pools,
+    )
 
 
 def drafter_info(vocab: compat.Vocabulary) -> "pb.GetDrafterInfoResponse":
@@ -103,9 +112,11 @@ def test_a_drafter_that_does_not_fit_is_passed_over_once_logged(tiny_target, tar
     assert list(chosen) == [good, good, good]
     assert (bad.stub.calls, good.stub.calls) == (1, 1)  # asked once per replica
     refusals = [r.getMessage() for r in caplog.records if r.name == "specdec.gateway"]  # not OpenTelemetry's
-    assert refusals == ["drafter bad:1 refused: draft 'other' does not fit target 'tiny/target': different "
-                        "vocabularies (512 vs 513 tokens; tokenizer fingerprints "
-                        f"{target.fingerprint} vs 0000000000000000)"]
+    assert refusals == [
+        "drafter bad:1 refused: draft 'other' does not fit target 'tiny/target': different "
+        "vocabularies (512 vs 513 tokens; tokenizer fingerprints "
+        f"{target.fingerprint} vs 0000000000000000)"
+    ]
 
 
 def test_with_no_drafter_that_fits_a_model_request_decodes_plainly_and_ngram_still_drafts(tiny_target, target) -> None:
@@ -115,8 +126,10 @@ def test_with_no_drafter_that_fits_a_model_request_decodes_plainly_and_ngram_sti
 
     async def run():
         await s.target_info()
-        return (await s._generation(plan(pb.DRAFT_METHOD_MODEL), None),
-                await s._generation(plan(pb.DRAFT_METHOD_NGRAM), None))
+        return (
+            await s._generation(plan(pb.DRAFT_METHOD_MODEL), None),
+            await s._generation(plan(pb.DRAFT_METHOD_NGRAM), None),
+        )
 
     model_run, ngram_run = asyncio.run(run())
     assert model_run.relay.stub is None  # the generation decodes plainly
@@ -132,6 +145,8 @@ def test_a_drafter_or_verifier_that_sends_no_vocabulary_is_not_checked(tiny_targ
 
 def test_a_gateway_tokenizer_that_does_not_fit_the_verifier_is_refused(tiny_target, target) -> None:
     s = servicer(tiny_target, replace(target, model="tiny/target", bos_token_id=5), [])
-    with pytest.raises(compat.IncompatibleModels, match="gateway tokenizer 'tiny/target' does not fit target "
-                                                        "'tiny/target': BOS token id 5 vs 0"):
+    with pytest.raises(
+        compat.IncompatibleModels,
+        match="gateway tokenizer 'tiny/target' does not fit target 'tiny/target': BOS token id 5 vs 0",
+    ):
         asyncio.run(s.target_info())

@@ -73,8 +73,9 @@ class Stub:
 def _generation(verifier: FakeCall, drafter: FakeCall, max_tokens: int = 3) -> Generation:
     plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=max_tokens), gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
     metrics = telemetry.GatewayMetrics(CollectorRegistry())  # each generation its own, to read back
-    return Generation(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector(),
-                      metrics)
+    return Generation(
+        plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector(), metrics
+    )
 
 
 def _verdict(start: int, tokens: list[int], finish: bool = False, preview: bool = False, **kw) -> "pb.VerifyResponse":
@@ -101,8 +102,9 @@ def test_a_target_prefill_longer_than_the_deadline_does_not_fall_back() -> None:
         verifier.responses.put_nowait(_verdict(3, [10], preview=True))
         verifier.responses.put_nowait(_verdict(3, [10]))
         await drafter.written_kind("commit")  # now it owes an answer, and gives it
-        drafter.responses.put_nowait(pb.DraftResponse(block=pb.DraftBlock(start_position=4, token_ids=[11, 12],
-                                                                         committed_length=4)))
+        drafter.responses.put_nowait(
+            pb.DraftResponse(block=pb.DraftBlock(start_position=4, token_ids=[11, 12], committed_length=4))
+        )
         await verifier.written_kind("block")
         verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True, drafted=2, accepted=2))
         await run
@@ -150,8 +152,11 @@ def test_a_drafter_stream_error_mid_generation_falls_back_and_verdicts_continue(
         run = asyncio.create_task(_collect(r))
         verifier.responses.put_nowait(_verdict(3, [10]))
         await drafter.written_kind("commit")
-        drafter.responses.put_nowait(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                                          grpc.aio.Metadata(), details="connection reset"))
+        drafter.responses.put_nowait(
+            grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="connection reset"
+            )
+        )
         await verifier.written_kind("end")
         verifier.responses.put_nowait(_verdict(4, [11]))
         verifier.responses.put_nowait(_verdict(5, [12], finish=True))
@@ -256,11 +261,13 @@ class VerifierStub(Stub):
 
 
 def _hostile_generation(verifier: FakeCall, drafter: FakeCall, max_tokens: int = 20, **kw) -> Generation:
-    plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=max_tokens), gamma=GAMMA,
-                drafter=pb.DRAFT_METHOD_MODEL)
+    plan = Plan(
+        "r1", list(PROMPT), pb.SamplingParams(max_tokens=max_tokens), gamma=GAMMA, drafter=pb.DRAFT_METHOD_MODEL
+    )
     metrics = telemetry.GatewayMetrics(CollectorRegistry())
-    return Generation(plan, VerifierStub(verifier), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(), metrics,
-                      **kw)
+    return Generation(
+        plan, VerifierStub(verifier), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(), metrics, **kw
+    )
 
 
 def _block(start: int, tokens: list[int], committed: int = 4, **kw) -> "pb.DraftResponse":
@@ -453,8 +460,9 @@ def test_the_verifier_hold_reaches_the_drafter_and_it_owes_nothing_while_held() 
         while sum(m.WhichOneof("kind") == "commit" for m in drafter.written) < 4:
             drafter.wrote.clear()
             await drafter.wrote.wait()
-        drafter.responses.put_nowait(pb.DraftResponse(block=pb.DraftBlock(start_position=6, token_ids=[13],
-                                                                         committed_length=6)))
+        drafter.responses.put_nowait(
+            pb.DraftResponse(block=pb.DraftBlock(start_position=6, token_ids=[13], committed_length=6))
+        )
         await verifier.written_kind("block")
         verifier.responses.put_nowait(_verdict(6, [13], finish=True, drafted=1, accepted=1))
         await run
@@ -463,13 +471,19 @@ def test_the_verifier_hold_reaches_the_drafter_and_it_owes_nothing_while_held() 
     r, drafter = asyncio.run(scenario())
     commits = [m.commit for m in drafter.written if m.WhichOneof("kind") == "commit"]
     assert [(c.start_position, list(c.token_ids), c.hold) for c in commits] == [
-        (3, [10], False), (4, [], True), (4, [11], True), (5, [12], False), (6, [13], False)]
+        (3, [10], False),
+        (4, [], True),
+        (4, [11], True),
+        (5, [12], False),
+        (6, [13], False),
+    ]
     assert not r.stats.fallback_reason and r.stats.to_pb().held_steps == 2
 
 
 def test_a_failing_helper_task_is_logged_not_swallowed(caplog: pytest.LogCaptureFixture) -> None:
     """A helper task of the generation (here the drafter relay) failing with an error it does not
     expect: the generation still ends, and the error is logged with its traceback at its end."""
+
     async def scenario() -> list:
         verifier, drafter = FakeCall(), FakeCall()
         r = _generation(verifier, drafter)
@@ -489,12 +503,25 @@ def test_a_failing_helper_task_is_logged_not_swallowed(caplog: pytest.LogCapture
 
 def test_the_verifier_and_drafter_know_a_request_by_its_tenant_namespaced_id() -> None:
     """Plan.backend_id: the API key's namespace, then the client's id; two keys' "r1" differ."""
+
     async def scenario(key: str) -> tuple[str, str]:
         verifier, drafter = FakeCall(), FakeCall()
-        plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=1), gamma=2, drafter=pb.DRAFT_METHOD_MODEL,
-                    tenant=tenant_of(key))
-        r = Generation(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector(),
-                  telemetry.GatewayMetrics(CollectorRegistry()))
+        plan = Plan(
+            "r1",
+            list(PROMPT),
+            pb.SamplingParams(max_tokens=1),
+            gamma=2,
+            drafter=pb.DRAFT_METHOD_MODEL,
+            tenant=tenant_of(key),
+        )
+        r = Generation(
+            plan,
+            Stub(verifier, "Verify"),
+            Stub(drafter, "Draft"),
+            TIMEOUT_S,
+            telemetry.SpikeDetector(),
+            telemetry.GatewayMetrics(CollectorRegistry()),
+        )
         run = asyncio.create_task(_collect(r))
         vopen, dopen = await verifier.written_kind("open"), await drafter.written_kind("open")
         verifier.responses.put_nowait(_verdict(3, [10], finish=True))
@@ -511,11 +538,19 @@ def test_a_verifier_silent_while_it_owes_verdicts_is_treated_as_gone() -> None:
     """verdict_timeout_s: after its first verdict the verifier goes silent (alive, but sends
     nothing): the generation ends with UNAVAILABLE, which the gateway migrates on, instead of waiting
     forever. Before its first verdict (queueing, prefill) silence is fine."""
+
     async def scenario() -> tuple[grpc.aio.AioRpcError, float]:
         verifier, drafter = FakeCall(), FakeCall()
         plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=8), gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
-        r = Generation(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(),
-                  telemetry.GatewayMetrics(CollectorRegistry()), verdict_timeout_s=TIMEOUT_S)
+        r = Generation(
+            plan,
+            Stub(verifier, "Verify"),
+            Stub(drafter, "Draft"),
+            60.0,
+            telemetry.SpikeDetector(),
+            telemetry.GatewayMetrics(CollectorRegistry()),
+            verdict_timeout_s=TIMEOUT_S,
+        )
         got = []
 
         async def consume() -> None:
@@ -547,8 +582,13 @@ async def _written_count(call: FakeCall, kind: str, n: int) -> None:
 SILENT = "silent"  # a _polite_scenario answer: no block in that window
 
 
-def _polite_scenario(answers: list[list[int] | None | str], method: int = pb.DRAFT_METHOD_MODEL, max_idle: int = 3,
-                     holds: set[int] = frozenset(), final: bool = False) -> Generation:
+def _polite_scenario(
+    answers: list[list[int] | None | str],
+    method: int = pb.DRAFT_METHOD_MODEL,
+    max_idle: int = 3,
+    holds: set[int] = frozenset(),
+    final: bool = False,
+) -> Generation:
     """A generation whose drafter says `ready`, then answers commit k (k = 0, 1, ...) with one block
     of `answers[k]` tokens at the committed position (None: a block at a passed position;
     SILENT: no block before the next commit), the
@@ -558,8 +598,16 @@ def _polite_scenario(answers: list[list[int] | None | str], method: int = pb.DRA
         verifier, drafter = FakeCall(), FakeCall()
         plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=100), gamma=2, drafter=method)
         metrics = telemetry.GatewayMetrics(CollectorRegistry())
-        r = Generation(plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), 60.0, telemetry.SpikeDetector(), metrics,
-                  vocab_size=1000, max_idle_commits=max_idle)
+        r = Generation(
+            plan,
+            Stub(verifier, "Verify"),
+            Stub(drafter, "Draft"),
+            60.0,
+            telemetry.SpikeDetector(),
+            metrics,
+            vocab_size=1000,
+            max_idle_commits=max_idle,
+        )
         run = asyncio.create_task(_collect(r))
         await drafter.written_kind("open")
         drafter.responses.put_nowait(pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=1.0)))
@@ -579,8 +627,13 @@ def _polite_scenario(answers: list[list[int] | None | str], method: int = pb.DRA
             if k in holds or answer == SILENT:
                 continue
             start, tokens = (pos - 1, [1]) if answer is None else (pos, answer)
-            drafter.responses.put_nowait(pb.DraftResponse(block=pb.DraftBlock(
-                start_position=start, token_ids=tokens, committed_length=min(start, pos), final=final)))
+            drafter.responses.put_nowait(
+                pb.DraftResponse(
+                    block=pb.DraftBlock(
+                        start_position=start, token_ids=tokens, committed_length=min(start, pos), final=final
+                    )
+                )
+            )
             blocks += 1
             await _written_count(verifier, "block", blocks)  # relayed before the next commit
         verifier.responses.put_nowait(_verdict(pos, [99], finish=True))

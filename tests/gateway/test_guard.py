@@ -70,26 +70,47 @@ class Gateway:
 
 
 @contextlib.asynccontextmanager
-async def gateway(tiny_target: Path, keys: str = "", max_request_mb: float = 8.0, **overrides: Any,
-                  ) -> AsyncIterator[Gateway]:
+async def gateway(
+    tiny_target: Path,
+    keys: str = "",
+    max_request_mb: float = 8.0,
+    **overrides: Any,
+) -> AsyncIterator[Gateway]:
     # nothing listens there: a port this test holds bound without listening (connections are
     # refused), so no other process of a busy host can take it and answer as a verifier
     hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     hold.bind(("127.0.0.1", 0))
     nowhere = f"127.0.0.1:{hold.getsockname()[1]}"
-    cfg = GatewayConfig(**{"tokenizer": str(tiny_target), "verifier_address": nowhere, "drafter_address": nowhere,
-                           "verifier_retry_s": RETRY_S, "rest_port": 0, "metrics_port": 0, "api_keys": keys,
-                           "max_request_mb": max_request_mb, **overrides})
+    cfg = GatewayConfig(
+        **{
+            "tokenizer": str(tiny_target),
+            "verifier_address": nowhere,
+            "drafter_address": nowhere,
+            "verifier_retry_s": RETRY_S,
+            "rest_port": 0,
+            "metrics_port": 0,
+            "api_keys": keys,
+            "max_request_mb": max_request_mb,
+            **overrides,
+        }
+    )
     core = build(cfg, CollectorRegistry())
     server = grpc.aio.server()
     rpc.add_GatewayServiceServicer_to_server(GatewayServicer(core), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     tokenizer = CountingTokenizer(core.tokenizer)
-    app = build_app(core, tokenizer, cfg.tokenizer, keys=core.keys,
-                    max_request_bytes=int(max_request_mb * (1 << 20)), tokenizer_executor=core.tokenizer_executor,
-                    refused=core.metrics.refused, stream_write_timeout_s=cfg.stream_write_timeout_s,
-                    stream_write_timeouts=core.metrics.stream_write_timeouts)
+    app = build_app(
+        core,
+        tokenizer,
+        cfg.tokenizer,
+        keys=core.keys,
+        max_request_bytes=int(max_request_mb * (1 << 20)),
+        tokenizer_executor=core.tokenizer_executor,
+        refused=core.metrics.refused,
+        stream_write_timeout_s=cfg.stream_write_timeout_s,
+        stream_write_timeouts=core.metrics.stream_write_timeouts,
+    )
     try:
         gw = Gateway(core, f"127.0.0.1:{port}", app, tokenizer)
         async with gw.rest:
@@ -103,8 +124,7 @@ async def gateway(tiny_target: Path, keys: str = "", max_request_mb: float = 8.0
 async def grpc_error(address: str, spec: pb.GenerationSpec, metadata: tuple = ()) -> grpc.aio.AioRpcError:
     async with grpc.aio.insecure_channel(address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await rpc.GatewayServiceStub(channel).Generate(pb.GenerateRequest(spec=spec), metadata=metadata,
-                                                           timeout=60)
+            await rpc.GatewayServiceStub(channel).Generate(pb.GenerateRequest(spec=spec), metadata=metadata, timeout=60)
     return info.value
 
 
@@ -117,14 +137,30 @@ def test_bounds_are_refused_by_name_before_any_work(tiny_target: Path) -> None:
     cases = [  # (spec fields, the gRPC field, the REST body's fields, the REST param)
         ({"request_id": "a b"}, "spec.request_id", {"request_id": "a b"}, "request_id"),
         ({"request_id": "line\nbreak"}, "spec.request_id", {"request_id": "line\nbreak"}, "request_id"),
-        ({"request_id": "x" * (MAX_REQUEST_ID_CHARS + 1)}, "spec.request_id",
-         {"request_id": "x" * (MAX_REQUEST_ID_CHARS + 1)}, "request_id"),
-        ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "spec.sampling.stop", {"stop": ["s"] * (MAX_STOP_STRINGS + 1)},
-         "stop"),
-        ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, "spec.sampling.stop[0]",
-         {"stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
-        ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "spec.sampling.stop_token_ids",
-         {"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
+        (
+            {"request_id": "x" * (MAX_REQUEST_ID_CHARS + 1)},
+            "spec.request_id",
+            {"request_id": "x" * (MAX_REQUEST_ID_CHARS + 1)},
+            "request_id",
+        ),
+        (
+            {"stop": ["s"] * (MAX_STOP_STRINGS + 1)},
+            "spec.sampling.stop",
+            {"stop": ["s"] * (MAX_STOP_STRINGS + 1)},
+            "stop",
+        ),
+        (
+            {"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]},
+            "spec.sampling.stop[0]",
+            {"stop": "x" * (MAX_STOP_STRING_CHARS + 1)},
+            "stop",
+        ),
+        (
+            {"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)},
+            "spec.sampling.stop_token_ids",
+            {"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)},
+            "stop_token_ids",
+        ),
     ]
 
     async def run() -> None:
@@ -160,9 +196,13 @@ def test_bounds_driven_by_hypothesis_over_rest(tiny_target: Path) -> None:
         | st.integers(MAX_REQUEST_ID_CHARS - 2, MAX_REQUEST_ID_CHARS + 2).map(lambda n: "r" * n),
     )
     def check(stops: int, longest: int, ids: int, request_id: str) -> None:
-        body: dict[str, Any] = {"prompt": [1, 2, 3], "max_tokens": 2, "request_id": request_id,
-                                "stop": (["x" * longest] + ["s"] * (stops - 1)) if stops else [],
-                                "stop_token_ids": [1] * ids}
+        body: dict[str, Any] = {
+            "prompt": [1, 2, 3],
+            "max_tokens": 2,
+            "request_id": request_id,
+            "stop": (["x" * longest] + ["s"] * (stops - 1)) if stops else [],
+            "stop_token_ids": [1] * ids,
+        }
         bad_id = len(request_id) > MAX_REQUEST_ID_CHARS or any(c not in "aZr9._:-" for c in request_id)
         over = ["request_id"] if bad_id else []
         if stops > MAX_STOP_STRINGS or (stops and longest > MAX_STOP_STRING_CHARS):
@@ -203,6 +243,7 @@ def test_no_verifier_is_unavailable_within_verifier_retry_s_naming_no_address(ti
 def test_a_draining_gateway_refuses_both_adapters_and_its_health_says_so(tiny_target: Path) -> None:
     """Once the drain began (serving.serve at SIGTERM), the one core refuses new generations from
     both adapters: gRPC UNAVAILABLE, REST 503 with the same message, and REST /health is 503."""
+
     async def run() -> tuple[grpc.aio.AioRpcError, httpx.Response, int, int]:
         async with gateway(tiny_target) as gw:
             up = (await gw.rest.get("/health")).status_code
@@ -222,13 +263,15 @@ def test_a_draining_gateway_refuses_both_adapters_and_its_health_says_so(tiny_ta
 
 def test_an_exposed_gateway_is_warned_about(tiny_target: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Off loopback without API keys; plaintext to a verifier and drafters on other hosts."""
+
     async def run(**overrides: Any) -> None:
         cfg = GatewayConfig(tokenizer=str(tiny_target), rest_port=0, metrics_port=0, **overrides)
         await build(cfg, CollectorRegistry()).close()
 
     with caplog.at_level("WARNING", logger="specdec.gateway"):
-        asyncio.run(run(host="0.0.0.0", verifier_address="10.9.8.7:50053",
-                        drafter_address="dns:///drafter.specdec:50052"))
+        asyncio.run(
+            run(host="0.0.0.0", verifier_address="10.9.8.7:50053", drafter_address="dns:///drafter.specdec:50052")
+        )
     text = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     assert "NO API KEYS" in text
     assert "PLAINTEXT gRPC to the verifiers on 10.9.8.7" in text
@@ -242,8 +285,12 @@ def test_an_exposed_gateway_is_warned_about(tiny_target: Path, caplog: pytest.Lo
 # ---------------------------------------------------------------------------- REST: key, then body
 
 
-async def asgi_call(app: Any, path: str, headers: dict[str, str], chunks: list[bytes],
-                    ) -> tuple[int, dict[str, str], bytes, int]:
+async def asgi_call(
+    app: Any,
+    path: str,
+    headers: dict[str, str],
+    chunks: list[bytes],
+) -> tuple[int, dict[str, str], bytes, int]:
     """One raw ASGI request: (status, headers, body, how many times the app read the request)."""
     reads = 0
     pending = list(chunks)
@@ -259,10 +306,20 @@ async def asgi_call(app: Any, path: str, headers: dict[str, str], chunks: list[b
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-             "client": ("127.0.0.1", 1), "server": ("rest", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1),
+        "server": ("rest", 80),
+    }
     await app(scope, receive, send)
     start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -282,8 +339,9 @@ def test_rest_answers_401_before_reading_the_body_and_never_tokenises(tiny_targe
                     assert response_headers["www-authenticate"] == "Bearer"
             r = await gw.rest.get("/v1/models")
             assert r.status_code == 401
-            refused = gw.core.metrics.registry.get_sample_value("specdec:gateway_refused_total",
-                                                                     {"reason": "unauthenticated"})
+            refused = gw.core.metrics.registry.get_sample_value(
+                "specdec:gateway_refused_total", {"reason": "unauthenticated"}
+            )
             assert refused == 5  # counted where the gateway counts its own refusals
             return gw.tokenizer
 
@@ -299,11 +357,12 @@ def test_rest_bodies_over_max_request_mb_are_413(tiny_target: Path) -> None:
     async def run() -> None:
         async with gateway(tiny_target, keys=KEY, max_request_mb=cap_mb) as gw:
             # a Content-Length over the cap: refused from the headers
-            status, _, text, reads = await asgi_call(gw.app, "/v1/completions",
-                                                     {**auth, "content-length": str(len(body))}, [body])
+            status, _, text, reads = await asgi_call(
+                gw.app, "/v1/completions", {**auth, "content-length": str(len(body))}, [body]
+            )
             assert (status, reads) == (413, 0) and b"max_request_mb" in text
             # no Content-Length (chunked): refused once what was read passes the cap, the rest unread
-            chunks = [body[i:i + 4096] for i in range(0, len(body), 4096)]
+            chunks = [body[i : i + 4096] for i in range(0, len(body), 4096)]
             status, _, text, reads = await asgi_call(gw.app, "/v1/completions", auth, chunks)
             assert status == 413 and b"max_request_mb" in text and reads < len(chunks), (status, reads)
             assert gw.tokenizer.calls == []
@@ -314,8 +373,11 @@ def test_rest_bodies_over_max_request_mb_are_413(tiny_target: Path) -> None:
 def test_rest_tokenises_off_the_event_loop(tiny_target: Path) -> None:
     async def run() -> tuple[list[tuple[str, int]], int, httpx.Response]:
         async with gateway(tiny_target, keys=KEY) as gw:
-            r = await gw.rest.post("/v1/completions", headers={"authorization": f"Bearer {KEY}"},
-                                   json={"prompt": "hello there", "max_tokens": 4})
+            r = await gw.rest.post(
+                "/v1/completions",
+                headers={"authorization": f"Bearer {KEY}"},
+                json={"prompt": "hello there", "max_tokens": 4},
+            )
             return gw.tokenizer.calls, threading.get_ident(), r
 
     calls, loop_thread, r = asyncio.run(run())
@@ -326,6 +388,7 @@ def test_rest_tokenises_off_the_event_loop(tiny_target: Path) -> None:
 def test_a_non_streaming_rest_request_is_cancelled_when_its_client_disconnects(tiny_target: Path) -> None:
     """As vLLM's with_cancellation: the client goes away while its request waits (here for a
     verifier, verifier_retry_s 60 s): the gateway call is cancelled and its slot freed at once."""
+
     async def run() -> tuple[int, int]:
         async with gateway(tiny_target, verifier_retry_s=60.0) as gw:
             slots = gw.core.slots = WatchedSlots("gateway", 256, "max_inflight")
@@ -346,10 +409,20 @@ def test_a_non_streaming_rest_request_is_cancelled_when_its_client_disconnects(t
                 if message["type"] == "http.response.start":
                     statuses.append(message["status"])
 
-            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                     "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                     "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("rest", 80),
-                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+            scope = {
+                "type": "http",
+                "asgi": {"version": "3.0"},
+                "http_version": "1.1",
+                "method": "POST",
+                "scheme": "http",
+                "path": "/v1/completions",
+                "raw_path": b"/v1/completions",
+                "query_string": b"",
+                "root_path": "",
+                "client": ("127.0.0.1", 1),
+                "server": ("rest", 80),
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
             await asyncio.wait_for(gw.app(scope, receive, send), 20)
             await asyncio.wait_for(slots.left.wait(), 20)  # freed long before verifier_retry_s
             return statuses[0], slots.active
@@ -405,7 +478,8 @@ def test_a_grpc_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(ti
             options = [("grpc.http2.lookahead_bytes", 4096), ("grpc.http2.bdp_probe", 0)]
             async with grpc.aio.insecure_channel(gw.address, options=options) as channel:
                 call = rpc.GatewayServiceStub(channel).GenerateStream(
-                    pb.GenerateStreamRequest(spec=generation_spec([1, 2, 3], max_tokens=4)))
+                    pb.GenerateStreamRequest(spec=generation_spec([1, 2, 3], max_tokens=4))
+                )
                 await asyncio.wait_for(slots.entered.wait(), 20)
                 t0 = time.monotonic()
                 await asyncio.wait_for(closed.wait(), 100 * timeout_s)  # never without the timeout
@@ -465,10 +539,20 @@ def test_a_rest_stream_whose_client_stops_reading_is_ended_and_its_slot_freed(ti
                     if bodies > 1:  # the client took the first event, then stops reading
                         await asyncio.Event().wait()
 
-            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                     "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                     "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("rest", 80),
-                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+            scope = {
+                "type": "http",
+                "asgi": {"version": "3.0"},
+                "http_version": "1.1",
+                "method": "POST",
+                "scheme": "http",
+                "path": "/v1/completions",
+                "raw_path": b"/v1/completions",
+                "query_string": b"",
+                "root_path": "",
+                "client": ("127.0.0.1", 1),
+                "server": ("rest", 80),
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
             await asyncio.wait_for(gw.app(scope, receive, send), 100 * timeout_s)  # never without the timeout
             await asyncio.wait_for(closed.wait(), 20)
             await asyncio.wait_for(slots.left.wait(), 20)
@@ -489,14 +573,23 @@ def test_rest_passes_its_clients_deadline_to_the_gateway_call(tiny_target: Path)
         async with gateway(tiny_target, verifier_retry_s=60.0) as gw:
             slots = gw.core.slots = WatchedSlots("gateway", 256, "max_inflight")
             out = []
-            for header, value in (("X-Request-Timeout", "0.5"), ("X-Stainless-Timeout", "0.5"),
-                                  ("X-Request-Timeout", "soon"), ("X-Stainless-Timeout", "-1")):
+            for header, value in (
+                ("X-Request-Timeout", "0.5"),
+                ("X-Stainless-Timeout", "0.5"),
+                ("X-Request-Timeout", "soon"),
+                ("X-Stainless-Timeout", "-1"),
+            ):
                 for stream in (False, True):
                     slots.entered.clear()
                     slots.left.clear()
-                    r = await asyncio.wait_for(gw.rest.post(
-                        "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "stream": stream},
-                        headers={header: value}), 20)  # 60 s without the deadline
+                    r = await asyncio.wait_for(
+                        gw.rest.post(
+                            "/v1/completions",
+                            json={"prompt": [1, 2, 3], "max_tokens": 4, "stream": stream},
+                            headers={header: value},
+                        ),
+                        20,
+                    )  # 60 s without the deadline
                     if slots.entered.is_set():  # the gateway's side of the deadline ends its call too
                         await asyncio.wait_for(slots.left.wait(), 20)
                     out.append((r.status_code, r.json()["error"]["param"], slots.active))

@@ -17,8 +17,9 @@ from specdec_cli.launch import free_port
 
 
 def _pool(spec: str) -> Pool:
-    return Pool(spec, lambda address, name: grpc.aio.insecure_channel(address), lambda channel: channel,
-                health_every_s=0.5)
+    return Pool(
+        spec, lambda address, name: grpc.aio.insecure_channel(address), lambda channel: channel, health_every_s=0.5
+    )
 
 
 async def _health_server(
@@ -40,6 +41,7 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
 def test_a_dns_pool_resolves_and_checks_without_being_picked() -> None:
     """The bug the shipped manifests hit: a dns:/// drafter pool was never started, so it never
     had a replica. Started (as the gateway now does at start-up), it resolves and checks."""
+
     async def test() -> None:
         server, port = await _health_server()
         pool = _pool(f"dns:///localhost:{port}")
@@ -82,10 +84,20 @@ def test_not_serving_is_skipped_at_once_a_slow_answer_only_when_it_repeats() -> 
             await never.wait()
             return health_pb2.HealthCheckResponse()
 
-        silent.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
-            "Check": grpc.unary_unary_rpc_method_handler(
-                hang, request_deserializer=health_pb2.HealthCheckRequest.FromString,
-                response_serializer=health_pb2.HealthCheckResponse.SerializeToString)})])
+        silent.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    "grpc.health.v1.Health",
+                    {
+                        "Check": grpc.unary_unary_rpc_method_handler(
+                            hang,
+                            request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+                        )
+                    },
+                )
+            ]
+        )
         port_b = silent.add_insecure_port("127.0.0.1:0")
         await silent.start()
         pool = _pool(f"127.0.0.1:{port_a},127.0.0.1:{port_b}")

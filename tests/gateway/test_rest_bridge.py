@@ -23,8 +23,9 @@ class Tok:
 
 
 def _lp(token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> "pb.TokenLogprobs":
-    return pb.TokenLogprobs(token_id=token, logprob=logprob, rank=rank,
-                            top_token_ids=[t for t, _ in top], top_logprobs=[v for _, v in top])
+    return pb.TokenLogprobs(
+        token_id=token, logprob=logprob, rank=rank, top_token_ids=[t for t, _ in top], top_logprobs=[v for _, v in top]
+    )
 
 
 def test_completion_logprobs_are_shaped_as_vllm_does() -> None:
@@ -48,8 +49,9 @@ def test_chat_logprobs_take_the_first_k_entries() -> None:
 
 
 def test_vllm_metrics_histogram_from_per_position_counts() -> None:
-    stats = pb.SpeculationStats(gamma=4, speculative_steps=10, accepted_per_position=[8, 5, 2, 1],
-                                accepted_tokens=16, drafted_tokens=40)
+    stats = pb.SpeculationStats(
+        gamma=4, speculative_steps=10, accepted_per_position=[8, 5, 2, 1], accepted_tokens=16, drafted_tokens=40
+    )
     m = vllm_spec_metrics(stats)
     h = m["acceptance_histogram"]
     assert h == [2, 3, 3, 1, 1] and sum(h) == m["num_spec_steps"] == 10
@@ -59,14 +61,17 @@ def test_vllm_metrics_histogram_from_per_position_counts() -> None:
     assert vllm_spec_metrics(pb.SpeculationStats())["acceptance_histogram"] == [0]
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"min_p": 0.1}, "min_p"),
-    ({"logit_bias": {"10": 5}}, "logit_bias"),
-    ({"best_of": 2}, "best_of"),
-    ({"priority": 3}, "priority"),
-    ({"foo_bar": 1}, "foo_bar"),
-    ({"use_beam_search": True}, "use_beam_search"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"min_p": 0.1}, "min_p"),
+        ({"logit_bias": {"10": 5}}, "logit_bias"),
+        ({"best_of": 2}, "best_of"),
+        ({"priority": 3}, "priority"),
+        ({"foo_bar": 1}, "foo_bar"),
+        ({"use_beam_search": True}, "use_beam_search"),
+    ],
+)
 def test_unsupported_fields_are_refused_by_name(extra: dict[str, Any], param: str) -> None:
     req = CompletionRequest(prompt="x", **extra)
     with pytest.raises(InvalidField) as info:
@@ -78,17 +83,41 @@ def test_unsupported_fields_are_refused_by_name(extra: dict[str, Any], param: st
 
 def test_defaults_of_refused_fields_pass() -> None:
     """Clients that send vLLM's defaults explicitly (vllm bench serve, SDKs) are served."""
-    refuse_extras(CompletionRequest(prompt="x", min_p=0.0, priority=0, use_beam_search=False, logit_bias=None,
-                                    length_penalty=1.0, tools=None, spaces_between_special_tokens=True))
+    refuse_extras(
+        CompletionRequest(
+            prompt="x",
+            min_p=0.0,
+            priority=0,
+            use_beam_search=False,
+            logit_bias=None,
+            length_penalty=1.0,
+            tools=None,
+            spaces_between_special_tokens=True,
+        )
+    )
     with pytest.raises(InvalidField):  # False is not the default 0 of priority
         refuse_extras(CompletionRequest(prompt="x", priority=False))
 
 
 def test_spec_carries_every_honoured_field() -> None:
-    req = CompletionRequest(prompt="x", max_tokens=9, temperature=0, top_k=5, seed=3, stop="\n", stop_token_ids=[7],
-                            ignore_eos=True, min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5,
-                            repetition_penalty=1.2, logprobs=3, include_stop_str_in_output=True,
-                            skip_special_tokens=False, allowed_token_ids=[4, 5])
+    req = CompletionRequest(
+        prompt="x",
+        max_tokens=9,
+        temperature=0,
+        top_k=5,
+        seed=3,
+        stop="\n",
+        stop_token_ids=[7],
+        ignore_eos=True,
+        min_tokens=2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        logprobs=3,
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        allowed_token_ids=[4, 5],
+    )
     s = build_spec(req, [1, 2], "r").sampling
     assert (s.max_tokens, s.top_k, s.seed, list(s.stop), list(s.stop_token_ids)) == (9, 5, 3, ["\n"], [7])
     assert s.ignore_eos and s.min_tokens == 2 and s.logprobs == 3 and s.include_stop_str_in_output
@@ -116,8 +145,12 @@ def test_chat_logprobs_fields() -> None:
     with pytest.raises(InvalidField) as info:
         build_spec(ChatRequest(**chat, response_format={"type": "json_object"}), [1], "r")
     assert info.value.field == "response_format"
-    assert build_spec(ChatRequest(**chat, max_completion_tokens=5, response_format={"type": "text"}),
-                      [1], "r").sampling.max_tokens == 5
+    assert (
+        build_spec(
+            ChatRequest(**chat, max_completion_tokens=5, response_format={"type": "text"}), [1], "r"
+        ).sampling.max_tokens
+        == 5
+    )
 
 
 def test_shapes_differ_in_logprobs_layout() -> None:
@@ -133,10 +166,11 @@ class ByteTok:
 
 
 def test_byte_fallback_tokens_are_named_as_vllm_names_them() -> None:
-    """"é" is two byte tokens: the first alone is incomplete (""), the second completes it."""
+    """ "é" is two byte tokens: the first alone is incomplete (""), the second completes it."""
     shaper = LogprobsShaper(ByteTok(), 1)
     first, second = 0xC3, 0xA9
-    out = shaper.completion([_lp(256, -0.1, 1, [(256, -0.1)]), _lp(first, -0.2, 1, [(first, -0.2)]),
-                             _lp(second, -0.3, 1, [(second, -0.3)])])
+    out = shaper.completion(
+        [_lp(256, -0.1, 1, [(256, -0.1)]), _lp(first, -0.2, 1, [(first, -0.2)]), _lp(second, -0.3, 1, [(second, -0.3)])]
+    )
     assert out["tokens"] == [" ok", "", "é"]
     assert out["text_offset"] == [0, 3, 3]

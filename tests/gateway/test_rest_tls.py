@@ -57,8 +57,13 @@ def test_a_rest_reload_replaces_the_trust_store(tmp_path: Path) -> None:
     write_certs(new, ["127.0.0.1"])
     bundle = tmp_path / "bundle.pem"
     bundle.write_bytes((old / "client-ca.pem").read_bytes() + (new / "client-ca.pem").read_bytes())
-    cfg = GatewayConfig(tls_cert=str(new / "gateway.pem"), tls_key=str(new / "gateway-key.pem"),
-                        tls_ca=str(new / "ca.pem"), tls_client_ca=str(bundle), tls_client_auth="require")
+    cfg = GatewayConfig(
+        tls_cert=str(new / "gateway.pem"),
+        tls_key=str(new / "gateway-key.pem"),
+        tls_ca=str(new / "ca.pem"),
+        tls_client_ca=str(bundle),
+        tls_client_auth="require",
+    )
     context = ReloadingSSLContext(cfg)
     assert _handshake(context, old, new) and _handshake(context, new, new)  # both CAs trusted
     bundle.write_bytes((new / "client-ca.pem").read_bytes())  # the old CA is removed

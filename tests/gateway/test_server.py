@@ -19,8 +19,9 @@ from specdec.wire import pb
 def fake_generation(plan: Plan, steps, stats=None) -> SimpleNamespace:
     """A stand-in for gateway.generation.Generation: its plan, replicas, stats and scripted steps."""
     replicas = (SimpleNamespace(in_flight=0, address="verifier-a"), SimpleNamespace(in_flight=0, address="drafter"))
-    return SimpleNamespace(plan=plan, steps=steps, replicas=replicas,
-                           stats=stats or SpecStats(plan.gamma, plan.drafter))
+    return SimpleNamespace(
+        plan=plan, steps=steps, replicas=replicas, stats=stats or SpecStats(plan.gamma, plan.drafter)
+    )
 
 
 class NoPool:
@@ -46,8 +47,12 @@ class NoPool:
 
 def gateway_core(tiny_target) -> GatewayCore:
     """A real GatewayCore over the tiny target's tokenizer, with no channels (only _chunks is exercised)."""
-    return GatewayCore(GatewayConfig(tokenizer=str(tiny_target)), telemetry.GatewayMetrics(CollectorRegistry()),
-                       AutoTokenizer.from_pretrained(tiny_target), pools=lambda cfg: (NoPool(), NoPool()))
+    return GatewayCore(
+        GatewayConfig(tokenizer=str(tiny_target)),
+        telemetry.GatewayMetrics(CollectorRegistry()),
+        AutoTokenizer.from_pretrained(tiny_target),
+        pools=lambda cfg: (NoPool(), NoPool()),
+    )
 
 
 def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list:
@@ -67,13 +72,16 @@ def _collect(tiny_target, messages: list, stop: list[str] | None = None) -> list
 
 
 def test_preview_tokens_stream_before_their_verdict(tiny_target) -> None:
-    chunks = _collect(tiny_target, [
-        pb.Preview(start_position=3, token_ids=[10]),  # the prefill step's token
-        pb.Verdict(start_position=3, token_ids=[10]),
-        pb.Preview(start_position=4, token_ids=[11, 12]),
-        pb.Verdict(start_position=4, token_ids=[11, 12, 13], drafted=2, accepted=1),  # 13 held back
-        pb.Verdict(start_position=7, token_ids=[14], finish_reason=pb.FINISH_REASON_LENGTH),
-    ])
+    chunks = _collect(
+        tiny_target,
+        [
+            pb.Preview(start_position=3, token_ids=[10]),  # the prefill step's token
+            pb.Verdict(start_position=3, token_ids=[10]),
+            pb.Preview(start_position=4, token_ids=[11, 12]),
+            pb.Verdict(start_position=4, token_ids=[11, 12, 13], drafted=2, accepted=1),  # 13 held back
+            pb.Verdict(start_position=7, token_ids=[14], finish_reason=pb.FINISH_REASON_LENGTH),
+        ],
+    )
     assert [c.token_ids for c in chunks] == [[10], [11, 12], [13], [14]]
     assert [(c.drafted, c.accepted) for c in chunks] == [(0, 0), (0, 0), (2, 1), (0, 0)]
     assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
@@ -81,13 +89,16 @@ def test_preview_tokens_stream_before_their_verdict(tiny_target) -> None:
 
 
 def test_a_verdict_with_nothing_new_still_reports_its_counts(tiny_target) -> None:
-    chunks = _collect(tiny_target, [
-        pb.Preview(start_position=3, token_ids=[10, 11]),
-        pb.Verdict(start_position=3, token_ids=[10, 11], drafted=4, accepted=1),
-        pb.Preview(start_position=5, token_ids=[12]),
-        pb.Verdict(start_position=5, token_ids=[12]),  # no drafts, nothing new: no chunk
-        pb.Verdict(start_position=6, token_ids=[], finish_reason=pb.FINISH_REASON_STOP),
-    ])
+    chunks = _collect(
+        tiny_target,
+        [
+            pb.Preview(start_position=3, token_ids=[10, 11]),
+            pb.Verdict(start_position=3, token_ids=[10, 11], drafted=4, accepted=1),
+            pb.Preview(start_position=5, token_ids=[12]),
+            pb.Verdict(start_position=5, token_ids=[12]),  # no drafts, nothing new: no chunk
+            pb.Verdict(start_position=6, token_ids=[], finish_reason=pb.FINISH_REASON_STOP),
+        ],
+    )
     assert [(c.token_ids, c.drafted) for c in chunks] == [([10, 11], 0), ([], 4), ([12], 0), ([], 0)]
     assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
 
@@ -104,8 +115,9 @@ def test_a_verifier_that_goes_away_is_resumed_elsewhere_without_gap_or_duplicate
     async def first():
         yield pb.Verdict(start_position=3, token_ids=[10])
         yield pb.Preview(start_position=4, token_ids=[11, 12])  # streamed, verdict lost
-        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                   details="Socket closed")
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="Socket closed"
+        )
 
     async def second():
         yield pb.Verdict(start_position=6, token_ids=[13])
@@ -142,8 +154,9 @@ def test_a_verifier_that_goes_away_after_the_last_token_ends_the_stream_normally
     async def verdicts():
         yield pb.Verdict(start_position=3, token_ids=[10])
         yield pb.Preview(start_position=4, token_ids=[11, 12])  # the last two tokens
-        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                   details="Socket closed")
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="Socket closed"
+        )
 
     resumed = []
 

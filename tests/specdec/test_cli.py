@@ -19,8 +19,10 @@ from specdec.models import pull, resolve
 from specdec_cli import main as cli
 from specdec_cli.launch import free_port
 
-NOT_PULLED = "specdec: error: model pair 'qwen-coder' is not pulled (missing roles: target, draft); " \
-             "run `specdec models pull qwen-coder`"
+NOT_PULLED = (
+    "specdec: error: model pair 'qwen-coder' is not pulled (missing roles: target, draft); "
+    "run `specdec models pull qwen-coder`"
+)
 
 
 @pytest.fixture
@@ -59,8 +61,13 @@ def mark_pulled(cache: Path, pair: str = "qwen-coder") -> dict[str, Path]:
 def specdec(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`specdec ARGV` in a fresh process (the real exit status and streams)."""
     base = {k: v for k, v in os.environ.items() if k != "SPECDEC_DEBUG"}
-    return subprocess.run([sys.executable, "-m", "specdec_cli", *argv], env={**base, **(env or {})},
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "specdec_cli", *argv],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def one_line(err: str) -> str:
@@ -82,8 +89,10 @@ def test_user_error_exits_2_without_traceback_and_debug_adds_it(cache: Path) -> 
     env = {"SPECDEC_CACHE_DIR": str(cache)}
     proc = specdec("models", "path", "qwen-coder", env=env)
     assert proc.returncode == 2 and one_line(proc.stderr) == NOT_PULLED
-    for argv, extra in ((("--debug", "models", "path", "qwen-coder"), {}),
-                        (("models", "path", "qwen-coder"), {"SPECDEC_DEBUG": "1"})):
+    for argv, extra in (
+        (("--debug", "models", "path", "qwen-coder"), {}),
+        (("models", "path", "qwen-coder"), {"SPECDEC_DEBUG": "1"}),
+    ):
         proc = specdec(*argv, env={**env, **extra})
         assert proc.returncode == 2
         assert "Traceback (most recent call last)" in proc.stderr and "ModelNotFoundError" in proc.stderr
@@ -151,7 +160,8 @@ def test_trace_file_without_the_request(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_unexpected_error_is_one_line_status_1_and_debug_shows_it(
-        cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     def boom(args: object) -> int:
         raise RuntimeError("boom")
 
@@ -164,8 +174,9 @@ def test_unexpected_error_is_one_line_status_1_and_debug_shows_it(
     assert "Traceback (most recent call last)" in err and err.strip().splitlines()[-1] == line
 
 
-def test_ctrl_c_exits_130_quietly(cache: Path, monkeypatch: pytest.MonkeyPatch,
-                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_ctrl_c_exits_130_quietly(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     def interrupted(args: object) -> int:
         raise KeyboardInterrupt
 
@@ -184,11 +195,13 @@ def test_argparse_errors_keep_their_usage_line(capsys: pytest.CaptureFixture[str
 
 def test_model_errors_are_user_errors_and_file_not_found(cache: Path) -> None:
     """Callers that catch FileNotFoundError keep working; the CLI sees a UserError with a hint."""
-    with pytest.raises(ModelNotFoundError, match="is a pair, not one model; name one of its roles: "
-                                                 "qwen-coder/target, qwen-coder/draft"):
+    with pytest.raises(
+        ModelNotFoundError, match="is a pair, not one model; name one of its roles: qwen-coder/target, qwen-coder/draft"
+    ):
         resolve("qwen-coder")
-    with pytest.raises(FileNotFoundError,
-                       match="not a folder, a registry name PAIR/ROLE or a Hugging Face repo id ORG/NAME"):
+    with pytest.raises(
+        FileNotFoundError, match="not a folder, a registry name PAIR/ROLE or a Hugging Face repo id ORG/NAME"
+    ):
         resolve("/no/such/model")
     with pytest.raises(UserError) as err:
         resolve("qwen-coder/target", pull=False)

@@ -28,13 +28,13 @@ ROOT = Path(__file__).resolve().parents[2]
 # Flags that tests, `specdec up`, `specdec demo`, the benchmarks and deployments pass today.
 EXISTING_FLAGS = {
     "drafter": "--host --port --metrics-port --model --threads --dtype --quantize "
-               "--sample-drafts --no-sample-drafts --lookahead --prefill-chunk",
+    "--sample-drafts --no-sample-drafts --lookahead --prefill-chunk",
     "verifier": "--host --port --metrics-port --model --threads --io-cpus "
-                "--max-gamma --max-model-len --max-num-seqs --dtype --kv-cache-gib --draft-wait-ms "
-                "--draft-wait-slack --draft-wait-margin-ms --prefix-caching "
-                "--no-prefix-caching --adaptive-gamma --no-adaptive-gamma",
+    "--max-gamma --max-model-len --max-num-seqs --dtype --kv-cache-gib --draft-wait-ms "
+    "--draft-wait-slack --draft-wait-margin-ms --prefix-caching "
+    "--no-prefix-caching --adaptive-gamma --no-adaptive-gamma",
     "gateway": "--host --port --metrics-port --drafter-address --verifier-address --tokenizer --default-gamma "
-               "--default-drafter --drafter-timeout-s --rest-port --spike-factor --spike-min-ms --spike-ms",
+    "--default-drafter --drafter-timeout-s --rest-port --spike-factor --spike-min-ms --spike-ms",
 }
 
 
@@ -118,17 +118,47 @@ def test_existing_flag_names_still_work(kind: str) -> None:
 
 
 def test_flags_reach_the_config() -> None:
-    cfg = serve("verifier", "--draft-wait-ms", "125", "--max-gamma", "5", "--io-cpus", "0,1",
-                "--no-adaptive-gamma", "--no-prefix-caching", "--batch-window-ms", "3", "--no-cpu-sampler-fix")
+    cfg = serve(
+        "verifier",
+        "--draft-wait-ms",
+        "125",
+        "--max-gamma",
+        "5",
+        "--io-cpus",
+        "0,1",
+        "--no-adaptive-gamma",
+        "--no-prefix-caching",
+        "--batch-window-ms",
+        "3",
+        "--no-cpu-sampler-fix",
+    )
     assert isinstance(cfg, VerifierConfig)
     assert cfg.draft_wait_ms == 125.0 and cfg.max_gamma == 5 and cfg.io_cpus == "0,1"
     assert cfg.adaptive_gamma is False and cfg.prefix_caching is False and cfg.cpu_sampler_fix is False
     assert cfg.batch_window_ms == 3.0 and cfg.enforce_eager is None  # untouched: the default (auto)
-    cfg = serve("drafter", "--sample-drafts", "--quantize", "none", "--flush-ms", "7.5", "--q-top-k", "8",
-                "--ngram-max", "6", "--ngram-min", "2")
+    cfg = serve(
+        "drafter",
+        "--sample-drafts",
+        "--quantize",
+        "none",
+        "--flush-ms",
+        "7.5",
+        "--q-top-k",
+        "8",
+        "--ngram-max",
+        "6",
+        "--ngram-min",
+        "2",
+    )
     assert isinstance(cfg, DrafterConfig)
     assert (cfg.sample_drafts, cfg.quantize, cfg.flush_ms, cfg.q_top_k, cfg.ngram_max, cfg.ngram_min) == (
-        True, "none", 7.5, 8, 6, 2)
+        True,
+        "none",
+        7.5,
+        8,
+        6,
+        2,
+    )
     cfg = serve("gateway", "--default-drafter", "ngram", "--default-max-tokens", "9", "--spike-ms", "40")
     assert isinstance(cfg, GatewayConfig)
     assert (cfg.default_drafter, cfg.default_max_tokens, cfg.spike_ms) == ("ngram", 9, 40.0)
@@ -162,25 +192,34 @@ def test_flag_wins_over_env(monkeypatch) -> None:
 
 def test_serve_help_lists_every_flag_with_its_default() -> None:
     """`specdec serve verifier --help` works without importing vLLM or torch, and shows every flag."""
-    code = ("import sys\n"
-            "from specdec_cli import main as cli\n"
-            "try:\n"
-            "    cli.main(['serve', 'verifier', '--help'])\n"
-            "except SystemExit:\n"
-            "    pass\n"
-            "heavy = [m for m in ('torch', 'vllm') if m in sys.modules]\n"
-            "print('HEAVY:', heavy)\n")
+    code = (
+        "import sys\n"
+        "from specdec_cli import main as cli\n"
+        "try:\n"
+        "    cli.main(['serve', 'verifier', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = [m for m in ('torch', 'vllm') if m in sys.modules]\n"
+        "print('HEAVY:', heavy)\n"
+    )
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}, "COLUMNS": "80"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     assert "HEAVY: []" in out
     assert "default: 2000; env SPECDEC_DRAFT_WAIT_MS" in out
     for f in dataclasses.fields(VerifierConfig):
         assert re.search(rf"{flag_name(f.name)}\b", out), f.name
         assert env_name(f.name) in out
     # and the command line itself
-    proc = subprocess.run([sys.executable, "-m", "specdec_cli", "serve", "verifier", "--help"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "serve", "verifier", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0
     assert "default: 2000" in proc.stdout and "--no-adaptive-gamma" in proc.stdout
 

@@ -27,15 +27,17 @@ def _section(page: str, heading: str) -> str:
     """The text of `page` under `## heading`, up to the next `## `."""
     start = page.index(f"\n## {heading}\n")
     end = page.find("\n## ", start + 1)
-    return page[start:end if end >= 0 else None]
+    return page[start : end if end >= 0 else None]
 
 
 def test_config_page_has_every_setting_with_flag_env_default_and_help() -> None:
     page = docgen.config_markdown()
     shared = {f.name for f in fields(config.TransportConfig)}
     for kind, cls in config.SERVICE_CONFIGS.items():
-        for section, items in (("Every service", [f for f in fields(cls) if f.name in shared]),
-                               (kind, [f for f in fields(cls) if f.name not in shared])):
+        for section, items in (
+            ("Every service", [f for f in fields(cls) if f.name in shared]),
+            (kind, [f for f in fields(cls) if f.name not in shared]),
+        ):
             text = _section(page, section)
             for f in items:
                 row = _row(text, f.name)
@@ -63,11 +65,11 @@ def test_grpc_page_has_every_service_message_field_and_enum_value() -> None:
         for message in file.message_types_by_name.values():
             heading = f"### message {message.name} {{#{message.full_name}}}"
             assert heading in page
-            body = page[page.index(heading):].split("\n### ", 1)[0]
+            body = page[page.index(heading) :].split("\n### ", 1)[0]
             for field in message.fields:
                 assert f"| `{field.name}` | {field.number} | " in body, (message.name, field.name)
         for enum in file.enum_types_by_name.values():
-            body = page[page.index(f"### enum {enum.name} {{#{enum.full_name}}}"):].split("\n### ", 1)[0]
+            body = page[page.index(f"### enum {enum.name} {{#{enum.full_name}}}") :].split("\n### ", 1)[0]
             for value in enum.values:
                 assert f"| `{value.name}` | {value.number} | " in body
 
@@ -78,8 +80,9 @@ def test_grpc_page_carries_the_protos_comments() -> None:
     assert "The gateway: the public entry point." in page
     assert "| `GenerateStream` | [`GenerateStreamRequest`](#specdec.v1.GenerateStreamRequest) | stream " in page
     assert "What to generate. Exactly one of prompt_text / prompt_token_ids is set." in page
-    assert "Draft tokens per target step, 0..max_gamma; unset: the gateway's default." in \
-        _row(page[page.index("### message GenerationSpec"):].split("\n### ", 1)[0], "gamma")
+    assert "Draft tokens per target step, 0..max_gamma; unset: the gateway's default." in _row(
+        page[page.index("### message GenerationSpec") :].split("\n### ", 1)[0], "gamma"
+    )
     assert "Reserved (never reused): 3, 4, `probs`, `q`." in page
     assert re.search(r"\| `trace_context` \| \d+ \| map&lt;`string`, `string`&gt; \|", page)
 

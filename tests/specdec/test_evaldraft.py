@@ -108,29 +108,70 @@ def test_json_has_every_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": p.id, "prompt": p.prompt}) + "\n" for p in PROMPTS))
     out = tmp_path / "report.json"
-    argv = ["eval-draft", "--target", "tiny/target", "--draft", "tiny/draft-mid", "--prompts", str(prompts),
-            "--gammas", "1,3", "--max-new-tokens", "24", "--timing-steps", "2", "--json", str(out)]
+    argv = [
+        "eval-draft",
+        "--target",
+        "tiny/target",
+        "--draft",
+        "tiny/draft-mid",
+        "--prompts",
+        str(prompts),
+        "--gammas",
+        "1,3",
+        "--max-new-tokens",
+        "24",
+        "--timing-steps",
+        "2",
+        "--json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     assert "co-located speedup" in capsys.readouterr().out
     d = json.loads(out.read_text())
-    assert set(d) == {"target", "draft", "max_new_tokens", "gammas", "prompts", "positions", "alpha",
-                      "acceptance_gamma", "acceptance_by_offset", "costs", "per_gamma", "per_prompt", "seconds",
-                      "branch_coverage"}
+    assert set(d) == {
+        "target",
+        "draft",
+        "max_new_tokens",
+        "gammas",
+        "prompts",
+        "positions",
+        "alpha",
+        "acceptance_gamma",
+        "acceptance_by_offset",
+        "costs",
+        "per_gamma",
+        "per_prompt",
+        "seconds",
+        "branch_coverage",
+    }
     assert d["gammas"] == [1, 3] and d["prompts"] == 2 and d["acceptance_gamma"] == 3
     cover = d["branch_coverage"]
     assert (
         len(cover) == 3 and all(0 <= x <= 1 for x in cover) and cover == sorted(cover)
     )  # more alternatives, more cover
     assert len(d["acceptance_by_offset"]) == 3
-    assert set(d["costs"]) == {"context_tokens", "target_decode_ms", "draft_decode_ms", "c", "verify_ms",
-                               "verify_over_decode"}
+    assert set(d["costs"]) == {
+        "context_tokens",
+        "target_decode_ms",
+        "draft_decode_ms",
+        "c",
+        "verify_ms",
+        "verify_over_decode",
+    }
     assert set(d["costs"]["verify_over_decode"]) == {"1", "3"}
     assert d["costs"]["c"] > 0
     assert [g["gamma"] for g in d["per_gamma"]] == [1, 3]
     assert set(d["per_gamma"][0]) == {
-        "gamma", "rounds", "mean_accepted", "tokens_per_step", "expected_tokens", "verify_over_decode",
-        "speedup_colocated_measured", "speedup_colocated_formula",
-        "speedup_overlapped_measured", "speedup_overlapped_formula",
+        "gamma",
+        "rounds",
+        "mean_accepted",
+        "tokens_per_step",
+        "expected_tokens",
+        "verify_over_decode",
+        "speedup_colocated_measured",
+        "speedup_colocated_formula",
+        "speedup_overlapped_measured",
+        "speedup_overlapped_formula",
     }
     assert [p["id"] for p in d["per_prompt"]] == ["a", "b"]
     assert set(d["per_prompt"][0]) == {"id", "prompt_tokens", "continuation_tokens", "alpha"}
@@ -140,8 +181,23 @@ def test_json_has_every_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 @pytest.mark.e2e  # the tiny pair, loaded with transformers
 def test_json_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["eval-draft", "--target", "tiny/target", "--draft", "tiny/draft-same", "--limit", "1",
-            "--gammas", "2", "--max-new-tokens", "8", "--timing-steps", "1", "--json", "-"]
+    argv = [
+        "eval-draft",
+        "--target",
+        "tiny/target",
+        "--draft",
+        "tiny/draft-same",
+        "--limit",
+        "1",
+        "--gammas",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--timing-steps",
+        "1",
+        "--json",
+        "-",
+    ]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["alpha"] == 1.0

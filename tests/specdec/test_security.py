@@ -85,9 +85,19 @@ def test_both_sides_agree_on_keepalive() -> None:
     assert client["grpc.max_send_message_length"] == server["grpc.max_receive_message_length"]
 
 
-@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("localhost", True), ("::1", True),
-                                            ("[::1]", True), ("unix:/tmp/x", True), ("0.0.0.0", False),
-                                            ("10.0.0.5", False), ("gateway.svc", False)])
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("localhost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("unix:/tmp/x", True),
+        ("0.0.0.0", False),
+        ("10.0.0.5", False),
+        ("gateway.svc", False),
+    ],
+)
 def test_loopback(host: str, loopback: bool) -> None:
     assert security.is_loopback(host) is loopback
 
@@ -95,10 +105,13 @@ def test_loopback(host: str, loopback: bool) -> None:
 def test_tls_settings_that_cannot_work_are_named(tmp_path: Path) -> None:
     base = dict(tls_cert="", tls_key="", tls_ca="", tls_client_auth="none", tls_client_ca="", tls_allowed_peers="")
     security.check_tls_settings(SimpleNamespace(**base))
-    for bad, name in [({"tls_cert": "x.pem"}, "tls_key"), ({"tls_client_auth": "require"}, "tls_client_auth"),
-                      ({"tls_allowed_peers": "spiffe://specdec/gateway"}, "tls_allowed_peers"),
-                      ({"tls_client_auth": "maybe"}, "tls_client_auth"),
-                      ({"tls_cert": str(tmp_path / "no.pem"), "tls_key": str(tmp_path / "no.pem")}, "tls_cert")]:
+    for bad, name in [
+        ({"tls_cert": "x.pem"}, "tls_key"),
+        ({"tls_client_auth": "require"}, "tls_client_auth"),
+        ({"tls_allowed_peers": "spiffe://specdec/gateway"}, "tls_allowed_peers"),
+        ({"tls_client_auth": "maybe"}, "tls_client_auth"),
+        ({"tls_cert": str(tmp_path / "no.pem"), "tls_key": str(tmp_path / "no.pem")}, "tls_cert"),
+    ]:
         with pytest.raises(ValueError, match=name):
             security.check_tls_settings(SimpleNamespace(**{**base, **bad}))
 
@@ -138,9 +151,15 @@ def test_certs_give_each_role_its_own_identity(tmp_path: Path) -> None:
     _cert(rotated[2]).verify_directly_issued_by(ca)
     _cert(tmp_path / "next" / "client.pem").verify_directly_issued_by(client_ca)
     # and gRPC takes them
-    security.server_credentials(SimpleNamespace(tls_cert=str(tmp_path / "verifier.pem"),
-                                                tls_key=str(tmp_path / "verifier-key.pem"), tls_client_ca="",
-                                                tls_ca=str(tmp_path / "ca.pem"), tls_client_auth="require"))
+    security.server_credentials(
+        SimpleNamespace(
+            tls_cert=str(tmp_path / "verifier.pem"),
+            tls_key=str(tmp_path / "verifier-key.pem"),
+            tls_client_ca="",
+            tls_ca=str(tmp_path / "ca.pem"),
+            tls_client_auth="require",
+        )
+    )
     assert isinstance(security.channel_credentials(str(tmp_path / "ca.pem")), grpc.ChannelCredentials)
 
 
@@ -158,9 +177,14 @@ async def _call_as(pki: Path, allowed: str, who: str) -> str:
     connection could be made."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    cfg = SimpleNamespace(tls_cert=str(pki / "verifier.pem"), tls_key=str(pki / "verifier-key.pem"),
-                          tls_ca=str(pki / "ca.pem"), tls_client_ca="", tls_client_auth="require",
-                          tls_allowed_peers=allowed)
+    cfg = SimpleNamespace(
+        tls_cert=str(pki / "verifier.pem"),
+        tls_key=str(pki / "verifier-key.pem"),
+        tls_ca=str(pki / "ca.pem"),
+        tls_client_ca="",
+        tls_client_auth="require",
+        tls_allowed_peers=allowed,
+    )
     security.check_tls_settings(cfg)
     server = grpc.aio.server(interceptors=security.server_interceptors("verifier", cfg))
     h = health.aio.HealthServicer()
@@ -169,16 +193,19 @@ async def _call_as(pki: Path, allowed: str, who: str) -> str:
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request
 
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})])
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})]
+    )
     port = server.add_secure_port("127.0.0.1:0", security.server_credentials(cfg))
     await server.start()
     creds = security.channel_credentials(str(pki / "ca.pem"), str(pki / f"{who}.pem"), str(pki / f"{who}-key.pem"))
     try:
         async with grpc.aio.secure_channel(f"localhost:{port}", creds) as ch:
             codes = []
-            for call in (lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10),
-                         lambda: ch.unary_unary("/test.Echo/Echo")(b"hi", timeout=10)):
+            for call in (
+                lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10),
+                lambda: ch.unary_unary("/test.Echo/Echo")(b"hi", timeout=10),
+            ):
                 try:
                     await call()
                     codes.append("OK")
@@ -189,13 +216,16 @@ async def _call_as(pki: Path, allowed: str, who: str) -> str:
         await server.stop(None)
 
 
-@pytest.mark.parametrize("who, allowed, expected", [
-    ("gateway", "spiffe://specdec/gateway", "OK,OK"),             # the gateway's identity: served
-    ("gateway", "spiffe://specdec/other", "OK,PERMISSION_DENIED"),  # a certificate of the CA, not allowed
-    ("gateway", "", "OK,OK"),                                     # no list: any certificate of the CA
-    ("client", "spiffe://specdec/gateway", "handshake,handshake"),  # an end user's: another CA
-    ("drafter", "spiffe://specdec/gateway", "handshake,handshake"),  # a drafter host's: server-only
-])
+@pytest.mark.parametrize(
+    "who, allowed, expected",
+    [
+        ("gateway", "spiffe://specdec/gateway", "OK,OK"),  # the gateway's identity: served
+        ("gateway", "spiffe://specdec/other", "OK,PERMISSION_DENIED"),  # a certificate of the CA, not allowed
+        ("gateway", "", "OK,OK"),  # no list: any certificate of the CA
+        ("client", "spiffe://specdec/gateway", "handshake,handshake"),  # an end user's: another CA
+        ("drafter", "spiffe://specdec/gateway", "handshake,handshake"),  # a drafter host's: server-only
+    ],
+)
 def test_only_allowed_peers_call_a_service(pki: Path, who: str, allowed: str, expected: str) -> None:
     import asyncio
 

@@ -17,8 +17,14 @@ def _v(tokens: int, drafted: int = 0, accepted: int = 0, computed: int = 0, **kw
 
 
 # prefill, full accept, reject, plain, a branch hit, a step after a miss
-VERDICTS = (_v(1, computed=10), _v(5, 4, 4, 5), _v(2, 4, 1, 5), _v(1), _v(3, 4, 2, 5, branch=True),
-            _v(1, branch_miss=True, hold_drafts=True))
+VERDICTS = (
+    _v(1, computed=10),
+    _v(5, 4, 4, 5),
+    _v(2, 4, 1, 5),
+    _v(1),
+    _v(3, 4, 2, 5, branch=True),
+    _v(1, branch_miss=True, hold_drafts=True),
+)
 
 
 def _observed() -> SpecStats:
@@ -48,8 +54,15 @@ def test_the_wire_the_span_and_vllms_names_read_the_same_figures() -> None:
     assert p.acceptance_rate == pytest.approx(s.acceptance_rate)
     assert p.mean_accepted_length == pytest.approx(s.mean_acceptance_length)
     span = s.span_attributes()
-    for name in ("target_steps", "speculative_steps", "drafted_tokens", "accepted_tokens", "held_steps",
-                 "branches_used", "migrations"):
+    for name in (
+        "target_steps",
+        "speculative_steps",
+        "drafted_tokens",
+        "accepted_tokens",
+        "held_steps",
+        "branches_used",
+        "migrations",
+    ):
         assert span[f"specdec.{name}"] == getattr(p, name), name
     assert span["specdec.acceptance_rate"] == pytest.approx(p.acceptance_rate)
     # the REST bridge reads a response's stats back through from_pb: nothing it reports is lost

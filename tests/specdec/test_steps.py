@@ -8,10 +8,23 @@ import pytest
 from specdec.steps import step_of, verify_response
 from specdec.wire import pb
 
-VERDICT = pb.Verdict(start_position=7, token_ids=[1, 2, 3], drafted=4, accepted=2,
-                     finish_reason=pb.FINISH_REASON_LENGTH, computed_tokens=5, batch_size=3, step_ms=1.5,
-                     draft_wait_ms=0.5, queue_ms=2.0, logprobs=[pb.TokenLogprobs(token_id=1, logprob=-0.5, rank=1)],
-                     stop_token=True, branch=True, branch_miss=True, hold_drafts=True)
+VERDICT = pb.Verdict(
+    start_position=7,
+    token_ids=[1, 2, 3],
+    drafted=4,
+    accepted=2,
+    finish_reason=pb.FINISH_REASON_LENGTH,
+    computed_tokens=5,
+    batch_size=3,
+    step_ms=1.5,
+    draft_wait_ms=0.5,
+    queue_ms=2.0,
+    logprobs=[pb.TokenLogprobs(token_id=1, logprob=-0.5, rank=1)],
+    stop_token=True,
+    branch=True,
+    branch_miss=True,
+    hold_drafts=True,
+)
 PREVIEW = pb.Preview(start_position=7, token_ids=[1, 2])
 
 

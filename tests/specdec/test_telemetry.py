@@ -38,10 +38,16 @@ def _export(tmp_path):
     tracer = provider.get_tracer("t")
     with tracer.start_as_current_span("specdec.generate", attributes={"specdec.request_id": "req-1"}):
         for i, verify_ms in enumerate([5.0, 80.0, 6.0], start=1):
-            with tracer.start_as_current_span("specdec.round", attributes={
-                "specdec.round": i, "specdec.drafted": 4, "specdec.accepted": 2, "specdec.tokens": 3,
-                "specdec.stage.verify_ms": verify_ms,
-            }) as span:
+            with tracer.start_as_current_span(
+                "specdec.round",
+                attributes={
+                    "specdec.round": i,
+                    "specdec.drafted": 4,
+                    "specdec.accepted": 2,
+                    "specdec.tokens": 3,
+                    "specdec.stage.verify_ms": verify_ms,
+                },
+            ) as span:
                 if verify_ms > 50:
                     span.add_event("latency_spike", {"specdec.spike.stage": "verify", "specdec.spike.ms": verify_ms})
                     span.set_attribute("specdec.spike.stage", "verify")
@@ -151,8 +157,16 @@ def test_a_service_registry_exposes_its_own_families_and_the_shared_ones(service
     metrics = METRICS[service](registry)
     assert metrics.registry is registry
     # labelled families show up once a label value is used
-    for labelled in ("accepted_per_pos", "requests", "spikes", "round_stage", "step_cost_ms", "refused",
-                     "branch_breaks", "branch_hits"):
+    for labelled in (
+        "accepted_per_pos",
+        "requests",
+        "spikes",
+        "round_stage",
+        "step_cost_ms",
+        "refused",
+        "branch_breaks",
+        "branch_hits",
+    ):
         if getattr(getattr(metrics, labelled, None), "_labelnames", None):
             getattr(metrics, labelled).labels("0")
     exposed = _exposed(registry)
@@ -183,10 +197,15 @@ def test_labelled_counters_have_their_series_before_the_first_request() -> None:
     """A ratio panel or alert (aborted / all requests, spikes by stage, refusals) has its series
     at 0 from the start, not "no data" until each label value first happens."""
     exposed = _exposed(telemetry.GatewayMetrics(prometheus_client.CollectorRegistry()).registry)
-    values = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value for samples in exposed.values()
-              for sample in samples}
-    for label, names, family in (("finish_reason", ("length", "stop", "abort"), "specdec:requests_total"),
-                                 ("reason", ("unauthenticated", "rate_limited"), "specdec:gateway_refused_total"),
-                                 ("stage", telemetry.STAGES, "specdec:latency_spikes_total")):
+    values = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for samples in exposed.values()
+        for sample in samples
+    }
+    for label, names, family in (
+        ("finish_reason", ("length", "stop", "abort"), "specdec:requests_total"),
+        ("reason", ("unauthenticated", "rate_limited"), "specdec:gateway_refused_total"),
+        ("stage", telemetry.STAGES, "specdec:latency_spikes_total"),
+    ):
         for name in names:
             assert values[(family, ((label, name),))] == 0, (family, name)

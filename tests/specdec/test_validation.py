@@ -77,8 +77,11 @@ def test_sampling_context_limit() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(count=st.integers(0, MAX_STOP_STRINGS + 8), longest=st.integers(1, MAX_STOP_STRING_CHARS + 64),
-       ids=st.integers(0, MAX_STOP_TOKEN_IDS + 64))
+@given(
+    count=st.integers(0, MAX_STOP_STRINGS + 8),
+    longest=st.integers(1, MAX_STOP_STRING_CHARS + 64),
+    ids=st.integers(0, MAX_STOP_TOKEN_IDS + 64),
+)
 def test_stop_bounds(count: int, longest: int, ids: int) -> None:
     """Accepted exactly when within every bound; refused naming the field that is over its bound."""
     stops = ["x" * longest] + ["s"] * (count - 1) if count else []
@@ -100,8 +103,7 @@ def test_stop_bounds(count: int, longest: int, ids: int) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(st.text(max_size=MAX_REQUEST_ID_CHARS + 40),
-                 st.from_regex(r"[A-Za-z0-9._:-]{1,160}", fullmatch=True)))
+@given(st.one_of(st.text(max_size=MAX_REQUEST_ID_CHARS + 40), st.from_regex(r"[A-Za-z0-9._:-]{1,160}", fullmatch=True)))
 def test_request_id_bounds(request_id: str) -> None:
     """1 to 128 characters of [A-Za-z0-9._:-]: anything else (newlines, spaces, control or
     non-ASCII characters, too long) is refused naming the field."""

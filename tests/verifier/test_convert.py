@@ -21,9 +21,21 @@ def test_unset_optional_fields_take_vllms_defaults() -> None:
 
 
 def test_every_field_reaches_vllm() -> None:
-    sp = pb.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, max_tokens=9, ignore_eos=True,
-                           presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=2,
-                           stop_token_ids=[7, 8], logprobs=3, allowed_token_ids=[4, 7])
+    sp = pb.SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        seed=3,
+        max_tokens=9,
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        min_tokens=2,
+        stop_token_ids=[7, 8],
+        logprobs=3,
+        allowed_token_ids=[4, 7],
+    )
     p = engine_params(sp)
     assert (p.top_p, p.top_k, p.seed, p.max_tokens, p.ignore_eos) == (pytest.approx(0.9), 5, 3, 9, True)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == pytest.approx((0.5, -0.5, 1.2))
@@ -39,7 +51,13 @@ def test_a_value_vllm_refuses_names_the_field() -> None:
 
 
 def test_the_request_keeps_the_prompt_and_gamma() -> None:
-    req = generation_request(pb.VerifyOpen(request_id="r", prompt_token_ids=[1, 2], gamma=3,
-                                           sampling=pb.SamplingParams(max_tokens=4, stop_token_ids=[9], logprobs=0)))
+    req = generation_request(
+        pb.VerifyOpen(
+            request_id="r",
+            prompt_token_ids=[1, 2],
+            gamma=3,
+            sampling=pb.SamplingParams(max_tokens=4, stop_token_ids=[9], logprobs=0),
+        )
+    )
     assert (req.request_id, req.prompt_token_ids, req.gamma) == ("r", [1, 2], 3)
     assert (req.max_tokens, req.stop_token_ids, req.logprobs) == (4, [9], 0)

@@ -48,9 +48,14 @@ class FakeVLLM:
         return bool(self.requests)
 
     def step(self) -> list[Any]:
-        return [SimpleNamespace(request_id=rid, finished=False, outputs=[
-            SimpleNamespace(token_ids=[1], finish_reason=None, logprobs=None, stop_reason=None)])
-            for rid in self.requests.values()]
+        return [
+            SimpleNamespace(
+                request_id=rid,
+                finished=False,
+                outputs=[SimpleNamespace(token_ids=[1], finish_reason=None, logprobs=None, stop_reason=None)],
+            )
+            for rid in self.requests.values()
+        ]
 
     def abort_request(self, ids: list[str], internal: bool = False) -> None:
         if self.fail_abort:
@@ -82,8 +87,14 @@ def started_servicer(fake: FakeVLLM, cfg: VerifierConfig) -> Any:  # -> Verifier
 
 
 def _request(rid: str) -> GenerationRequest:
-    return convert.generation_request(pb.VerifyOpen(request_id=rid, prompt_token_ids=[5, 6, 7], gamma=0,
-                                                    sampling=pb.SamplingParams(max_tokens=10**6, ignore_eos=True)))
+    return convert.generation_request(
+        pb.VerifyOpen(
+            request_id=rid,
+            prompt_token_ids=[5, 6, 7],
+            gamma=0,
+            sampling=pb.SamplingParams(max_tokens=10**6, ignore_eos=True),
+        )
+    )
 
 
 class Session:
@@ -170,9 +181,16 @@ def test_the_client_of_a_failed_engine_sees_unavailable(fake_vllm, monkeypatch) 
                 for rid in ("first", "after"):
                     call = stub.Verify()
                     with pytest.raises(grpc.aio.AioRpcError) as info:  # the write fails too once the call ended
-                        await call.write(pb.VerifyRequest(open=pb.VerifyOpen(
-                            request_id=rid, prompt_token_ids=[5, 6, 7], gamma=0,
-                            sampling=pb.SamplingParams(max_tokens=1000, ignore_eos=True))))
+                        await call.write(
+                            pb.VerifyRequest(
+                                open=pb.VerifyOpen(
+                                    request_id=rid,
+                                    prompt_token_ids=[5, 6, 7],
+                                    gamma=0,
+                                    sampling=pb.SamplingParams(max_tokens=1000, ignore_eos=True),
+                                )
+                            )
+                        )
                         while await asyncio.wait_for(call.read(), BOUND_S) is not grpc.aio.EOF:
                             pass
                     errors.append(info.value)
@@ -191,6 +209,7 @@ def test_half_open_verify_sessions_free_their_slots(fake_vllm) -> None:
     """A Verify stream that never sends `open` ends with DEADLINE_EXCEEDED after
     first_message_timeout_s, freeing its max_sessions slot (as on the drafter:
     tests/drafter/test_half_open.py)."""
+
     async def run() -> tuple[list[grpc.StatusCode], int]:
         cfg = VerifierConfig(model="tiny/target", max_sessions=20, first_message_timeout_s=0.5)
         servicer = started_servicer(fake_vllm[0], cfg)

