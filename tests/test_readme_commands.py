@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -279,6 +280,18 @@ def _stop(proc: subprocess.Popen[str], sig: int) -> int:
     return proc.returncode
 
 
+def _diagnosis(workdir: Path, ports: list[int]) -> str:
+    """What a `specdec up` that never got ready (within TIMEOUT_S) left: its own output, the tail of each service's
+    log, and every socket listening on its ports (a second listener would take health checks)."""
+    parts = [f"up.log:\n{(workdir / 'up.log').read_text()[-2000:]}"]
+    parts += [f"{p.name}:\n{p.read_text(errors='replace')[-1500:]}" for p in sorted((workdir / "logs").glob("*.log"))]
+    if shutil.which("ss"):
+        query = " or ".join(f"sport = :{port}" for port in ports)
+        listening = subprocess.run(["ss", "-ltnp", query], capture_output=True, text=True).stdout
+        parts.append(f"listening on {ports}:\n{listening}")
+    return "\n".join(parts)
+
+
 @pytest.fixture(scope="module")
 def up(workdir: Path) -> Iterator[Up]:
     """The docs' `specdec up` lines (all the same command on tiny; their env assignments
@@ -307,7 +320,7 @@ def up(workdir: Path) -> Iterator[Up]:
         deadline = time.monotonic() + TIMEOUT_S
         while "ready: gateway" not in log.read_text():
             assert proc.poll() is None, f"`specdec up` exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"`specdec up` not ready in {TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"not ready in {TIMEOUT_S} s:\n{_diagnosis(workdir, ports)}"
             time.sleep(0.5)
         address = f"127.0.0.1:{ports[0]}"
         gen = Command("(fixture)", (), ("generate", "def add(a, b):", "--max-tokens", "16", "--json"))
