@@ -379,40 +379,37 @@ class SpecdecCluster:
 
     def address(self, quantize: str, branches: int | None = None) -> str:
         """The gateway's address, with a drafter quantised `quantize` and `branches` (None: its default)."""
-        from specdec_cli.launch import Cluster, free_port
+        from specdec_cli.launch import ANY_PORT, Cluster
 
         if self.cluster is not None and (quantize, branches) != self.drafter_setting:
             self.stop()
         if self.cluster is None:
-            off = ["--metrics-port", "0"]
-            drafter_metrics_port = free_port()
             self.cluster = Cluster(
                 pair=self.pair,
-                gateway_port=free_port(),
-                drafter_port=free_port(),
-                verifier_port=free_port(),
+                gateway_port=ANY_PORT,
+                drafter_port=ANY_PORT,
+                verifier_port=ANY_PORT,
                 log_dir=self.out / "logs",
                 target=self.target,
                 draft=self.draft,
+                metrics_port={"verifier": 0, "drafter": ANY_PORT, "gateway": 0},
+                rest_port=0,
                 extra_args={
-                    "verifier": [*off, "--dtype", self.dtype, "--no-prefix-caching", *self.verifier_args],
+                    "verifier": ["--dtype", self.dtype, "--no-prefix-caching", *self.verifier_args],
                     # an int8 draft computes in float32 whatever the bench's dtype (it is the
                     # drafter's default); an unquantised one takes the bench's, as vLLM's draft_model
                     "drafter": [
-                        "--metrics-port",
-                        str(drafter_metrics_port),
                         *(["--dtype", self.dtype] if quantize == "none" else []),
                         "--quantize",
                         quantize,
                         *(["--branches", str(branches)] if branches is not None else []),
                     ],
-                    "gateway": [*off, "--rest-port", "0"],
                 },
             )
             self.cluster.start()
             self.drafter_setting = (quantize, branches)
-            self.drafter_metrics = f"http://127.0.0.1:{drafter_metrics_port}/metrics"
-        return f"127.0.0.1:{self.cluster.gateway_port}"
+            self.drafter_metrics = f"http://127.0.0.1:{self.cluster.drafter.metrics_port}/metrics"
+        return str(self.cluster.gateway.address)
 
     def stop(self) -> None:
         if self.cluster is not None:

@@ -103,7 +103,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from specdec.models import resolve
-    from specdec_cli.launch import Cluster, free_port
+    from specdec_cli.launch import ANY_PORT, Cluster
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve(PAIRS[args.models].target)))
     prompts = [list(tokenizer.encode(p)) for p in PROMPTS]
@@ -111,29 +111,28 @@ def main() -> int:
     rows: list[Row] = []
     reference: list[list[int]] | None = None
     for mode in args.modes.split(","):
-        off = ["--metrics-port", "0"]
         cluster = Cluster(
             pair=args.models,
-            gateway_port=free_port(),
-            drafter_port=free_port(),
-            verifier_port=free_port(),
+            gateway_port=ANY_PORT,
+            drafter_port=ANY_PORT,
+            verifier_port=ANY_PORT,
             log_dir=Path(args.out) / "logs",
+            metrics_port=dict.fromkeys(("verifier", "drafter", "gateway"), 0),
+            rest_port=0,
             extra_args={
-                "verifier": [*off, *shlex.split(args.verifier_args)],
+                "verifier": shlex.split(args.verifier_args),
                 "drafter": [
-                    *off,
                     "--draft-confidence",
                     mode,
                     "--branches",
                     str(args.branches),
                     *shlex.split(args.drafter_args),
                 ],
-                "gateway": [*off, "--rest-port", "0"],
             },
         )
         cluster.start()
         try:
-            address = f"127.0.0.1:{cluster.gateway_port}"
+            address = cluster.gateway.address
             run(address, prompts[:1], 8, gammas[0])  # warm-up
             if reference is None:  # plain target decoding through the same services: the output to match
                 reference, plain, rate = run(address, prompts, args.max_tokens, 0)

@@ -218,23 +218,19 @@ def specdec_services(
     dtype with the prefix cache off, the drafter at its own default: int8 dynamic quantisation of
     the float32 draft on the CPU), the verifier on cores[0], drafter and gateway on cores[1];
     yields the REST bridge's URL (it serves /metrics too)."""
-    from specdec_cli.launch import Cluster, free_port
+    from specdec_cli.launch import ANY_PORT, Cluster
 
-    rest = free_port()
-    off = ["--metrics-port", "0"]
     cluster = Cluster(
         pair=pair,
         target=target,
         draft=draft,
-        gateway_port=free_port(),
-        drafter_port=free_port(),
-        verifier_port=free_port(),
+        gateway_port=ANY_PORT,
+        drafter_port=ANY_PORT,
+        verifier_port=ANY_PORT,
         log_dir=log_dir,
-        extra_args={
-            "verifier": [*off, "--dtype", dtype, "--no-prefix-caching", *verifier_args],
-            "drafter": off,
-            "gateway": [*off, "--rest-port", str(rest)],
-        },
+        metrics_port=dict.fromkeys(("verifier", "drafter", "gateway"), 0),
+        rest_port=ANY_PORT,
+        extra_args={"verifier": ["--dtype", dtype, "--no-prefix-caching", *verifier_args]},
     )
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, set(cores))  # Cluster gives the verifier all but the last core, the rest the last
@@ -243,7 +239,7 @@ def specdec_services(
     finally:
         os.sched_setaffinity(0, mine)
     try:
-        url = f"http://127.0.0.1:{rest}"
+        url = f"http://127.0.0.1:{cluster.gateway.rest_port}"
         wait_healthy(url, None, READY_TIMEOUT_S, log_dir / "gateway-rest.log")
         yield url
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
 from typing import Any, Self
 
@@ -146,11 +147,14 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         )
 
 
-async def rest_bridge(cfg: GatewayConfig, core: GatewayCore, stop: asyncio.Event) -> None:
+async def rest_bridge(
+    cfg: GatewayConfig, core: GatewayCore, stop: asyncio.Event, sock: socket.socket | None = None
+) -> None:
     """Serve the REST bridge beside the gRPC server until `stop` is set: HTTPS with the
     gateway's certificate (re-read when it changes or on SIGHUP), calling `core` in-process;
     the caller's API key goes with each call, so the core checks it and applies its limits as
-    it does for a gRPC client."""
+    it does for a gRPC client. `sock`: the port, bound already (`main` binds it with the
+    gRPC port, before the tokenizer loads); None binds cfg.host:cfg.rest_port now."""
     import prometheus_client
     import uvicorn
 
@@ -185,7 +189,7 @@ async def rest_bridge(cfg: GatewayConfig, core: GatewayCore, stop: asyncio.Event
     tls: dict[str, Any] = {"ssl_context_factory": lambda config, default: context} if context is not None else {}
     config = uvicorn.Config(app, host=cfg.host, port=cfg.rest_port, log_level="warning", **tls)
     server = Server(config)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[sock] if sock is not None else None))
     reload = asyncio.create_task(_reload_rest_certificates(context)) if context is not None else None
     await stop.wait()
     server.should_exit = True
@@ -264,11 +268,18 @@ def build(cfg: GatewayConfig, registry: CollectorRegistry) -> GatewayCore:
 
 
 async def main(cfg: GatewayConfig) -> None:
-    await serving.serve(
-        "gateway",
-        cfg,
-        lambda registry: GatewayServicer(build(cfg, registry)),
-        rpc.add_GatewayServiceServicer_to_server,
-        "specdec.v1.GatewayService",
-        also=(lambda servicer, stop: rest_bridge(cfg, servicer.core, stop)) if cfg.rest_port else None,
-    )
+    # the REST port is bound first, as serving.serve binds the gRPC port before `build`: taken, the
+    # gateway fails at once with EADDRINUSE, not after loading; free, nothing can take it meanwhile
+    rest = serving.bind_tcp(cfg.host, cfg.rest_port, "gateway: the REST bridge's port") if cfg.rest_port else None
+    try:
+        await serving.serve(
+            "gateway",
+            cfg,
+            lambda registry: GatewayServicer(build(cfg, registry)),
+            rpc.add_GatewayServiceServicer_to_server,
+            "specdec.v1.GatewayService",
+            also=(lambda servicer, stop: rest_bridge(cfg, servicer.core, stop, rest)) if rest is not None else None,
+        )
+    finally:
+        if rest is not None:
+            rest.close()

@@ -9,6 +9,11 @@ reached) rather than letting the CLI guess from a message.
 
 from __future__ import annotations
 
+EXIT_ADDRESS_IN_USE = 98
+"""The `specdec` exit status when a port it was to bind is taken (errno EADDRINUSE, 98 on
+Linux): a launcher that chose the port itself (`specdec_cli.launch`) picks another and
+starts the service again; any other error to fix exits with 2."""
+
 
 class UserError(Exception):
     """An error the user can fix: `message` says what is wrong, `hint` what to do."""

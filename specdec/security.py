@@ -200,13 +200,19 @@ def grpc_options(cfg: TransportConfig, server: bool) -> list[tuple[str, Any]]:
 
 def add_port(server: grpc.aio.Server, name: str, address: str, cfg: TransportConfig) -> int:
     """Bind `address` with TLS when the service has certificates, else in plaintext; plaintext on
-    an address other machines can reach is logged as a warning at start-up."""
+    an address other machines can reach is logged as a warning at start-up. Returns the port
+    bound, 0 when it could not be bound (`serving.bind_error` says why)."""
     host = address.rsplit(":", 1)[0] if not address.startswith("unix:") else address
+    try:
+        if tls_enabled(cfg):
+            bound = server.add_secure_port(address, server_credentials(cfg))
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises "Failed to bind" (older releases returned 0); the caller asks the OS why
+        return 0
     if tls_enabled(cfg):
-        bound = server.add_secure_port(address, server_credentials(cfg))
         log.info("%s: TLS on %s (client certificates: %s)", name, address, cfg.tls_client_auth)
     else:
-        bound = server.add_insecure_port(address)
         if not is_loopback(host):
             log.warning(
                 "%s: serving PLAINTEXT gRPC on %s, which other hosts can reach: anyone on the network "

@@ -17,6 +17,7 @@ import importlib
 import logging
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, NoReturn, Protocol, TypeVar
 
@@ -183,6 +184,33 @@ class Servicer(Protocol):
 S = TypeVar("S", bound=Servicer)
 
 
+def bind_tcp(host: str, port: int, what: str = "") -> socket.socket:
+    """A TCP socket bound to host:port (an IPv4 or IPv6 address or a host name; "[::]" as
+    gRPC writes it), not yet listening: a server started later (the REST bridge, once the
+    model is loaded) then owns a port nothing could take meanwhile. An OSError keeps the OS's
+    errno (EADDRINUSE: the port is taken) and names `what` and the address."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    family, kind, proto, _, address = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC and uvicorn bind theirs
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise OSError(err.errno, f"cannot bind {what or 'a port'} {host}:{port}: {err.strerror}") from err
+    return sock
+
+
+def bind_error(name: str, what: str, host: str, port: int) -> OSError:
+    """The error for a port gRPC could not bind (it says only that it failed): the same bind
+    with a plain socket gives the OS's reason and errno (EADDRINUSE: taken by another process)."""
+    try:
+        bind_tcp(host, port, what).close()
+    except OSError as err:
+        return OSError(err.errno, f"{name}: {err.strerror}")
+    return OSError(f"{name}: cannot bind {what} {host}:{port}")
+
+
 async def serve(
     name: str,
     cfg: DrafterConfig | VerifierConfig | GatewayConfig,
@@ -211,10 +239,14 @@ async def serve(
     )
     bound = security.add_port(server, name, f"{cfg.host}:{cfg.port}", cfg)
     if bound == 0:
-        raise OSError(f"{name}: cannot bind {cfg.host}:{cfg.port}")
+        raise bind_error(name, "its gRPC port", cfg.host, cfg.port)
     registry = service_registry(name)
     if cfg.metrics_port:
-        start_http_server(cfg.metrics_port, addr=cfg.host, registry=registry)
+        try:
+            start_http_server(cfg.metrics_port, addr=cfg.host, registry=registry)
+        except OSError as err:
+            where = f"{cfg.host}:{cfg.metrics_port}"
+            raise OSError(err.errno, f"{name}: cannot bind its metrics port {where}: {err.strerror}") from err
         log.info("%s metrics on http://%s:%d/metrics", name, cfg.host, cfg.metrics_port)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -222,8 +254,10 @@ async def serve(
     if cfg.health_port:
         probes = grpc.aio.server(options=security.grpc_options(cfg, server=True))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probes)
-        if probes.add_insecure_port(f"{cfg.host}:{cfg.health_port}") == 0:
-            raise OSError(f"{name}: cannot bind the health port {cfg.host}:{cfg.health_port}")
+        try:
+            probes.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
+        except RuntimeError:  # grpcio's "Failed to bind": the OS says why
+            raise bind_error(name, "its health port", cfg.host, cfg.health_port) from None
         await probes.start()  # answers NOT_FOUND until the servicer is built and the statuses are set
         log.info("%s health checks (plaintext) on %s:%d", name, cfg.host, cfg.health_port)
     servicer = build(registry)

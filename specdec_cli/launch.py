@@ -6,25 +6,70 @@ way it would on its own host; readiness is the standard gRPC health check.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.errors import EXIT_ADDRESS_IN_USE
 from specdec.models import choose
+
+log = logging.getLogger(__name__)
+
+
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()  # this process's free_port answers: never the same one twice
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 by default on Linux)."""
+    try:
+        return int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now, for a service about to be started on it.
+
+    It is drawn at random from below the kernel's ephemeral range, where the OS never puts
+    an outgoing connection or a bind to port 0 (vLLM's own sockets among them): asking the OS
+    for a port with bind(0), then closing it, would hand back a number the next bind(0)
+    anywhere on the machine may take before the service binds it. What is left is a clash
+    with another process drawing from the same range; `Cluster` starts a service whose
+    chosen port was taken again on a new one (EXIT_ADDRESS_IN_USE).
+    """
+    low = _ephemeral_low()
+    first = 10000 if low > 11000 else 1024
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(first, low) if low > first else 0
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = int(s.getsockname()[1])
+        _handed_out.add(port)
+        return port
+    raise OSError(errno.EADDRINUSE, f"no free port found in {first}..{low - 1}")
+
+
+class PortTaken(RuntimeError):
+    """A service exited at start because a port it was to bind is taken (EXIT_ADDRESS_IN_USE)."""
 
 
 @dataclass
@@ -58,6 +103,8 @@ class Service:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
+                    if self.proc.returncode == EXIT_ADDRESS_IN_USE:
+                        raise PortTaken(f"{self.kind}: a port it was to bind is taken; log: {self.log_path}")
                     raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}; log: {self.log_path}")
                 try:
                     resp: health_pb2.HealthCheckResponse = stub.Check(  # type: ignore[attr-defined]  # types-grpcio-health-checking's HealthStub lacks Check (the generated __init__ sets it)
@@ -89,15 +136,19 @@ def start_service(
     env: dict[str, str] | None = None,
     metrics_port: int | None = None,
     prefix: list[str] | None = None,
+    rest_port: int | None = None,
 ) -> Service:
     """Start `specdec serve KIND --port PORT ARGS...`, optionally pinned to `cpus`.
 
     metrics_port None keeps the service's configured /metrics port; 0 turns it off.
+    rest_port (gateways) likewise for the REST bridge.
     `prefix` runs the command under another (`ip netns exec NS`: another network namespace).
     """
     cmd = [*(prefix or []), sys.executable, "-m", "specdec_cli", "serve", kind, "--port", str(port), *args]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
+    if rest_port is not None:
+        cmd += ["--rest-port", str(rest_port)]
     out = None
     log_path = None
     if log_dir is not None:
@@ -112,7 +163,7 @@ def start_service(
         env={**os.environ, **(env or {})},
         preexec_fn=preexec,
     )
-    return Service(kind, port, proc, log_path, metrics_port or 0)
+    return Service(kind, port, proc, log_path, metrics_port or 0, rest_port or 0)
 
 
 def split_cpus() -> tuple[set[int] | None, set[int] | None]:
@@ -123,9 +174,25 @@ def split_cpus() -> tuple[set[int] | None, set[int] | None]:
     return set(cpus[:-1]), {cpus[-1]}
 
 
+ANY_PORT = -1
+"""A `Cluster` port meaning: a free one, chosen by `free_port`, and chosen again if another
+process binds it before the service does."""
+PORT_TRIES = 5  # starts of one service whose chosen port was taken, before giving up
+
+
+def _pick(port: int | None) -> int | None:
+    return free_port() if port == ANY_PORT else port
+
+
 @dataclass
 class Cluster:
-    """The three services of one deployment, started locally."""
+    """The three services of one deployment, started locally.
+
+    Ports: a number is bound as given (a service that cannot bind it fails the start);
+    ANY_PORT is chosen by `free_port` and, if taken before the service binds it, chosen again
+    (up to PORT_TRIES starts). After `start`, `gateway`, `drafter` and `verifier` give each
+    service's address and ports.
+    """
 
     pair: str = "qwen-coder"
     draft: str | None = None  # a model reference replacing the pair's draft (None: the pair's)
@@ -134,11 +201,69 @@ class Cluster:
     verifier_port: int = 50053
     log_dir: Path | None = None
     pin: bool = True
-    # extra flags per service kind, e.g. {"gateway": ["--rest-port", "0"]}
+    # extra flags per service kind, e.g. {"verifier": ["--dtype", "float32"]}
     extra_args: dict[str, list[str]] = field(default_factory=dict)
     services: list[Service] = field(default_factory=list)
     target: str | None = None  # a model reference replacing the pair's target (and its tokenizer)
     tokenizer: str | None = None  # the gateway's tokenizer (None: the target's)
+    # /metrics port per service kind (0: off, ANY_PORT: a free one); a kind not named keeps its setting
+    metrics_port: dict[str, int] = field(default_factory=dict)
+    rest_port: int | None = None  # the gateway's REST bridge (0: off, ANY_PORT: a free one; None: its setting)
+
+    def _service(self, kind: str) -> Service:
+        for s in self.services:
+            if s.kind == kind:
+                return s
+        raise LookupError(f"no {kind} started")
+
+    @property
+    def gateway(self) -> Service:
+        return self._service("gateway")
+
+    @property
+    def drafter(self) -> Service:
+        return self._service("drafter")
+
+    @property
+    def verifier(self) -> Service:
+        return self._service("verifier")
+
+    def _launch(self, kind: str, port: int, args: list[str], cpus: set[int] | None) -> Callable[[], Service]:
+        """What starts `kind` (again): each ANY_PORT drawn anew at every call."""
+        rest = self.rest_port if kind == "gateway" else None
+
+        def launch() -> Service:
+            service_port = _pick(port)
+            assert service_port is not None
+            return start_service(
+                kind,
+                service_port,
+                args,
+                self.log_dir,
+                cpus,
+                metrics_port=_pick(self.metrics_port.get(kind)),
+                rest_port=_pick(rest),
+            )
+
+        return launch
+
+    def _ready(self, kind: str, launch: Callable[[], Service], timeout_s: float) -> None:
+        """Wait for `kind` to serve; started on ports of its own choosing that another process
+        took first, it is started again on new ones."""
+        chosen = ANY_PORT in (
+            {"gateway": self.gateway_port, "drafter": self.drafter_port, "verifier": self.verifier_port}[kind],
+            self.metrics_port.get(kind),
+            self.rest_port if kind == "gateway" else None,
+        )
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                self._service(kind).wait_ready(timeout_s)
+                return
+            except PortTaken:
+                if not chosen or attempt == PORT_TRIES:
+                    raise
+                log.warning("%s: a port chosen for it was taken first; starting it on new ones", kind)
+                self.services = [s for s in self.services if s.kind != kind] + [launch()]
 
     def start(self, timeout_s: float = 900.0) -> None:
         pair = choose(self.pair, self.target, self.draft, self.tokenizer)
@@ -147,44 +272,43 @@ class Cluster:
         threads = str(len(target_cpus)) if target_cpus else "0"
         # the verifier's network I/O runs beside the drafter, the target's core only computes
         io = ["--io-cpus", ",".join(map(str, sorted(draft_cpus)))] if draft_cpus else []
-        verifier = start_service(
-            "verifier",
-            self.verifier_port,
-            ["--model", target, "--threads", threads, *io, *self.extra_args.get("verifier", [])],
-            self.log_dir,
-            target_cpus,
-        )
-        drafter = start_service(
-            "drafter",
-            self.drafter_port,
-            ["--model", self.draft or default_draft, "--threads", "1", *self.extra_args.get("drafter", [])],
-            self.log_dir,
-            draft_cpus,
-        )
-        self.services = [verifier, drafter]
+        launches = {
+            "verifier": self._launch(
+                "verifier",
+                self.verifier_port,
+                ["--model", target, "--threads", threads, *io, *self.extra_args.get("verifier", [])],
+                target_cpus,
+            ),
+            "drafter": self._launch(
+                "drafter",
+                self.drafter_port,
+                ["--model", self.draft or default_draft, "--threads", "1", *self.extra_args.get("drafter", [])],
+                draft_cpus,
+            ),
+        }
+        self.services = [launches["verifier"](), launches["drafter"]()]
         try:
-            for s in self.services:
-                s.wait_ready(timeout_s)
+            for kind, launch in launches.items():
+                self._ready(kind, launch, timeout_s)
             # the gateway last: its pools' first health checks then find the drafter and verifier
             # serving (a drafter still loading would be taken for down until the next check, and the
             # first requests would decode plainly)
-            gateway = start_service(
+            gateway = self._launch(
                 "gateway",
                 self.gateway_port,
                 [
                     "--tokenizer",
                     tokenizer,
                     "--drafter-address",
-                    drafter.address,
+                    self.drafter.address,
                     "--verifier-address",
-                    verifier.address,
+                    self.verifier.address,
                     *self.extra_args.get("gateway", []),
                 ],
-                self.log_dir,
                 draft_cpus,
             )
-            self.services.append(gateway)
-            gateway.wait_ready(timeout_s)
+            self.services.append(gateway())
+            self._ready("gateway", gateway, timeout_s)
         except BaseException:
             self.stop()
             raise

@@ -12,13 +12,14 @@
     specdec bench-drafter [--sessions 1,2,...]    a drafter's draft tokens/s and pace against sessions
 
 An error you can fix prints one line, `specdec: error: <what is wrong>; <what to do>`, and
-exits with status 2 (an unexpected one: status 1, Ctrl-C: 130). `specdec --debug COMMAND`
+exits with status 2 (a port already taken: 98; an unexpected error: 1; Ctrl-C: 130). `specdec --debug COMMAND`
 or SPECDEC_DEBUG=1 prints the traceback too.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, overload
 
 from specdec import config
-from specdec.errors import UserError
+from specdec.errors import EXIT_ADDRESS_IN_USE, UserError
 from specdec.models import check_pair, choose
 
 if TYPE_CHECKING:
@@ -383,27 +384,26 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from specdec_cli.launch import Cluster, free_port
+    from specdec_cli.launch import ANY_PORT, Cluster
 
     what = _checked_pair(args)
-    ports = [free_port() for _ in range(3)]
-    off = ["--metrics-port", "0"]  # a one-shot run needs no metrics or REST ports
     cluster = Cluster(
         pair=args.models,
-        gateway_port=ports[0],
-        drafter_port=ports[1],
-        verifier_port=ports[2],
+        gateway_port=ANY_PORT,
+        drafter_port=ANY_PORT,
+        verifier_port=ANY_PORT,
         log_dir=Path(args.log_dir),
         target=args.target,
         draft=args.draft,
         tokenizer=args.tokenizer,
-        extra_args={"verifier": off, "drafter": off, "gateway": [*off, "--rest-port", "0"]},
+        metrics_port=dict.fromkeys(("verifier", "drafter", "gateway"), 0),  # a one-shot run needs no metrics
+        rest_port=0,  # nor the REST bridge
     )
     print(f"starting verifier, drafter and gateway ({what}); logs in {args.log_dir}", file=sys.stderr)
     _start(cluster)
     try:
         print(f"prompt: {args.prompt!r}\n", file=sys.stderr)
-        args.address = f"127.0.0.1:{ports[0]}"
+        args.address = cluster.gateway.address
         return _generate(args)
     finally:
         cluster.stop()
@@ -631,7 +631,8 @@ def _debug_env() -> bool:
 
 def explain(err: BaseException) -> tuple[str, int]:
     """What `specdec` prints for an exception (`<what>; <what to do>`) and its exit status:
-    2 for errors the user can fix, 1 for unexpected ones."""
+    2 for errors the user can fix (EXIT_ADDRESS_IN_USE when a port is taken), 1 for
+    unexpected ones."""
     if isinstance(err, UserError):
         return str(err), 2
     if isinstance(err, subprocess.CalledProcessError):
@@ -640,6 +641,8 @@ def explain(err: BaseException) -> tuple[str, int]:
         return f"`{cmd}` failed with exit status {err.returncode}; its output above says why", 2
     if isinstance(err, OSError):
         what = f"{err.strerror}: {err.filename}" if err.strerror and err.filename else str(err)
+        if err.errno == errno.EADDRINUSE:
+            return f"{what}; stop what holds the port (`ss -ltnp`) or choose another", EXIT_ADDRESS_IN_USE
         if isinstance(err, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
             return f"{what}; check the path", 2
         if isinstance(err, PermissionError):

@@ -13,7 +13,7 @@ from gen import generate_all, spec
 from transformers import AutoTokenizer
 
 from specdec.models import resolve
-from specdec_cli.launch import Cluster, free_port
+from specdec_cli.launch import ANY_PORT, Cluster
 
 pytestmark = pytest.mark.slow
 
@@ -29,18 +29,18 @@ def test_qwen_coder_pair_exact_and_speculating(tmp_path) -> None:
     tok = AutoTokenizer.from_pretrained(target)
     ids = [list(tok.encode(p)) for p in PROMPTS]
     reference = vllm_reference(target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS} for p in ids])
-    off = ["--metrics-port", "0"]
     cluster = Cluster(
         pair="qwen-coder",
-        gateway_port=free_port(),
-        drafter_port=free_port(),
-        verifier_port=free_port(),
+        gateway_port=ANY_PORT,
+        drafter_port=ANY_PORT,
+        verifier_port=ANY_PORT,
         log_dir=tmp_path,
-        extra_args={"verifier": off, "drafter": off, "gateway": [*off, "--rest-port", "0"]},
+        metrics_port=dict.fromkeys(("verifier", "drafter", "gateway"), 0),
+        rest_port=0,
     )
     cluster.start()
     try:
-        responses = generate_all(f"127.0.0.1:{cluster.gateway_port}", [spec(p, MAX_TOKENS, gamma=4) for p in ids], 2)
+        responses = generate_all(cluster.gateway.address, [spec(p, MAX_TOKENS, gamma=4) for p in ids], 2)
     finally:
         cluster.stop()
     assert [list(r.token_ids) for r in responses] == reference
