@@ -169,7 +169,8 @@ def is_loopback(host: str) -> bool:
 
 
 def grpc_options(cfg: TransportConfig, server: bool) -> list[tuple[str, Any]]:
-    """Message-size and keepalive options of a server or a client of this service's settings.
+    """Message-size, keepalive (and, for clients, reconnect) options of a server or a client of
+    this service's settings.
 
     Both sides take the keepalive from the same settings: clients ping every
     `keepalive_time_s` (also without calls in flight) and give up on a peer that does not
@@ -195,6 +196,10 @@ def grpc_options(cfg: TransportConfig, server: bool) -> list[tuple[str, Any]]:
             ("grpc.http2.min_ping_interval_without_data_ms", ping_ms // 2),
             ("grpc.so_reuseport", 0),
         ]
+    else:
+        # a peer back from a restart (a pod rescheduled, a verifier reloaded) is reached within
+        # 5 s, not after gRPC's default backoff, which grows to 120 s across the failed attempts
+        opts.append(("grpc.max_reconnect_backoff_ms", 5000))
     return opts
 
 

@@ -93,12 +93,15 @@ class Service:
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the health check says SERVING; raise if the process died or timed out."""
         deadline = time.monotonic() + timeout_s
+        # gRPC backs off reconnecting after each refused connection (1 s, x1.6 each, up to 120 s):
+        # polling a service that takes minutes to load, the check could first reach it minutes late
+        retry = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
         if self.tls:
             from specdec.security import channel_credentials
 
-            channel = grpc.secure_channel(self.address, channel_credentials(*self.tls))
+            channel = grpc.secure_channel(self.address, channel_credentials(*self.tls), options=retry)
         else:
-            channel = grpc.insecure_channel(self.address)
+            channel = grpc.insecure_channel(self.address, options=retry)
         with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:

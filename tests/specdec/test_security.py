@@ -83,6 +83,8 @@ def test_both_sides_agree_on_keepalive() -> None:
     # a server accepts pings at least as often as a client sends them: no GOAWAY too_many_pings
     assert server["grpc.http2.min_recv_ping_interval_without_data_ms"] <= client["grpc.keepalive_time_ms"]
     assert client["grpc.max_send_message_length"] == server["grpc.max_receive_message_length"]
+    # a restarted peer is tried again within seconds (gRPC's default backoff reaches 120 s)
+    assert client["grpc.max_reconnect_backoff_ms"] <= 5000 and "grpc.max_reconnect_backoff_ms" not in server
 
 
 @pytest.mark.parametrize(
