@@ -14,8 +14,10 @@ Phases (each line {"phase": ..., ...}):
     exact       the prompts through the gateway Service's REST port: token ids per prompt
     scale-out   one more drafter pod and verifier pod; requests until both served one;
                 seconds from their Ready to that, and generations per pod
-    roll        8 streams; once each has its first tokens, one pod of each Deployment is
-                deleted as Kubernetes does; token ids per stream and broken streams
+    roll        8 streams, sized from their measured pace to last through the gateway's
+                preStop sleep and half its drain; once each has its first tokens, one pod of
+                each Deployment is deleted as Kubernetes does; token ids per stream and broken
+                streams
 """
 
 from __future__ import annotations
@@ -128,6 +130,24 @@ class Client:
         return {"ids": ids, "finish": finish, "error": None if finish else "the stream ended with no finish_reason"}
 
 
+def drain_window(deployment: dict[str, Any]) -> tuple[float, float]:
+    """(preStop sleep, SPECDEC_SHUTDOWN_TIMEOUT_S) of a rendered Deployment's first container,
+    in seconds: a pod deleted keeps serving its open streams for the first, then finishes
+    them for up to the second (the drain)."""
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    sleep = float(command[1]) if command[:1] == ["sleep"] else 0.0
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    return sleep, float(env.get("SPECDEC_SHUTDOWN_TIMEOUT_S") or 30.0)
+
+
+def stream_length(tokens_per_s: float, pre_stop_s: float, drain_s: float, most: int) -> int:
+    """Tokens for a roll's streams: measured at `tokens_per_s` per stream, a stream then lasts
+    through the preStop sleep and half the drain, so it is open at SIGTERM and done well inside
+    the drain on a machine of any speed (`most`: the model's limit)."""
+    return max(16, min(most, int(tokens_per_s * (pre_stop_s + drain_s / 2))))
+
+
 async def main(cfg: dict[str, Any]) -> None:
     cluster = Cluster(
         render(Path(cfg["kustomization"])),
@@ -192,10 +212,17 @@ async def main(cfg: dict[str, Any]) -> None:
             served={p.name: served(p) - before.get(p.name, 0.0) for p in cluster.pods.values()},
         )
 
+        # the roll's streams: 8 at once, timed at this moment's pace (a loaded machine is slower)
+        probe = [asyncio.Event() for _ in cfg["prompts"][:8]]
+        t0 = time.monotonic()
+        timed = await asyncio.gather(*(client.stream(p, 64, e) for p, e in zip(cfg["prompts"][:8], probe, strict=True)))
+        pace = 64 / (time.monotonic() - t0)  # tokens per second per stream, 8 streams at once
+        assert all(r["error"] is None for r in timed), timed
+        pre_stop_s, drain_s = drain_window(cluster.deployments["gateway"])
+        tokens = stream_length(pace, pre_stop_s, drain_s, cfg["stream_tokens"])
         firsts = [asyncio.Event() for _ in cfg["prompts"][:8]]
         streams = [
-            asyncio.create_task(client.stream(p, cfg["stream_tokens"], e))
-            for p, e in zip(cfg["prompts"][:8], firsts, strict=True)
+            asyncio.create_task(client.stream(p, tokens, e)) for p, e in zip(cfg["prompts"][:8], firsts, strict=True)
         ]
         await asyncio.gather(*(e.wait() for e in firsts))
         victims = [
@@ -215,6 +242,9 @@ async def main(cfg: dict[str, Any]) -> None:
         emit(
             "roll",
             deleted=[v.name for v in victims],
+            tokens=tokens,
+            pace=round(pace, 1),
+            window=[pre_stop_s, drain_s],
             open_at_delete=open_at_delete,
             open_at_sigterm=await watch,
             ids=[r["ids"] for r in results],

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 from gen import prompts  # noqa: E402 (tests/e2e's prompts)
 
 MAX_TOKENS = 32
-STREAM_TOKENS = 1900  # as long as the tiny target allows (2048), to be in flight through the preStop (10 s)
+STREAM_TOKENS = 1900  # the most a roll's stream asks for (the tiny target allows 2048); cluster_run sizes them
 API_KEY = "sk-cluster-test"
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -181,7 +181,11 @@ def run(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> dict[str
     assert proc.returncode == 0, f"{proc.stderr[-4000:]}\nlogs in {tmp}"
     ref = vllm_reference(
         tiny_target,
-        [{"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True} for n in (MAX_TOKENS, STREAM_TOKENS) for p in ps],
+        [
+            {"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True}
+            for n in (MAX_TOKENS, phases["roll"]["tokens"])  # the roll's length: cluster_run sized it
+            for p in ps
+        ],
     )
     phases["reference"] = {"exact": ref[: len(ps)], "roll": ref[len(ps) : len(ps) + 8]}
     return phases
@@ -210,6 +214,9 @@ def test_scale_out_reaches_the_new_pods(run) -> None:
 
 def test_a_roll_loses_no_stream(run) -> None:
     r = run["roll"]
-    print(f"deleted {r['deleted']} with {r['open_at_delete']} of 8 streams open, {r['open_at_sigterm']} at SIGTERM")
+    print(
+        f"deleted {r['deleted']} with {r['open_at_delete']} of 8 streams open, {r['open_at_sigterm']} at SIGTERM; "
+        f"{r['tokens']} tokens per stream at {r['pace']} tok/s each (preStop, drain: {r['window']} s)"
+    )
     assert r["errors"] == [None] * 8
     assert r["ids"] == run["reference"]["roll"]
