@@ -23,8 +23,12 @@ across batch compositions.
 On the default stack the generations run DEFAULTS_CONCURRENCY (8) at a time: at the fixed
 stack's 32, adaptive gamma rightly backs off to plain decoding on the tiny target (measured: 0
 drafts verified), which would leave the rejection sampler untested there. At 8 it verified
-412 to 1,873 drafts per table (measured on this 2-core machine; at 2 at a time the four tables
-took 67 to 92 s each, at 8, 16 to 25 s).
+412 to 1,873 drafts per table in one run, and in another held the drafter almost throughout
+(2 drafts verified, both accepted; 1,024 held steps): what adaptive gamma decides depends on
+the step costs it has measured on the machine. Either way the table checks that what a user
+runs is exact; the fixed stack is the one that exercises the rejection sampler at a known
+gamma, and only there is "some drafts rejected" asserted. (At 2 at a time the four default
+tables took 67 to 92 s each on this 2-core machine, at 8, 16 to 27 s.)
 
 This test failed before the CPU rejection-sampler fix (verifier/vllm_hooks.py, apply_cpu_sampler_fix).
 """
@@ -144,9 +148,9 @@ def test_sampling_matches_target_only(stack: Services, references, prompt_ids, d
     # falls back; every one falling back is a broken drafter, and fails here).
     if stack.defaults:
         assert drafted > 0 or held > 0, diagnosis
-    else:
+    else:  # every step verifies its gamma: enough drafts that accepting them all would be a bug
         assert drafted >= N, diagnosis
-    assert accepted < drafted or drafted == 0, diagnosis
+        assert accepted < drafted, diagnosis
     if draft == "same" and not stack.defaults:
         assert accepted > 0.2 * drafted, (drafted, accepted)
     ours = [tuple(r.token_ids) for r in responses]
