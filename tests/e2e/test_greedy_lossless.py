@@ -62,13 +62,16 @@ def test_greedy_outputs_equal_target_only(stack: Services, greedy_case, drafter:
     # with the defaults, adaptive gamma may rightly verify none of draft-far's drafts at this
     # load; then it holds the drafter instead: either way speculation was decided, not skipped
     assert drafted > 0 or (stack.defaults and held > 0), (drafted, held, reasons)
-    if draft == "mid":
+    # how many drafts the default stack verifies is adaptive gamma's decision (it may hold the
+    # drafter nearly throughout on a loaded host: the outputs above must be exact either way);
+    # the fixed-gamma stack verifies every step's gamma, so there both outcomes must occur
+    if draft == "mid" and not stack.defaults:
         assert accepted > 0, (drafted, accepted)
-    if drafter == "model":
-        assert accepted < drafted
+    if drafter == "model" and not stack.defaults:
+        assert accepted < drafted, (drafted, accepted)
         # the fixed-gamma stack's drafters have a long margin; with the defaults a drafter that
         # misses its deadline on a loaded host rightly falls back (the output stays exact)
-        assert stack.defaults or not reasons, reasons
+        assert not reasons, reasons
     for g in GAMMAS:
         per_gamma = [r for i, r in enumerate(responses) if GAMMAS[i // len(ps)] == g]
         assert all(len(r.stats.accepted_per_position) <= g for r in per_gamma)
