@@ -123,20 +123,36 @@ def test_fix_expands_and_replaces() -> None:
     assert ints.tolist() == [5, 5, 0, 0, 0, 7]
 
 
-@pytest.mark.e2e  # imports vLLM
-def test_upstream_cpu_version_is_wrong() -> None:
-    """Documents the bug the fix works around; when this fails, upstream is fixed."""
-    from vllm.platforms import current_platform
-    from vllm.v1.sample import rejection_sampler
+UPSTREAM = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import torch
+from vllm.platforms import current_platform
+from vllm.v1.sample import rejection_sampler
+if not current_platform.is_cpu():
+    print(json.dumps(None))
+    sys.exit()
+current_platform.register_triton_kernel_overrides()  # what the CPU worker does at start
+x, cu = (torch.tensor(v) for v in json.loads(sys.argv[1]))
+print(json.dumps(rejection_sampler.expand_batch_to_tokens(x, cu.int(), 6, replace_from=-1, replace_to=1).tolist()))
+"""
 
-    if not current_platform.is_cpu():
+
+@pytest.mark.e2e  # runs vLLM
+def test_upstream_cpu_version_is_wrong() -> None:
+    """Documents the bug the fix works around; when this fails, upstream is fixed. vLLM's own
+    function runs in a fresh interpreter: this process may hold the fix already (another test
+    installed it), whatever the order the tests run in."""
+    import json
+    import subprocess
+
+    arg = json.dumps([X.tolist(), CU.tolist()])
+    out = subprocess.run([sys.executable, "-c", UPSTREAM, arg], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if got is None:
         pytest.skip("the bug is CPU-only")
-    original = rejection_sampler.expand_batch_to_tokens
-    if original is vllm_hooks.expand_batch_to_tokens:
-        pytest.skip("already patched in this process")
-    current_platform.register_triton_kernel_overrides()  # what the CPU worker does at start
-    got = original(X.clone(), CU, 6, replace_from=-1, replace_to=1)
-    assert not torch.equal(got, WANT)
+    assert not torch.equal(torch.tensor(got), WANT), got  # float32 survives the JSON round trip exactly
 
 
 @pytest.mark.e2e  # imports vLLM
