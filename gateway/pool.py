@@ -163,8 +163,9 @@ class Pool:
         self.start()
         assert self._checked is not None
         if not self._checked.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._checked.wait(), timeout=timeout_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):  # not wait_for: see `pick`
+                    await self._checked.wait()
         return self._checked.is_set()
 
     def serving(self) -> int:
@@ -195,8 +196,12 @@ class Pool:
                 raise NoReplica(f"no replica serving within {timeout_s:g} s (known: {known})")
             assert self._changed is not None
             self._changed.clear()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns normally when the
+            # event is set as the caller is cancelled, losing the cancellation (a client's deadline
+            # then waited out `timeout_s`; seen once in test_guard's deadline test)
             try:
-                await asyncio.wait_for(self._changed.wait(), timeout=min(left, self.health_every_s))
+                async with asyncio.timeout(min(left, self.health_every_s)):
+                    await self._changed.wait()
             except TimeoutError:
                 pass
 
