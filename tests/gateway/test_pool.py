@@ -114,3 +114,30 @@ def test_not_serving_is_skipped_at_once_a_slow_answer_only_when_it_repeats() -> 
             await asyncio.gather(draining.stop(None), silent.stop(None))
 
     run(test)
+
+
+def test_a_pick_cancelled_as_the_pool_changes_stays_cancelled() -> None:
+    """A waiting `pick` whose caller is cancelled (a client's deadline passed) in the same loop
+    turn as the pool's change event is set ends cancelled. asyncio.wait_for on Python 3.11 lost
+    that cancellation, and the pick went on waiting for its whole timeout."""
+
+    async def test() -> None:
+        server, port = await _health_server(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        pool = _pool(f"127.0.0.1:{port}")
+        try:
+            assert await pool.checked(30) and pool.serving() == 0
+            task = asyncio.create_task(pool.pick(timeout_s=5))
+            await asyncio.sleep(0)  # one loop turn: the task runs to its wait for a change
+            assert pool._changed is not None and not task.done()
+            pool._changed.set()
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            assert task.cancelled(), task
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    run(test)
