@@ -147,14 +147,12 @@ class GatewayServicer(rpc.GatewayServiceServicer):
         )
 
 
-async def rest_bridge(
-    cfg: GatewayConfig, core: GatewayCore, stop: asyncio.Event, sock: socket.socket | None = None
-) -> None:
+async def rest_bridge(cfg: GatewayConfig, core: GatewayCore, stop: asyncio.Event, sock: socket.socket) -> None:
     """Serve the REST bridge beside the gRPC server until `stop` is set: HTTPS with the
     gateway's certificate (re-read when it changes or on SIGHUP), calling `core` in-process;
     the caller's API key goes with each call, so the core checks it and applies its limits as
-    it does for a gRPC client. `sock`: the port, bound already (`main` binds it with the
-    gRPC port, before the tokenizer loads); None binds cfg.host:cfg.rest_port now."""
+    it does for a gRPC client. `sock`: its port, bound already (`main` binds it with the
+    gRPC port, before the tokenizer loads)."""
     import prometheus_client
     import uvicorn
 
@@ -189,7 +187,7 @@ async def rest_bridge(
     tls: dict[str, Any] = {"ssl_context_factory": lambda config, default: context} if context is not None else {}
     config = uvicorn.Config(app, host=cfg.host, port=cfg.rest_port, log_level="warning", **tls)
     server = Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock] if sock is not None else None))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     reload = asyncio.create_task(_reload_rest_certificates(context)) if context is not None else None
     await stop.wait()
     server.should_exit = True
@@ -258,7 +256,7 @@ async def _reload_rest_certificates(context: ReloadingSSLContext, every_s: float
 def build(cfg: GatewayConfig, registry: CollectorRegistry) -> GatewayCore:
     """The factory: load the tokenizer (cfg.tokenizer) and make the core, its metrics on
     `registry`, its replica pools over gRPC channels. Call it in the serving event loop. Both
-    adapters take the core: `GatewayServicer(core)` (gRPC) and `rest_bridge(cfg, core, stop)`."""
+    adapters take the core: `GatewayServicer(core)` (gRPC) and `rest_bridge(cfg, core, stop, sock)`."""
     from transformers import AutoTokenizer
 
     from specdec.models import resolve_tokenizer

@@ -231,20 +231,23 @@ class Cluster:
     def verifier(self) -> Service:
         return self._service("verifier")
 
-    def _launch(self, kind: str, port: int, args: list[str], cpus: set[int] | None) -> Callable[[], Service]:
+    def _ports(self, kind: str) -> tuple[int, int | None, int | None]:
+        """`kind`'s gRPC, /metrics and REST ports as set here (None: the service's setting)."""
+        grpc_port = {"gateway": self.gateway_port, "drafter": self.drafter_port, "verifier": self.verifier_port}
+        return grpc_port[kind], self.metrics_port.get(kind), self.rest_port if kind == "gateway" else None
+
+    def _launch(self, kind: str, args: list[str], cpus: set[int] | None) -> Callable[[], Service]:
         """What starts `kind` (again): each ANY_PORT drawn anew at every call."""
-        rest = self.rest_port if kind == "gateway" else None
+        port, metrics, rest = self._ports(kind)
 
         def launch() -> Service:
-            service_port = _pick(port)
-            assert service_port is not None
             return start_service(
                 kind,
-                service_port,
+                free_port() if port == ANY_PORT else port,
                 args,
                 self.log_dir,
                 cpus,
-                metrics_port=_pick(self.metrics_port.get(kind)),
+                metrics_port=_pick(metrics),
                 rest_port=_pick(rest),
             )
 
@@ -253,11 +256,7 @@ class Cluster:
     def _ready(self, kind: str, launch: Callable[[], Service], timeout_s: float) -> None:
         """Wait for `kind` to serve; started on ports of its own choosing that another process
         took first, it is started again on new ones."""
-        chosen = ANY_PORT in (
-            {"gateway": self.gateway_port, "drafter": self.drafter_port, "verifier": self.verifier_port}[kind],
-            self.metrics_port.get(kind),
-            self.rest_port if kind == "gateway" else None,
-        )
+        chosen = ANY_PORT in self._ports(kind)
         for attempt in range(1, PORT_TRIES + 1):
             try:
                 self._service(kind).wait_ready(timeout_s)
@@ -278,13 +277,11 @@ class Cluster:
         launches = {
             "verifier": self._launch(
                 "verifier",
-                self.verifier_port,
                 ["--model", target, "--threads", threads, *io, *self.extra_args.get("verifier", [])],
                 target_cpus,
             ),
             "drafter": self._launch(
                 "drafter",
-                self.drafter_port,
                 ["--model", self.draft or default_draft, "--threads", "1", *self.extra_args.get("drafter", [])],
                 draft_cpus,
             ),
@@ -298,7 +295,6 @@ class Cluster:
             # first requests would decode plainly)
             gateway = self._launch(
                 "gateway",
-                self.gateway_port,
                 [
                     "--tokenizer",
                     tokenizer,
