@@ -29,7 +29,8 @@ Figures per system, as vLLM's client computes them (vllm/benchmarks/serve.py):
     TPOT        per request, (latency - TTFT) / (output tokens - 1); mean over requests
     output tok/s  all output tokens / the run's duration
 Beside them: `events_per_token` (streamed events with choices / output tokens: 1.0 for one
-token per event, 1 / tokens-per-round for speculation), and `exact`: the fraction of requests
+token per event, 1 / tokens-per-round for speculation; vLLM's server merges the steps a lagging
+client has not taken into one event, so under load its figure can fall below 1.0), and `exact`: the fraction of requests
 whose generated text equals target-only's for the same prompt. For specdec, from the bridge's
 /metrics (counter differences over the measured run): fallbacks (requests that went on
 without their drafter), drafts, draft tokens, accepted tokens, hence alpha and MAL.

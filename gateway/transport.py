@@ -56,8 +56,13 @@ async def read_step(vcall: VerifyCall, timeout_s: float = 0.0) -> Step:
     caller passes 0 until the first verdict: queueing and prefill never count). The stream
     ending without a finish reason (a shutdown) raises UNAVAILABLE too, so the generation moves."""
     if timeout_s > 0:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the read's result when it
+        # completes in the loop turn the caller is cancelled (the client's deadline, a closed
+        # stream), and that cancellation is lost: the generation, and the verifier's request with
+        # it, ran on to its end
         try:
-            response = await asyncio.wait_for(vcall.read(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                response = await vcall.read()
         except TimeoutError:
             raise unavailable(
                 f"the verifier sent nothing for verdict_timeout_s ({timeout_s:g} s) while it owed verdicts"

@@ -56,7 +56,10 @@ async def open_session(
     sends nothing for `timeout_s` (first_message_timeout_s; 0: no limit) ends with
     DEADLINE_EXCEEDED, so a half-open stream cannot hold its max_sessions slot."""
     try:
-        first = await (asyncio.wait_for(context.read(), timeout_s) if timeout_s > 0 else context.read())
+        # asyncio.timeout, not wait_for, which on Python 3.11 loses a cancellation that comes in the
+        # loop turn the message does (gateway/transport.py read_step)
+        async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
+            first = await context.read()
     except TimeoutError:
         await context.abort(
             grpc.StatusCode.DEADLINE_EXCEEDED, f"open: no `open` came within first_message_timeout_s ({timeout_s:g} s)"

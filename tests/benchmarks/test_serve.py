@@ -126,8 +126,11 @@ def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
     assert set(report["ratios"]) == {k for k, *_ in serve.FIGURES} and all(v > 0 for v in report["ratios"].values())
     assert report["exact"] == 1.0  # greedy: specdec's texts are the target's
     assert spec["fallbacks"] == 0 and spec["counters"]["drafts"] > 0
-    # vLLM streams a token per event; specdec's bridge streams a round (its accepted tokens and
-    # the bonus) per event, so vLLM's client sees fewer, larger ITL gaps
-    assert base["events_per_token"] == pytest.approx(1.0)
+    # vLLM streams an engine step's token per event, and merges the steps its client has not
+    # taken yet into one event (vllm/v1/engine/output_processor.py RequestOutputCollector.put),
+    # so at most one event per token, fewer when the API server lags (0.9375 seen in a loaded
+    # run); specdec's bridge streams a round (its accepted tokens and the bonus) per event, so
+    # vLLM's client sees fewer, larger ITL gaps
+    assert 0 < base["events_per_token"] <= 1.0
     assert spec["events_per_token"] < 1.0
     assert "serve-c8: vllm bench serve" in proc.stdout and "| specdec / target-only |" in proc.stdout

@@ -8,7 +8,8 @@ import asyncio
 import grpc
 import pytest
 
-from specdec.serving import SessionSlots
+from specdec.serving import SessionSlots, open_session
+from specdec.wire import pb
 
 
 class Aborted(Exception):
@@ -86,5 +87,27 @@ def test_drain_ends_what_is_left_with_a_clear_status() -> None:
             await task
         assert ctx.status[0] == grpc.StatusCode.UNAVAILABLE and "shutdown_timeout_s" in ctx.status[1]
         assert slots.active == 0
+
+    asyncio.run(run())
+
+
+def test_a_cancel_as_the_open_message_arrives_is_not_lost() -> None:
+    """A session whose caller goes away in the loop turn its `open` arrives ends cancelled.
+    asyncio.wait_for on Python 3.11 returned the message instead, and the session went on."""
+
+    async def run() -> None:
+        message: asyncio.Future[pb.VerifyRequest] = asyncio.get_running_loop().create_future()
+
+        class Stream(Context):
+            def read(self) -> asyncio.Future[pb.VerifyRequest]:
+                return message
+
+        task = asyncio.create_task(open_session(Stream(), lambda o: o, timeout_s=30))
+        await asyncio.sleep(0)  # one loop turn: the task runs to its read
+        assert not task.done()
+        message.set_result(pb.VerifyRequest(open=pb.VerifyOpen(request_id="r")))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
     asyncio.run(run())
