@@ -35,7 +35,7 @@ import grpc
 import pytest
 
 from specdec.models import resolve
-from specdec_cli.launch import Service, free_port, start_service
+from specdec_cli.launch import Service, free_port, start_service, stop_all
 
 TESTS = Path(__file__).resolve().parent
 # Folders (under tests/) whose tests all start services or vLLM.
@@ -200,8 +200,7 @@ class Services:
         return svc
 
     def stop(self) -> None:
-        for svc in reversed(self.started):
-            svc.stop()
+        stop_all(reversed(self.started))  # together: the session's dozen services exit in parallel
 
 
 @contextlib.contextmanager

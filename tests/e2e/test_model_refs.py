@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from gateway.client import GatewayClient
 from specdec.models import resolve
-from specdec_cli.launch import Service, free_port, start_service
+from specdec_cli.launch import Service, free_port, start_service, stop_all
 
 MAX_TOKENS = 24
 
@@ -97,8 +97,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, log_dir: Path) -> Iterator[d
             svc.wait_ready(300)
         yield services
     finally:
-        for svc in reversed(started):
-            svc.stop()
+        stop_all(reversed(started))
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from gen import wait_for
 from netns import Network, unavailable_reason
 
 from specdec_cli.certs import GATEWAY_IDENTITY, write_certs
-from specdec_cli.launch import Service, start_service
+from specdec_cli.launch import Service, start_service, stop_all
 
 HERE = Path(__file__).resolve().parent
 KEY = "sk-multihost-7f3a9c2e51d8"  # the API key; must never show up in logs, traces or metrics
@@ -159,8 +159,7 @@ class Stack:
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     def stop(self) -> None:
-        for svc in reversed(list(self.services.values())):
-            svc.stop()
+        stop_all(reversed(list(self.services.values())))
         self.net.close()
 
 

@@ -38,7 +38,7 @@ from transformers import AutoTokenizer
 
 from gateway.client import AsyncGatewayClient, GatewayClient
 from specdec.wire import pb
-from specdec_cli.launch import Service
+from specdec_cli.launch import Service, stop_all
 
 MAX_INFLIGHT = 32
 N_OVERLOAD = 300
@@ -73,8 +73,7 @@ def own(services) -> Iterator[dict[str, Service]]:
     for svc in (drafter, gateway):
         svc.wait_ready(300)
     yield {"drafter": drafter, "gateway": gateway}
-    for svc in (gateway, drafter):
-        svc.stop()
+    stop_all((gateway, drafter))
 
 
 @pytest.fixture(scope="module")

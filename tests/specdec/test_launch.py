@@ -9,6 +9,9 @@ import errno
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +88,36 @@ def test_a_port_taken_every_time_gives_up_after_port_tries() -> None:
         cluster._ready("gateway", taken_again, timeout_s=60)
     assert starts == launch.PORT_TRIES - 1
     cluster.stop()
+
+
+def test_stop_all_signals_every_service_before_waiting(tmp_path: Path) -> None:
+    """stop_all stops services together: each child below, once signalled, exits 0 only after it
+    sees the other one signalled too (3 after 10 s without). Stopped one after another, the first
+    would wait in vain and exit 3."""
+    script = (
+        "trap 'touch {me}; for i in $(seq 100); do [ -e {other} ] && exit 0; sleep 0.1; done; exit 3' TERM; "
+        "touch {me}.up; while :; do sleep 0.1; done"
+    )
+    a, b = tmp_path / "a", tmp_path / "b"
+    services = [
+        Service("drafter", 0, subprocess.Popen(["bash", "-c", script.format(me=a, other=b)])),
+        Service("verifier", 0, subprocess.Popen(["bash", "-c", script.format(me=b, other=a)])),
+    ]
+    try:
+        for marker in (a, b):  # both traps are set
+            wait_until(lambda m=marker: Path(f"{m}.up").exists())
+        launch.stop_all(services)
+        assert [s.proc.returncode for s in services] == [0, 0]
+    finally:
+        for s in services:
+            if s.proc.poll() is None:
+                s.proc.kill()
+                s.proc.wait()
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll `done` (bounded): for a child's own marker file."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
