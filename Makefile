@@ -65,13 +65,10 @@ typecheck: setup
 test-unit: setup
 	$(PY) -m pytest -m unit
 
-# The end-to-end tier: the real services and vLLM on the tiny pair, its modules spread over
-# E2E_WORKERS pytest-xdist workers (each module whole on one; tests/conftest.py SOLO_GROUP;
-# E2E_WORKERS=0 runs them in this process). --durations: where the tier's time goes (the
-# slowest 40 setups, tests and teardowns), printed at the end of each run.
-E2E_WORKERS ?= 2
+# The end-to-end tier: the real services and vLLM on the tiny pair. --durations: where the
+# tier's time goes (the slowest 40 setups, tests and teardowns), printed at the end of each run.
 test-e2e: setup
-	$(PY) -m pytest -m 'e2e and not slow' -n $(E2E_WORKERS) --dist loadgroup --durations=40
+	$(PY) -m pytest -m 'e2e and not slow' --durations=40
 
 # The default suite, fastest checks first: unit tests, static checks, then end to end.
 # pytest-randomly orders each run at random and prints its seed (docs/contributing.md).

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.errors import EXIT_ADDRESS_IN_USE, UserError
+from specdec.errors import EXIT_ADDRESS_IN_USE
 from specdec.models import choose
 
 log = logging.getLogger(__name__)
@@ -40,27 +40,6 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-PORT_RANGE_ENV = "SPECDEC_PORT_RANGE"  # "FIRST-LAST": where free_port draws (docs/usage.md)
-
-
-def port_range() -> tuple[int, int]:
-    """Where free_port draws ports, [first, last]: SPECDEC_PORT_RANGE if set (processes that
-    must not draw the same ports, e.g. parallel test workers, each get their own), else from
-    10000 up to the kernel's ephemeral range. A malformed value is a UserError naming it."""
-    given = os.environ.get(PORT_RANGE_ENV, "").strip()
-    if not given:
-        low = _ephemeral_low()
-        return ((10000 if low > 11000 else 1024), low - 1) if low > 1025 else (1024, 65535)
-    first_s, sep, last_s = given.partition("-")
-    try:
-        first, last = int(first_s), int(last_s)
-    except ValueError:
-        first, last = 0, -1
-    if not sep or not 1024 <= first <= last <= 65535:
-        raise UserError(f"{PORT_RANGE_ENV}={given!r}: give FIRST-LAST, two ports with 1024 <= FIRST <= LAST <= 65535")
-    return first, last
-
-
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, for a service about to be started on it.
 
@@ -69,12 +48,13 @@ def free_port() -> int:
     for a port with bind(0), then closing it, would hand back a number the next bind(0)
     anywhere on the machine may take before the service binds it. What is left is a clash
     with another process drawing from the same range; `Cluster` starts a service whose
-    chosen port was taken again on a new one (EXIT_ADDRESS_IN_USE). `port_range` says where.
+    chosen port was taken again on a new one (EXIT_ADDRESS_IN_USE).
     """
-    first, last = port_range()
+    low = _ephemeral_low()
+    first = 10000 if low > 11000 else 1024
     rng = random.SystemRandom()
     for _ in range(200):
-        port = rng.randint(first, last)
+        port = rng.randrange(first, low) if low > first else 0
         if port in _handed_out:
             continue
         with socket.socket() as s:
@@ -85,7 +65,7 @@ def free_port() -> int:
             port = int(s.getsockname()[1])
         _handed_out.add(port)
         return port
-    raise OSError(errno.EADDRINUSE, f"no free port found in {first}..{last}")
+    raise OSError(errno.EADDRINUSE, f"no free port found in {first}..{low - 1}")
 
 
 class PortTaken(RuntimeError):

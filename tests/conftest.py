@@ -35,7 +35,6 @@ import grpc
 import pytest
 
 from specdec.models import resolve
-from specdec_cli import launch
 from specdec_cli.launch import Service, free_port, start_service, stop_all
 
 TESTS = Path(__file__).resolve().parent
@@ -63,7 +62,7 @@ DRAFT_WAIT_MARGIN_MS = 2000
 
 def _tier(item: pytest.Item) -> str:
     """'e2e' or 'unit' for one collected test (module docstring)."""
-    rel = _rel(item)
+    rel = Path(str(item.path)).resolve().relative_to(TESTS).as_posix()
     if (
         rel.split("/")[0] in E2E_FOLDERS
         or rel in E2E_MODULES
@@ -75,57 +74,9 @@ def _tier(item: pytest.Item) -> str:
     return "unit"
 
 
-# Parallel e2e runs (`make test-e2e`: pytest-xdist, --dist loadgroup). Each module runs whole on
-# one worker (its module-scoped stack is started once); the whole-product runs share one group, so
-# two never run at once (memory: each brings up its own services and vLLM engines) and none runs
-# beside another's network namespaces; that group is handed out first, so its long runs do not
-# end the suite alone.
-SOLO_GROUP = "whole-product"
-SOLO_MODULES = (
-    "benchmarks/test_bench.py",  # `specdec bench --quick`: 13 vLLM baselines, three clusters
-    "benchmarks/test_serve.py",  # vLLM's OpenAI server and a specdec cluster, vLLM's client
-    "benchmarks/test_link.py",  # network namespaces
-    "deploy/test_cluster.py",  # network namespaces, a kubelet, dnsmasq
-    "e2e/test_multihost.py",  # network namespaces
-    "e2e/test_drafter_replicas.py",  # network namespaces
-    "e2e/test_load.py",  # 64 streaming clients for a minute
-    "e2e/test_vllm_bench_serve.py",  # vLLM's client against the REST bridge
-    "test_packaging.py",  # a fresh venv
-)
-
-
-def _rel(item: pytest.Item) -> str:
-    return Path(str(item.path)).resolve().relative_to(TESTS).as_posix()
-
-
-def _xdist_group(item: pytest.Item) -> str:
-    rel = _rel(item)
-    return SOLO_GROUP if rel in SOLO_MODULES else rel
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(_tier(item))
-        if item.get_closest_marker("e2e") is not None:
-            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
-    # after pytest-randomly's shuffle (it reorders before this hook): the solo group first, the
-    # rest in the shuffled order (a stable sort)
-    items.sort(key=lambda item: _xdist_group(item) != SOLO_GROUP)
-
-
-def _worker_port_range() -> None:
-    """Under pytest-xdist, each worker (and every service it starts) draws ports from its own
-    slice of free_port's range (SPECDEC_PORT_RANGE), so two workers never pick the same one."""
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    if not worker.startswith("gw") or not count.isdigit() or os.environ.get(launch.PORT_RANGE_ENV):
-        return
-    first, last = launch.port_range()
-    size = (last - first + 1) // int(count)
-    start = first + int(worker[2:]) * size
-    os.environ[launch.PORT_RANGE_ENV] = f"{start}-{start + size - 1}"
-
-
-_worker_port_range()
 
 
 @pytest.fixture(autouse=True)

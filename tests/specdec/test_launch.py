@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.errors import EXIT_ADDRESS_IN_USE, UserError
+from specdec.errors import EXIT_ADDRESS_IN_USE
 from specdec.serving import bind_error, bind_tcp
 from specdec_cli import launch
 from specdec_cli import main as cli
@@ -30,19 +30,6 @@ def test_free_ports_are_below_the_ephemeral_range_and_never_repeat() -> None:
         assert 1024 <= port < low
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # free when handed out (and still: nothing here took it)
-
-
-def test_a_port_range_given_is_where_ports_are_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SPECDEC_PORT_RANGE (parallel test workers each get their own): ports come from it; a
-    malformed one is refused, naming the variable."""
-    monkeypatch.setenv(launch.PORT_RANGE_ENV, "20000-20009")
-    assert launch.port_range() == (20000, 20009)
-    ports = [launch.free_port() for _ in range(3)]
-    assert all(20000 <= p <= 20009 for p in ports) and len(set(ports)) == 3
-    for bad in ("20000", "20009-20000", "x-y", "80-90", "60000-70000"):
-        monkeypatch.setenv(launch.PORT_RANGE_ENV, bad)
-        with pytest.raises(UserError, match="SPECDEC_PORT_RANGE"):
-            launch.port_range()
 
 
 def test_a_taken_port_keeps_its_errno_and_names_the_address() -> None:
