@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.netns import Network, unavailable_reason
+from specdec.errors import exit_status
 from specdec.models import PAIRS
 
 if TYPE_CHECKING:
@@ -350,7 +351,7 @@ class Link:
                 for s in services:
                     if s.proc.poll() is not None:
                         raise ServiceFailed(
-                            f"{s.kind} exited with {s.proc.returncode}: {_error_line(s.log_path)} (log: {s.log_path})"
+                            f"{s.kind} exited with {exit_status(s.proc.returncode)}: {_error_line(s.log_path)} (log: {s.log_path})"
                         )
                 time.sleep(0.2)
             out = probe.stdout.read() if probe.stdout else ""
@@ -467,7 +468,7 @@ class Link:
     def alive(self) -> str | None:
         """None while the verifier runs; else what happened to it."""
         if self.verifier is not None and self.verifier.proc.poll() is not None:
-            return f"the verifier exited with {self.verifier.proc.returncode}: {_error_line(self.verifier.log_path)}"
+            return f"the verifier exited with {exit_status(self.verifier.proc.returncode)}: {_error_line(self.verifier.log_path)}"
         return None
 
     def stop_gateway(self) -> None:

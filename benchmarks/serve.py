@@ -52,6 +52,8 @@ from typing import Any
 
 import httpx
 
+from specdec.errors import exit_status
+
 NAME = "serve-c8"
 PROMPTS_FILE = Path(__file__).with_name("serve_c8_prompts.jsonl")
 WARMUP_TOKENS = 8
@@ -145,7 +147,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: floa
     deadline = time.monotonic() + timeout_s
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready; see {log}")
+            raise RuntimeError(f"the server exited with {exit_status(proc.returncode)} before it was ready; see {log}")
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 return
@@ -355,7 +357,7 @@ def run_bench_serve(args: list[str], core: int, log: Path, result: Path, timeout
             check=False,
         )
     if proc.returncode != 0 or not result.exists():
-        raise RuntimeError(f"vllm bench serve exited with {proc.returncode}; see {log}")
+        raise RuntimeError(f"vllm bench serve ended with {exit_status(proc.returncode)}; see {log}")
     data: dict[str, Any] = json.loads(result.read_text())
     return data
 

@@ -9,10 +9,25 @@ reached) rather than letting the CLI guess from a message.
 
 from __future__ import annotations
 
+import signal
+
 EXIT_ADDRESS_IN_USE = 98
 """The `specdec` exit status when a port it was to bind is taken (errno EADDRINUSE, 98 on
 Linux): a launcher that chose the port itself (`specdec_cli.launch`) picks another and
 starts the service again; any other error to fix exits with 2."""
+
+
+def exit_status(returncode: int) -> str:
+    """How a child process ended, for a message: `exit status N`, or for a negative returncode
+    (subprocess's convention: killed by signal -returncode) the signal by name, e.g.
+    `signal SIGILL (Illegal instruction)`, so a crash reads as a crash, not as `-4`."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        sig = signal.Signals(-returncode)
+    except ValueError:
+        return f"signal {-returncode}"
+    return f"signal {sig.name} ({signal.strsignal(sig)})"
 
 
 class UserError(Exception):

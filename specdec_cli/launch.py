@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.errors import EXIT_ADDRESS_IN_USE
+from specdec.errors import EXIT_ADDRESS_IN_USE, exit_status
 from specdec.models import choose
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,9 @@ class Service:
                 if self.proc.poll() is not None:
                     if self.proc.returncode == EXIT_ADDRESS_IN_USE:
                         raise PortTaken(f"{self.kind}: a port it was to bind is taken; log: {self.log_path}")
-                    raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}; log: {self.log_path}")
+                    raise RuntimeError(
+                        f"{self.kind} exited with {exit_status(self.proc.returncode)}; log: {self.log_path}"
+                    )
                 try:
                     resp: health_pb2.HealthCheckResponse = stub.Check(  # type: ignore[attr-defined]  # types-grpcio-health-checking's HealthStub lacks Check (the generated __init__ sets it)
                         health_pb2.HealthCheckRequest(), timeout=1.0

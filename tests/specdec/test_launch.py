@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.errors import EXIT_ADDRESS_IN_USE
+from specdec.errors import EXIT_ADDRESS_IN_USE, exit_status
 from specdec.serving import bind_error, bind_tcp
 from specdec_cli import launch
 from specdec_cli import main as cli
@@ -64,7 +64,7 @@ def test_a_cluster_starts_again_only_a_service_whose_chosen_port_was_taken(chose
 
     cluster.services = [exits_with("drafter", 50052, EXIT_ADDRESS_IN_USE)]
     if chosen:
-        with pytest.raises(RuntimeError, match="drafter exited with 1"):
+        with pytest.raises(RuntimeError, match="drafter exited with exit status 1"):
             cluster._ready("drafter", launch_again, timeout_s=60)
         assert len(starts) == 1 and cluster.drafter.port == starts[0]
     else:  # a port the user gave is not swapped for another
@@ -121,3 +121,12 @@ def wait_until(done: Callable[[], bool], timeout_s: float = 30.0) -> None:
     while not done():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_a_service_killed_by_a_signal_is_named_by_its_signal() -> None:
+    """A crash (SIGILL, as vLLM's AVX512 kernels on an AVX2-only CPU) reads as that signal, not as -4."""
+    proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"])
+    svc = Service("verifier", launch.free_port(), proc)
+    with pytest.raises(RuntimeError, match=r"verifier exited with signal SIGILL \(Illegal instruction\)"):
+        svc.wait_ready(60)
+    assert exit_status(2) == "exit status 2" and exit_status(-9) == "signal SIGKILL (Killed)"
