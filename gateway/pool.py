@@ -60,7 +60,11 @@ class Replica:
     channel: grpc.aio.Channel
     stub: Any
     in_flight: int = 0
-    serving: bool = True  # its health check's last answer (optimistic until the first check)
+    # its health check's last answer; False until the first answers SERVING: a replica not yet
+    # checked, or whose checks time out from the start, is not known to serve (an optimistic True
+    # sent a gateway's first request to an address where nothing listens, to wait out
+    # GetVerifierInfo's 30 s instead of hearing UNAVAILABLE within verifier_retry_s)
+    serving: bool = False
     slow_checks: int = 0  # health checks in a row that timed out (a busy replica, not a gone one)
 
 
@@ -122,7 +126,8 @@ class Pool:
 
     async def _check(self, r: Replica) -> None:
         """One health check: SERVING or not as answered; a refused connection (gone) at once; a
-        check that times out (a busy replica) only the SLOW_CHECKS-th time in a row."""
+        check that times out (a busy replica) only the SLOW_CHECKS-th time in a row, and only for
+        a replica that answered SERVING before (one never heard from stays not serving)."""
         try:
             answer: health_pb2.HealthCheckResponse = await health_pb2_grpc.HealthStub(r.channel).Check(  # type: ignore[attr-defined]  # types-grpcio-health-checking's HealthStub lacks Check (the generated __init__ sets it)
                 health_pb2.HealthCheckRequest(service=self.service), timeout=max(0.5, self.health_every_s)

@@ -7,12 +7,14 @@ health check (`_check`) at a time against a server whose answer it controls.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 
 import grpc
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gateway.pool import SLOW_CHECKS, Pool
+from gateway.pool import SLOW_CHECKS, NoReplica, Pool
 from specdec_cli.launch import free_port
 
 
@@ -73,6 +75,32 @@ def test_a_static_list_skips_a_dead_replica() -> None:
     run(test)
 
 
+def test_a_replica_never_heard_from_is_not_picked() -> None:
+    """Before its first health check answers SERVING, a replica is not known to serve: a pick
+    waits for that answer, and with none in `timeout_s` says NoReplica (the gateway: UNAVAILABLE
+    naming verifier_retry_s). It was optimistic: a pick just after start, or while the first checks
+    of a loaded host timed out, got a replica where nothing listens, and the gateway's first request
+    then waited out GetVerifierInfo's 30 s (seen in tests/gateway/test_guard.py in a fresh clone)."""
+
+    async def test() -> None:
+        hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # bound, not listening: refused
+        hold.bind(("127.0.0.1", 0))
+        server, port = await _health_server()
+        nowhere = f"127.0.0.1:{hold.getsockname()[1]}"
+        pool, served = _pool(nowhere), _pool(f"127.0.0.1:{port}")
+        try:
+            assert pool.choose() is None and pool.serving() == 0  # not checked yet
+            with pytest.raises(NoReplica):
+                await pool.pick(timeout_s=0.3)
+            assert (await served.pick(timeout_s=30)).address == f"127.0.0.1:{port}"  # waits for the answer
+        finally:
+            await asyncio.gather(pool.close(), served.close())
+            await server.stop(None)
+            hold.close()
+
+    run(test)
+
+
 def test_not_serving_is_skipped_at_once_a_slow_answer_only_when_it_repeats() -> None:
     async def test() -> None:
         draining, port_a = await _health_server(status=health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -105,6 +133,9 @@ def test_not_serving_is_skipped_at_once_a_slow_answer_only_when_it_repeats() -> 
         try:
             await pool._check(a)
             assert not a.serving  # NOT_SERVING (a draining replica): skipped at once
+            await pool._check(b)
+            assert not b.serving and b.slow_checks == 1  # never heard from: not known to serve
+            b.serving, b.slow_checks = True, 0  # as if it had answered SERVING, then got busy
             for i in range(1, SLOW_CHECKS + 1):
                 await pool._check(b)
                 assert b.serving == (i < SLOW_CHECKS), i  # busy, not gone, until it keeps timing out
