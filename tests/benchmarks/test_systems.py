@@ -37,6 +37,19 @@ def test_batch_rows_is_the_histograms_difference_over_the_workload() -> None:
     assert batch_rows(after, huge)["max"] is None  # more rows than the last finite bound: no max to give
 
 
+def test_batch_rows_mean_is_exact_when_a_scrape_caught_an_observation_half_made() -> None:
+    """prometheus_client adds to `_sum` before the bucket and reads the buckets before `_sum`: a
+    scrape during an observation has its rows in `_sum` but not its bucket. The mean of forwards
+    that all fell in one-integer buckets comes from the buckets, so it stays exact (a bench row
+    read 51/52 rows per forward from `_sum`)."""
+    before = Histogram({1.0: 4.0, 2.0: 4.0, 3.0: 4.0, float("inf"): 4.0}, sum=4.0 + 1.0, count=4.0)  # 1 row half-made
+    after = Histogram({1.0: 56.0, 2.0: 56.0, 3.0: 56.0, float("inf"): 56.0}, sum=56.0, count=56.0)
+    assert batch_rows(before, after) == {"forwards": 52, "mean": 1.0, "max": 1, "histogram": {"1": 52}}
+    # forwards in a coarser bucket (rows in (3, 8]): the mean falls back to `_sum`
+    coarse = {1.0: 0.0, 3.0: 0.0, 8.0: 2.0, float("inf"): 2.0}
+    assert batch_rows(Histogram(dict.fromkeys(coarse, 0.0), 0.0, 0.0), Histogram(coarse, 11.0, 2.0))["mean"] == 5.5
+
+
 def test_a_drafters_batch_rows_are_read_from_its_metrics_endpoint() -> None:
     """The drafter's own families on a real /metrics endpoint (what `specdec serve drafter`
     serves); the bench reads the histogram there, before and after a workload."""
