@@ -76,7 +76,7 @@ VLLM_CPU_ENV = {
 # pick no platform and load its AVX512-BF16 kernels (vllm._C), which die with SIGILL on an
 # AVX2-only CPU. CLI_METADATA is that answer; CLI_SHIM runs the CLI after it, as is.
 CLI_METADATA = """
-import importlib.metadata as md, runpy, sys
+import importlib.metadata as md
 try:
     md.distribution("vllm")
 except md.PackageNotFoundError:
@@ -87,6 +87,7 @@ except md.PackageNotFoundError:
 CLI_SHIM = (
     CLI_METADATA
     + """
+import runpy, sys
 sys.argv = ["vllm", *sys.argv[1:]]
 runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
 """

@@ -272,17 +272,17 @@ def batch_rows(before: Histogram, after: Histogram) -> dict[str, Any]:
     observation's rows but not the observation (one bench row read a mean of 51/52 rows)."""
     forwards = int(after.count - before.count)
     histogram: dict[str, int] = {}
-    exact_rows: int | None = 0  # rows counted from one-integer buckets (rows in (b - 1, b]: b); None: not all were
+    rows, exact = 0, True  # rows counted from the buckets; exact while each was a one-integer bucket
     below, previous = 0, 0.0
     for le, cumulative in after.buckets.items():
         gained = int(cumulative - before.buckets.get(le, 0.0))
         if gained > below:
             histogram["+Inf" if le == float("inf") else f"{le:g}"] = gained - below
-            one_integer = le != float("inf") and le == int(le) and le - previous <= 1
-            exact_rows = exact_rows + int(le) * (gained - below) if one_integer and exact_rows is not None else None
+            exact = exact and le - previous <= 1 and le == round(le)  # rows in (b - 1, b]: exactly b
+            rows += int(le) * (gained - below) if exact else 0
         below, previous = gained, le
     top = next(reversed(histogram), None)  # more than the last finite bound (256): no max to give
-    mean = ((exact_rows if exact_rows is not None else after.sum - before.sum) / forwards) if forwards else None
+    mean = (rows if exact else after.sum - before.sum) / forwards if forwards else None
     return {
         "forwards": forwards,
         "mean": mean,
