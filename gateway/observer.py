@@ -92,6 +92,7 @@ class StatsObserver:
                 "specdec.queue_ms": round(step.queue_ms, 3),
                 "specdec.branch": step.branch,
                 "specdec.hold_drafts": step.hold_drafts,
+                "specdec.branch_draft_ms": round(step.branch_draft_ms, 3),
                 **{f"specdec.stage.{k}_ms": round(ms, 3) for k, ms in stages.items()},
             },
         )

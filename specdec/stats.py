@@ -53,7 +53,11 @@ class SpecStep:
 
     `index`: the step's number in the generation (0: the prefill step, which counts for time
     to first token, not for the step figures). `draft_ms`: the drafter's compute time for the
-    blocks relayed since the previous step."""
+    chain's blocks relayed since the previous step (the round's `draft` stage).
+    `branch_draft_ms`: its compute time for the pre-drafted branches relayed since then. A
+    drafter drafts branches only while it has nothing else to do, beside the target's step, so
+    that time is not a stage of the round and is never a latency spike: counted in the draft
+    stage, a long verify step (the drafter idle, drafting branches) read as a draft spike."""
 
     index: int
     num_draft_tokens: int
@@ -65,6 +69,7 @@ class SpecStep:
     draft_wait_ms: float
     queue_ms: float
     draft_ms: float
+    branch_draft_ms: float
     branch: bool
     hold_drafts: bool
 
@@ -108,7 +113,8 @@ class SpecStats:
     confidence_cuts: int = 0  # blocks the drafter cut by confidence (DraftBlock.confidence_cut)
     mean_tau: float = 0.0  # mean DraftBlock.tau over the blocks that carried one (0: confidence off)
     _tau_blocks: int = field(default=0, repr=False)  # blocks in mean_tau
-    _draft_ms_since_step: float = field(default=0.0, repr=False)  # drafter compute since the latest verdict
+    _draft_ms_since_step: float = field(default=0.0, repr=False)  # chain drafting since the latest verdict
+    _branch_ms_since_step: float = field(default=0.0, repr=False)  # branch drafting since the latest verdict
 
     # ---- what changes the figures ----------------------------------------------------------
     def observe(self, v: Verdict) -> SpecStep:
@@ -145,10 +151,12 @@ class SpecStats:
             draft_wait_ms=v.draft_wait_ms,
             queue_ms=v.queue_ms,
             draft_ms=self._draft_ms_since_step,
+            branch_draft_ms=self._branch_ms_since_step,
             branch=v.branch,
             hold_drafts=v.hold_drafts,
         )
         self._draft_ms_since_step = 0.0
+        self._branch_ms_since_step = 0.0
         return step
 
     def observe_block(self, block: DraftBlock) -> None:
@@ -161,7 +169,10 @@ class SpecStats:
             self._tau_blocks += 1
             self.mean_tau += (block.tau - self.mean_tau) / self._tau_blocks
         self.draft_ms += block.draft_ms
-        self._draft_ms_since_step += block.draft_ms
+        if block.branch:
+            self._branch_ms_since_step += block.draft_ms
+        else:
+            self._draft_ms_since_step += block.draft_ms
 
     def observe_ready(self, ready: DraftReady) -> None:
         """The drafter's `ready` (its prefill is done), relayed to the verifier."""

@@ -14,7 +14,9 @@ Spans (names and attributes)
                             and specdec.* totals
     specdec.round           gateway, one per target step; specdec.gamma, .drafted,
                             .accepted, .batch_size, .queue_ms (engine queue time, first
-                            round), .stage.{verify,draft,draft_wait,network}_ms;
+                            round), .stage.{verify,draft,draft_wait,network}_ms
+                            (draft: the chain's blocks), .branch_draft_ms (branches
+                            drafted beside the step: not a stage, never a spike);
                             a `latency_spike` event and specdec.spike.stage when a stage spikes
     specdec.draft_session   drafter, one per request; a `block` event per block sent
     specdec.verify_session  verifier, one per request; a `step` event per target step

@@ -107,8 +107,11 @@ def test_drafter_side_figures() -> None:
     s.observe_block(pb.DraftBlock(token_ids=[1, 2], draft_ms=1.5))
     s.observe_block(pb.DraftBlock(token_ids=[3, 4, 5], draft_ms=0.5, branch=True))
     step = s.observe(_v(1))
-    assert step.draft_ms == 2.0  # the drafter's compute since the previous step
-    assert s.observe(_v(1)).draft_ms == 0.0
+    # the round's draft stage is the chain's drafting since the previous step; branches, drafted
+    # beside the step while the drafter is idle, are counted apart (never a draft spike)
+    assert (step.draft_ms, step.branch_draft_ms) == (1.5, 0.5)
+    later = s.observe(_v(1))
+    assert (later.draft_ms, later.branch_draft_ms) == (0.0, 0.0)
     assert (s.blocks_received, s.tokens_received, s.branches_drafted, s.draft_ms) == (2, 5, 1, 2.0)
     assert s.drafter_prefill_ms == 3.0 and s.invalid_reply() == 1 and s.migrated() == 1
 
