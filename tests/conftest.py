@@ -26,6 +26,8 @@ import os
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,6 +131,7 @@ class Services:
         self.gateways: dict[str, Service] = {}
         self.drafters: dict[str, Service] = {}
         self.defaults = False  # True: every service runs with its default settings (default_services)
+        self._gateway_drafters: list[tuple[Service, str]] = []  # (gateway, its --drafter-address)
 
     def _start(self, kind: str, args: list[str]) -> Service:
         env = dict(self.env)
@@ -197,10 +200,50 @@ class Services:
             ],
         )
         svc.rest_port = rest_port
+        self._gateway_drafters.append((svc, drafter_address))
         return svc
+
+    def ready(self, timeout_s: float = 300) -> None:
+        """Wait until every service started here serves, and every gateway started here counts
+        its drafters started here as serving. A gateway health-checks its drafters every
+        health_every_s; a request that comes before it has seen its drafter serve runs as plain
+        decoding ("no drafter replica serves"). A drafter that loads after the gateway's first
+        check (a module's own drafters beside the session's verifier, already up) would make a
+        test's first request do so (seen: test_tracing's clean phase without a draft span)."""
+        for svc in self.started:
+            svc.wait_ready(timeout_s)
+        ours = {svc.address for svc in self.started if svc.kind == "drafter"}
+        for gateway, spec in self._gateway_drafters:
+            wanted = [a for a in spec.split(",") if a in ours]
+            if wanted and gateway.proc.poll() is None:
+                wait_drafters_seen(gateway, len(wanted), timeout_s)
 
     def stop(self) -> None:
         stop_all(reversed(self.started))  # together: the session's dozen services exit in parallel
+
+
+SERVING_DRAFTERS = {"pool": "drafter", "state": "serving"}  # specdec:gateway_replicas's labels
+
+
+def wait_drafters_seen(gateway: Service, count: int, timeout_s: float) -> None:
+    """Wait until `gateway`'s specdec:gateway_replicas{pool="drafter",state="serving"} reaches
+    `count` (its drafters' pool has seen them answer SERVING)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def seen() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "specdec:gateway_replicas" and sample.labels == SERVING_DRAFTERS:
+                    return sample.value
+        return 0.0
+
+    deadline = time.monotonic() + timeout_s
+    while seen() < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gateway {gateway.address}: its {count} drafter(s) not seen serving in {timeout_s:g} s")
+        time.sleep(0.1)
 
 
 @contextlib.contextmanager
@@ -223,8 +266,7 @@ def services(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
         s.verifier = s.start_verifier()
         for name, draft in DRAFTS.items():
             s.drafters[name], s.gateways[name] = s.start_pair(draft, s.verifier)
-        for svc in s.started:
-            svc.wait_ready(300)
+        s.ready()
         yield s
     finally:
         s.stop()
@@ -243,8 +285,7 @@ def default_services(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
         for name, draft in DRAFTS.items():
             s.drafters[name] = s._start("drafter", ["--model", draft, "--threads", "1"])
             s.gateways[name] = s.start_gateway(s.drafters[name].address, s.verifier.address)
-        for svc in s.started:
-            svc.wait_ready(300)
+        s.ready()
         yield s
     finally:
         s.stop()

@@ -42,8 +42,7 @@ def stack(services: Services) -> Iterator[Services]:
         )
         own.drafters["mid"] = drafter
         own.gateways["mid"] = own.start_gateway(drafter.address, own.verifier.address)
-        for svc in own.started:
-            svc.wait_ready(300)
+        own.ready()
         with injected(own.verifier, step_delay_ms=STEP_DELAY_MS, step_every=1):
             yield own
     finally:

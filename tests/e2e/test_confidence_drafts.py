@@ -62,8 +62,7 @@ def stack(services: Services) -> Iterator[Services]:
                 ],
             )
             own.gateways[name] = own.start_gateway(own.drafters[name].address, own.verifier.address)
-        for svc in own.started:
-            svc.wait_ready(300)
+        own.ready()
         with injected(own.verifier, step_delay_ms=STEP_DELAY_MS, step_every=1):
             yield own
     finally:

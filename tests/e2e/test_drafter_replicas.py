@@ -99,8 +99,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         g.rest_port = rest_port
         s.started.append(g)
         gateways["dns"] = g
-        for svc in s.started:
-            svc.wait_ready(300)
+        s.ready()
         yield {"drafters": drafters, "gateways": gateways}
     finally:
         s.stop()

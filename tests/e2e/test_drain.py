@@ -46,8 +46,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     try:
         s.verifier = s.start_verifier()
         s.drafters["mid"] = s._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--quantize", "none"])
-        for svc in s.started:
-            svc.wait_ready(300)
+        s.ready()
         yield s
     finally:
         s.stop()

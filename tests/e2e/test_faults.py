@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import grpc
-from conftest import vllm_reference
+from conftest import vllm_reference, wait_drafters_seen
 from gen import spec
 
 from specdec.wire import pb, rpc
@@ -17,6 +17,7 @@ def test_killing_the_drafter_mid_generation(services, tiny_target) -> None:
     drafter, gateway = services.start_pair("tiny/draft-mid", services.verifier)
     drafter.wait_ready(120)
     gateway.wait_ready(120)
+    wait_drafters_seen(gateway, 1, 120)  # the drafter killed below is the one the request uses
     reference = vllm_reference(
         tiny_target, [{"prompt_token_ids": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True}]
     )[0]

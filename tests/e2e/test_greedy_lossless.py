@@ -101,8 +101,7 @@ def test_a_saturated_verifier_holds_the_drafter_and_stays_exact(default_services
     try:
         own.verifier = own._start("verifier", ["--model", "tiny/target", "--threads", "1"])
         gateway = own.start_gateway(default_services.drafters["far"].address, own.verifier.address)
-        for svc in own.started:
-            svc.wait_ready(300)
+        own.ready()
         with injected(own.verifier, token_delay_ms=TOKEN_DELAY_MS):
             responses = generate_all(
                 gateway.address, [spec(p, MAX_TOKENS, gamma=8, drafter="model") for p in ps], concurrency=len(ps)

@@ -32,7 +32,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from conftest import vllm_reference
+from conftest import vllm_reference, wait_drafters_seen
 from gen import prompts, scrape, spec, wait_for
 from transformers import AutoTokenizer
 
@@ -72,6 +72,7 @@ def own(services) -> Iterator[dict[str, Service]]:
     )
     for svc in (drafter, gateway):
         svc.wait_ready(300)
+    wait_drafters_seen(gateway, 1, 300)
     yield {"drafter": drafter, "gateway": gateway}
     stop_all((gateway, drafter))
 

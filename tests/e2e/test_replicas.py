@@ -75,8 +75,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         gateway = s.start_gateway(
             ",".join(d.address for d in drafters), ",".join(v.address for v in verifiers), KEEPALIVE
         )
-        for svc in s.started:
-            svc.wait_ready(300)
+        s.ready()
         yield {"stack": s, "verifiers": verifiers, "drafters": drafters, "gateway": gateway}
     finally:
         s.stop()

@@ -30,8 +30,7 @@ def slow_prefill(services):
         gateway = own.start_gateway(
             drafter.address, services.verifier.address, ("--drafter-timeout-s", str(DRAFTER_TIMEOUT_S))
         )
-        for svc in own.started:
-            svc.wait_ready(300)
+        own.ready()
         with injected(services.verifier, prefill_delay_ms=PREFILL_DELAY_MS):
             yield gateway
     finally:

@@ -8,7 +8,10 @@ Requests through the clean drafter's gateway run first, then those through the s
 one's, one at a time, so a verify spike of the first phase can never coincide with a draft
 delay (it used to depend on how the two delays interleaved). The delays are too frequent
 for a relative threshold (they make up the rolling p95 themselves), so the gateways use
-the absolute threshold (`--spike-ms`); the relative one is unit-tested. Spans from all
+the absolute threshold (`--spike-ms`); the relative one is unit-tested. The draft stage is
+the chain's drafting only: the branches a drafter drafts while a slow step runs (the
+default drafter drafts them) are `specdec.branch_draft_ms`, so they never make a draft spike
+(counted in the stage, they did on a loaded CI machine, beside a verify delay). Spans from all
 services go to one JSON-lines file: the module's drafters and gateways write it from the
 start (SPECDEC_TRACE_FILE), the shared verifier while this module runs (faultkit's trace_file).
 
@@ -30,8 +33,10 @@ from transformers import AutoTokenizer
 
 from specdec_cli import traces
 
-DELAY_MS = 250
-SPIKE_MS = 150
+# the threshold is > 10x a round's usual draft stage here (median 44 ms, p99 120 ms, max 193 ms
+# over a run of this module on the 2-core AVX2 EPYC) and the injected delays well above it
+DELAY_MS = 1000
+SPIKE_MS = 600
 PER_PHASE = 3
 
 
@@ -48,8 +53,7 @@ def traced(tmp_path_factory, tiny_target, services):
         clean = s._start("drafter", drafter_args)
         slow = s._start("drafter", drafter_args)
         gateways = [s.start_gateway(d.address, verifier.address, ("--spike-ms", str(SPIKE_MS))) for d in (clean, slow)]
-        for svc in s.started:
-            svc.wait_ready(300)
+        s.ready()
         tok = AutoTokenizer.from_pretrained(tiny_target)
         with (
             injected(verifier, step_delay_ms=DELAY_MS, step_every=10, trace_file=str(path)),
@@ -66,8 +70,11 @@ def traced(tmp_path_factory, tiny_target, services):
             # bounded, until every request's rounds and the three services' session spans are in
             responses = [r for phase in phases for r in phase]
             deadline = time.monotonic() + 60
-            while not _complete(traces.load([path]), responses) and time.monotonic() < deadline:
+            while _missing(traces.load([path]), responses) and time.monotonic() < deadline:
                 time.sleep(0.2)
+            missing = _missing(traces.load([path]), responses)
+            if missing:
+                pytest.fail(f"spans not in {path} 60 s after the last request: {missing}")
         yield traces.load([path]), phases
     finally:
         s.stop()
@@ -80,17 +87,22 @@ SESSION_SPANS = {
 }
 
 
-def _complete(spans: list, responses: list) -> bool:
-    """Every request's round spans, and its session span from each service, are in the file."""
-    if len(traces.rounds(spans)) < sum(r.stats.target_steps + 1 for r in responses):
-        return False
+def _missing(spans: list, responses: list) -> str:
+    """What is not in the file yet of every request's round spans and its session span from
+    each service ("": all of it is)."""
+    rounds = len(traces.rounds(spans))
+    expected = sum(r.stats.target_steps + 1 for r in responses)
+    if rounds < expected:
+        return f"{rounds} of {expected} round spans"
     traced = traces.request_ids(spans)  # trace id -> request id
+    absent = {r.request_id for r in responses} - set(traced.values())
+    if absent:
+        return f"no specdec.generate span for requests {sorted(absent)}"
     names: dict[str, set] = {}
     for s in spans:
         names.setdefault(s["trace_id"], set()).add((s["service"], s["name"]))
-    return {r.request_id for r in responses} <= set(traced.values()) and all(
-        SESSION_SPANS <= names.get(tid, set()) for tid in traced
-    )
+    lacking = {traced[tid]: sorted(SESSION_SPANS - names.get(tid, set())) for tid in traced}
+    return "; ".join(f"request {rid} lacks {spans}" for rid, spans in lacking.items() if spans)
 
 
 def test_one_trace_links_the_three_services(traced) -> None:
@@ -121,6 +133,8 @@ def test_round_spans_carry_speculation_attributes(traced) -> None:
     assert all(s["attributes"]["specdec.queue_ms"] >= 0 for s in generate)
     first = [r for r in rounds if r["attributes"]["specdec.round"] == 1]
     assert len(first) == len(responses) and all("specdec.stage.verify_ms" in r["attributes"] for r in first)
+    # the drafters draft branches (the default) while a step runs: counted apart from the draft stage
+    assert any(r["attributes"]["specdec.branch_draft_ms"] > 0 for r in rounds)
 
 
 def test_spikes_name_the_slow_stage(traced) -> None:
@@ -139,6 +153,7 @@ def test_spikes_name_the_slow_stage(traced) -> None:
     clean_traces = {tid for tid, rid in traces.request_ids(spans).items() if rid in {r.request_id for r in clean_phase}}
     alone = [r for r in spikes["verify"] if r["trace_id"] in clean_traces]
     assert len(alone) >= 4
-    assert all("draft" not in r["attributes"]["specdec.spike.stage"].split(",") for r in alone)
+    blamed = [r["attributes"] for r in alone if "draft" in r["attributes"]["specdec.spike.stage"].split(",")]
+    assert not blamed, blamed
     text = traces.summary(spans)
     assert "spikes by stage:" in text and "verify" in text and "draft" in text
