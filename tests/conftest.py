@@ -26,8 +26,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -222,28 +220,19 @@ class Services:
         stop_all(reversed(self.started))  # together: the session's dozen services exit in parallel
 
 
-SERVING_DRAFTERS = {"pool": "drafter", "state": "serving"}  # specdec:gateway_replicas's labels
-
-
 def wait_drafters_seen(gateway: Service, count: int, timeout_s: float) -> None:
     """Wait until `gateway`'s specdec:gateway_replicas{pool="drafter",state="serving"} reaches
     `count` (its drafters' pool has seen them answer SERVING)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    if str(TESTS / "e2e") not in sys.path:  # a run of only tests/deploy, say (as test_cluster.py does)
+        sys.path.insert(0, str(TESTS / "e2e"))
+    from gen import scrape, wait_for  # tests/e2e's client helpers
 
-    def seen() -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "specdec:gateway_replicas" and sample.labels == SERVING_DRAFTERS:
-                    return sample.value
-        return 0.0
-
-    deadline = time.monotonic() + timeout_s
-    while seen() < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gateway {gateway.address}: its {count} drafter(s) not seen serving in {timeout_s:g} s")
-        time.sleep(0.1)
+    serving = "specdec:gateway_replicas{pool=drafter,state=serving}"
+    wait_for(
+        lambda: scrape(gateway.metrics_port).get(serving, 0.0) >= count,
+        timeout_s,
+        f"gateway {gateway.address} sees its {count} drafter(s) serving",
+    )
 
 
 @contextlib.contextmanager
