@@ -180,7 +180,9 @@ def start_service(
         cmd,
         stdout=out or subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
+        # unbuffered: vLLM logs to stdout, which Python block-buffers into a file, so a service's log
+        # would show nothing of a slow start until 8 KiB had piled up
+        env={"PYTHONUNBUFFERED": "1", **os.environ, **(env or {})},
         preexec_fn=preexec,
     )
     return Service(kind, port, proc, log_path, metrics_port or 0, rest_port or 0)
