@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import importlib
 import logging
 import os
@@ -234,9 +235,13 @@ async def serve(
     bridge) and must return once the event is set.
     TLS, message sizes and keepalive come from cfg (specdec.security; a plaintext port other
     hosts can reach is warned about).
-    SIGHUP re-reads the TLS certificates.
+    SIGHUP re-reads the TLS certificates. SIGUSR1 writes every thread's Python stack to stderr
+    (the service's log) and the service goes on: what a stalled service is doing.
     """
     security.check_tls_settings(cfg)
+    # written in C, from the signal handler: it answers while the event loop or the engine thread
+    # is stuck, and while the model loads
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     server = grpc.aio.server(
         options=security.grpc_options(cfg, server=True), interceptors=security.server_interceptors(name, cfg)
     )
