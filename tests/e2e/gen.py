@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import urllib.request
 from collections.abc import Callable
@@ -12,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.client import AsyncGatewayClient, generation_spec
 from specdec.wire import pb
+from specdec_cli.launch import Service
 
 TEXT_PROMPTS = [
     "def add(a, b):\n    return",
@@ -98,3 +101,35 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s:g} s: {what}")
         time.sleep(0.1)
+
+
+def stall_report(svc: Service) -> str:
+    """What `svc`, a service that answers nothing, is doing, for a failure message: its
+    specdec:*_sessions / engine gauges (when it serves /metrics) and every thread's stack, which
+    SIGUSR1 makes it write to its log (specdec.serving.serve; docs/observability.md)."""
+    parts = [f"{svc.kind} {svc.address} (pid {svc.proc.pid}, log {svc.log_path})"]
+    if svc.metrics_port:
+        try:
+            gauges = {k: v for k, v in scrape(svc.metrics_port).items() if "sessions" in k or "engine_" in k}
+            parts.append(f"gauges: {gauges}")
+        except OSError as err:
+            parts.append(f"its /metrics did not answer either: {err}")
+    if svc.log_path is None or svc.proc.poll() is not None:
+        return "\n".join([*parts, "no stacks: it has no log, or has exited"])
+    path = svc.log_path
+    start = path.stat().st_size
+    os.kill(svc.proc.pid, signal.SIGUSR1)
+    sizes: list[int] = []
+
+    def written() -> bool:  # the dump is there and no longer growing
+        sizes.append(path.stat().st_size)
+        return sizes[-1] > start and len(sizes) > 1 and sizes[-1] == sizes[-2]
+
+    try:
+        wait_for(written, 30, f"{svc.kind}'s stack dump in its log")
+    except AssertionError as err:
+        parts.append(str(err))
+    with open(path, "rb") as log:
+        log.seek(start)
+        parts.append("its threads' stacks:\n" + log.read().decode(errors="replace")[-12000:])
+    return "\n".join(parts)

@@ -39,6 +39,7 @@ from typing import Any
 
 import grpc
 import pytest
+from gen import stall_report
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -132,7 +133,7 @@ def stop_if_wedged(services, err: grpc.RpcError, where: str) -> None:
         if why:
             STOPPED.append(
                 f"{where}: no answer in {TIMEOUT_S:g} s, and the verifier no longer serves a "
-                f"plain 1-token session ({why}); its log: {services.verifier.log_path}"
+                f"plain 1-token session ({why}); what the verifier is doing:\n{stall_report(services.verifier)}"
             )
             raise ServiceStopped(STOPPED[0])
 

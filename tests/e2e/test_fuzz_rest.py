@@ -58,6 +58,7 @@ import grpc
 import pytest
 import requests
 import schemathesis
+from gen import stall_report
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode, HookContext
@@ -72,7 +73,7 @@ MAX_MODEL_LEN = 2048  # the verifier's default max_model_len (tests/conftest.py 
 MAX_GAMMA = 8  # tests/conftest.py
 MAX_RUN_TOKENS = 4  # what an accepted fuzzed request generates at most
 TIMEOUT_S = 30  # one request; a tiny generation takes well under a second
-STATE: dict[str, Any] = {}  # the verifier's address and log, and why it stopped serving (stop_if_wedged)
+STATE: dict[str, Any] = {}  # the verifier and gateway (Services'), and why it stopped serving (stop_if_wedged)
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 OPERATIONS = [("POST", COMPLETIONS), ("POST", CHAT), ("GET", "/v1/models"), ("GET", "/health")]
 FUZZ_SETTINGS = dict(
@@ -100,7 +101,7 @@ def vocab_size(services) -> int:
 @pytest.fixture(scope="module")
 def bridges(services) -> Iterator[dict[str, str]]:
     """The base URL to send each path to (module docstring)."""
-    STATE.update(verifier=services.verifier.address, verifier_log=services.verifier.log_path)
+    STATE.update(verifier=services.verifier, gateway=services.gateways["mid"])
     gateway = f"http://127.0.0.1:{services.gateways['mid'].rest_port}"
     with serve(bridge(services, tokenizer(CHAT_TEMPLATE))) as chat:
         yield {COMPLETIONS: gateway, CHAT: chat, "/v1/models": gateway, "/health": gateway}
@@ -298,12 +299,13 @@ def stop_if_wedged(where: str) -> None:
         gamma=0,
     )
     try:
-        with grpc.insecure_channel(STATE["verifier"]) as channel:
+        with grpc.insecure_channel(STATE["verifier"].address) as channel:
             list(rpc.VerifierServiceStub(channel).Verify(iter([pb.VerifyRequest(open=open_)]), timeout=15))
     except grpc.RpcError as err:
         STATE["stopped"] = (
             f"{where}: no answer in {TIMEOUT_S} s, and the verifier no longer serves a plain 1-token "
-            f"session ({err.code().name}); its log: {STATE['verifier_log']}"
+            f"session ({err.code().name}); what the verifier and the gateway are doing:\n"
+            + "\n".join(stall_report(svc) for svc in (STATE["verifier"], STATE["gateway"]))
         )
         raise ServiceStopped(STATE["stopped"]) from None
 

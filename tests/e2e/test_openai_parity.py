@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from gen import stall_report
 from openai_reference import log_tail, vllm_openai_server
 from test_rest import CHAT_TEMPLATE, MESSAGES, MODEL, bridge, serve, tokenizer
 
@@ -130,7 +131,10 @@ def specdec_ok(s: Servers, endpoint: str, payload: dict[str, Any]) -> dict[str, 
         errors = [line for line in log if "Error" in line or "ERROR" in line]
         _HUNG.append(
             f"{payload} got no answer in {REQUEST_TIMEOUT_S} s; verifier log {verifier.log_path}, "
-            "its errors:\n" + "\n".join(line[:400] for line in errors[-6:])
+            "its errors:\n"
+            + "\n".join(line[:400] for line in errors[-6:])
+            + "\nwhat the verifier and the gateway are doing:\n"
+            + "\n".join(stall_report(svc) for svc in (verifier, s.services.gateways["mid"]))
         )
         pytest.fail(_HUNG[-1])
 
