@@ -103,6 +103,9 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
         time.sleep(0.1)
 
 
+DUMP_END = "in _run_module_as_main"  # the last line of a faulthandler dump of a `python -m` process
+
+
 def stall_report(svc: Service) -> str:
     """What `svc`, a service that answers nothing, is doing, for a failure message: its
     specdec:*_sessions / engine gauges (when it serves /metrics) and every thread's stack, which
@@ -119,17 +122,16 @@ def stall_report(svc: Service) -> str:
     path = svc.log_path
     start = path.stat().st_size
     os.kill(svc.proc.pid, signal.SIGUSR1)
-    sizes: list[int] = []
 
-    def written() -> bool:  # the dump is there and no longer growing
-        sizes.append(path.stat().st_size)
-        return sizes[-1] > start and len(sizes) > 1 and sizes[-1] == sizes[-2]
+    def since_signal() -> str:
+        with open(path, "rb") as log:
+            log.seek(start)
+            return log.read().decode(errors="replace")
 
+    # the dump is whole once the main thread's outermost frame is in: faulthandler lists the
+    # threads newest first, so the main thread comes last, and services run as `python -m`
     try:
-        wait_for(written, 30, f"{svc.kind}'s stack dump in its log")
+        wait_for(lambda: DUMP_END in since_signal(), 30, f"{svc.kind}'s stack dump in its log")
     except AssertionError as err:
         parts.append(str(err))
-    with open(path, "rb") as log:
-        log.seek(start)
-        parts.append("its threads' stacks:\n" + log.read().decode(errors="replace")[-12000:])
-    return "\n".join(parts)
+    return "\n".join([*parts, "its threads' stacks:\n" + since_signal()[-12000:]])
