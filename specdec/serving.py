@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import faulthandler
 import importlib
 import logging
 import os
 import signal
 import socket
+import sys
+import threading
+import traceback
 from collections.abc import AsyncIterator, Callable, Coroutine
+from types import FrameType
 from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
@@ -188,6 +191,38 @@ class Servicer(Protocol):
 S = TypeVar("S", bound=Servicer)
 
 
+def dump_stacks(fd: int = 2) -> None:
+    """Write every thread's Python stack to file descriptor `fd` (stderr: the service's log), in
+    faulthandler's layout, the main thread last (a reader knows the dump is whole when the main
+    thread's outermost frame is in).
+
+    Runs holding the interpreter lock, so no thread's frames change while they are read. That is
+    why this is not `faulthandler.register(..., all_threads=True)`: faulthandler walks the other
+    threads' frames from the C signal handler without the lock, and a verifier whose engine
+    thread was running segfaulted inside that walk (tests/e2e/test_stacks.py, 2026-12-03). It
+    writes with os.write, not sys.stderr: a signal that lands while the main thread is inside a
+    buffered write to stderr (a log line) would make a second buffered write fail as reentrant.
+    """
+    frames = sys._current_frames()
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    main = threading.main_thread().ident
+    parts = ["\n"]
+    for ident in sorted(frames, key=lambda ident: ident == main):  # the main thread last
+        parts.append(f"Thread {ident:#018x} [{names.get(ident, '?')}] (most recent call first):\n")
+        stack = reversed(traceback.extract_stack(frames[ident]))  # innermost first
+        parts.extend(f'  File "{f.filename}", line {f.lineno} in {f.name}\n' for f in stack)
+        parts.append("\n")
+    data = "".join(parts).encode(errors="replace")
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _on_sigusr1(signum: int, frame: FrameType | None) -> None:
+    """SIGUSR1: dump every thread's stack to the log (dump_stacks); the service goes on."""
+    with contextlib.suppress(OSError):  # a closed stderr must not stop the service
+        dump_stacks()
+
+
 def bind_tcp(host: str, port: int, what: str = "") -> socket.socket:
     """A TCP socket bound to host:port (an IPv4 or IPv6 address or a host name; "[::]" as
     gRPC writes it), not yet listening: a server started later (the REST bridge, once the
@@ -239,9 +274,10 @@ async def serve(
     (the service's log) and the service goes on: what a stalled service is doing.
     """
     security.check_tls_settings(cfg)
-    # written in C, from the signal handler: it answers while the event loop or the engine thread
-    # is stuck, and while the model loads
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # a Python handler: it runs in the main thread between two bytecodes, or as soon as a wait
+    # (the event loop's, a lock's, a sleep) is interrupted, so it answers while the model loads
+    # and while the engine thread is stuck; not while a C call holds the interpreter lock
+    signal.signal(signal.SIGUSR1, _on_sigusr1)
     server = grpc.aio.server(
         options=security.grpc_options(cfg, server=True), interceptors=security.server_interceptors(name, cfg)
     )

@@ -103,7 +103,7 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
         time.sleep(0.1)
 
 
-DUMP_END = "in _run_module_as_main"  # the last line of a faulthandler dump of a `python -m` process
+DUMP_END = "in _run_module_as_main"  # the last frame of a stack dump (serving.dump_stacks) of a `python -m` process
 
 
 def stall_report(svc: Service) -> str:
@@ -128,8 +128,8 @@ def stall_report(svc: Service) -> str:
             log.seek(start)
             return log.read().decode(errors="replace")
 
-    # the dump is whole once the main thread's outermost frame is in: faulthandler lists the
-    # threads newest first, so the main thread comes last, and services run as `python -m`
+    # the dump is whole once the main thread's outermost frame is in: dump_stacks lists the
+    # main thread last, and services run as `python -m`
     try:
         wait_for(lambda: DUMP_END in since_signal(), 30, f"{svc.kind}'s stack dump in its log")
     except AssertionError as err:

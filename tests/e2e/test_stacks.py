@@ -1,8 +1,13 @@
 """SIGUSR1 makes a running service write every thread's stack to its log, and it goes on serving
 (specdec.serving.serve; docs/observability.md "A service that stalls"). The tests' stall reports
-(gen.stall_report, used when a request gets no answer) rely on it."""
+(gen.stall_report, used when a request gets no answer) rely on it. The verifier is also dumped
+again and again while it generates: faulthandler's dump, which read the engine thread's frames
+without the interpreter lock, crashed it that way once in a full run (specdec.serving.dump_stacks).
+The crash is rare: these 20 dumps did not bring it back with faulthandler in place."""
 
 from __future__ import annotations
+
+import threading
 
 from gen import generate_all, spec, stall_report
 
@@ -21,3 +26,19 @@ def test_sigusr1_dumps_every_thread_and_the_services_go_on(services) -> None:
         assert svc.proc.poll() is None, f"{svc.kind} exited after SIGUSR1 ({svc.proc.returncode}); {svc.log_path}"
     (response,) = generate_all(gateway.address, [spec([5, 6, 7, 8], 8, gamma=4, ignore_eos=True)])
     assert len(response.token_ids) == 8 and response.stats.drafted_tokens > 0, response
+
+
+def test_dumps_while_the_engine_steps_leave_the_verifier_serving(services) -> None:
+    verifier, gateway = services.verifier, services.gateways["mid"]
+    specs = [spec([9, 10, 11, i], 96, gamma=4, ignore_eos=True) for i in range(8)]
+    responses: list = []
+    worker = threading.Thread(target=lambda: responses.extend(generate_all(gateway.address, specs)))
+    worker.start()
+    try:
+        for _ in range(20):  # each waits for its dump to be whole (stall_report)
+            report = stall_report(verifier)
+            assert "most recent call first" in report and "not within" not in report, report[-3000:]
+            assert verifier.proc.poll() is None, f"the verifier exited during a dump; {verifier.log_path}"
+    finally:
+        worker.join()
+    assert [len(r.token_ids) for r in responses] == [96] * 8, responses

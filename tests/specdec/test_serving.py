@@ -1,14 +1,19 @@
-"""specdec.serving's admission and drain (SessionSlots), with a fake gRPC context. No timers
-decide an outcome: the calls wait on events the test sets."""
+"""specdec.serving's admission and drain (SessionSlots), with a fake gRPC context, and its
+SIGUSR1 stack dump. No timers decide an outcome: the calls wait on events the test sets."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import signal
+import threading
 
 import grpc
 import pytest
 
-from specdec.serving import SessionSlots, open_session
+from specdec import serving
+from specdec.serving import SessionSlots, dump_stacks, open_session
 from specdec.wire import pb
 
 
@@ -111,3 +116,49 @@ def test_a_cancel_as_the_open_message_arrives_is_not_lost() -> None:
             await task
 
     asyncio.run(run())
+
+
+def _parked_thread() -> tuple[threading.Thread, threading.Event]:
+    """A thread named 'parked' waiting in `_park` until the returned event is set."""
+    release = threading.Event()
+
+    def _park() -> None:
+        release.wait()
+
+    thread = threading.Thread(target=_park, name="parked", daemon=True)
+    thread.start()
+    return thread, release
+
+
+def test_dump_stacks_writes_every_thread_the_main_thread_last(tmp_path) -> None:
+    thread, release = _parked_thread()
+    try:
+        with open(tmp_path / "log", "w+b") as log:
+            dump_stacks(log.fileno())
+            log.seek(0)
+            text = log.read().decode()
+    finally:
+        release.set()
+        thread.join()
+    headers = re.findall(r"^Thread (0x[0-9a-f]+) \[(.*)\] \(most recent call first\):$", text, re.M)
+    assert [name for _, name in headers].count("parked") == 1, text
+    assert headers[-1] == (f"{threading.main_thread().ident:#018x}", "MainThread"), text
+    parked = text.split("[parked]")[1].split("\nThread ")[0]
+    assert " in _park\n" in parked and " in wait\n" in parked, parked  # its own frames, innermost first
+    assert parked.index(" in wait\n") < parked.index(" in _park\n"), parked
+    assert " in test_dump_stacks_writes_every_thread_the_main_thread_last\n" in text.split("[MainThread]")[1]
+
+
+def test_sigusr1_dumps_the_stacks_to_stderr_and_returns(capfd) -> None:
+    """The handler serve() installs, run by a real signal: the process goes on (this test)."""
+    thread, release = _parked_thread()
+    before = signal.signal(signal.SIGUSR1, serving._on_sigusr1)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # a Python handler runs before the next bytecode here
+        err = capfd.readouterr().err
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        release.set()
+        thread.join()
+    assert "[parked] (most recent call first):" in err and " in _park\n" in err, err
+    assert " in _on_sigusr1\n" in err.split("[MainThread]")[1], err
