@@ -209,7 +209,8 @@ def dump_stacks(fd: int = 2) -> None:
     parts = ["\n"]
     for ident in sorted(frames, key=lambda ident: ident == main):  # the main thread last
         parts.append(f"Thread {ident:#018x} [{names.get(ident, '?')}] (most recent call first):\n")
-        stack = reversed(traceback.extract_stack(frames[ident]))  # innermost first
+        # innermost first; names and line numbers only: no source file is read inside the handler
+        stack = traceback.StackSummary.extract(traceback.walk_stack(frames[ident]), lookup_lines=False)
         parts.extend(f'  File "{f.filename}", line {f.lineno} in {f.name}\n' for f in stack)
         parts.append("\n")
     data = "".join(parts).encode(errors="replace")
