@@ -13,8 +13,9 @@ the same target model and dtype, the same prompts. Workloads (`--workloads`):
     serve-c8  (not in the default set) vLLM's own client, `vllm bench serve`, against vLLM's own
             OpenAI server (target-only) and then specdec's REST bridge (the services at their
             defaults): 8 excerpts of real C, JS, Rust and Python source cut mid-file
-            (benchmarks/serve_c8_prompts.jsonl), all at once; its own table and a `serve`
-            section in bench.json (benchmarks/serve.py)
+            (benchmarks/serve_c8_prompts.jsonl), all at once; its own table, with where the
+            mean TTFT goes, and a `serve` section in bench.json (benchmarks/serve.py)
+    serve-c1  (not in the default set) the same, one request at a time
 
 Systems:
 
@@ -28,6 +29,10 @@ Systems:
                      drafter's default int8 dynamic quantisation of the same draft model
     specdec-fp32-draft  the same with the draft unquantised: the same draft as vllm-draft
     specdec-no-branches specdec with pre-drafted branches off (drafter --branches 0)
+    specdec-confidence  specdec with drafts sized by confidence (drafter --draft-confidence auto:
+                     a block ends where the draft's cumulative confidence falls below a tau
+                     learned from the verdicts; the freed drafter time goes to branches), at
+                     every gamma, batch 1
 
 Hardware: every target gets the same single core (the first); vllm-draft and vllm-ngram
 run once more with both cores ("2 cores": the same total hardware as specdec); specdec's
@@ -106,19 +111,20 @@ QUICK = {
 QUICK_VERIFIER_ARGS = ("--no-adaptive-gamma", "--draft-wait-margin-ms", "2000")
 DEFAULT_GAMMA = 4  # the gamma of the concurrency sweeps and the one-off baselines
 WORKLOADS = ("code", "long", "c8")  # the default set
-SERVE_WORKLOAD = "serve-c8"  # benchmarks.serve: opt-in (--workloads serve-c8)
+SERVE_WORKLOADS = ("serve-c8", "serve-c1")  # benchmarks.serve.WORKLOADS: opt-in (--workloads serve-c8,serve-c1)
 LONG_PROMPT_TOKENS = 1000
 LONG_PROMPT_SOURCE = "argparse.py"  # a real source file every Python install has on disk
 C8_REQUESTS = 8
 C8_PROMPT_TOKENS = 250
 C8_SOURCES = ("textwrap.py", "heapq.py", "bisect.py", "fnmatch.py", "shlex.py", "csv.py", "glob.py", "json/decoder.py")
-GOALS = {  # performance round 2 (issue 15)
+GOALS = {  # performance rounds 2 and 3 (issues 15 and 24); batch 1: the best specdec row at any setting
     "batch1_speedup_vs_target_only": 2.8,
     "batch1_speedup_vs_vllm_draft_model": 1.8,  # vLLM's draft_model on the target's one core
     "batch1_speedup_vs_vllm_draft_model_2_cores": 1.0,  # ... on both cores: equal hardware, decode tok/s
     "batch1_speedup_vs_vllm_draft_model_fp32_draft": 1.5,  # specdec with the unquantised draft
     "bound_fraction": 0.85,
-    "c16_throughput_vs_target_only": 1.0,
+    "c4_throughput_vs_target_only": 1.8,
+    "c16_throughput_vs_target_only": 1.3,
     "c16_p99_itl_vs_target_only": 1.1,  # at most
 }
 
@@ -185,11 +191,11 @@ def workload_prompts(
         return [LONG_PROMPT_SOURCE], [source_prompt(LONG_PROMPT_SOURCE, tokenizer, LONG_PROMPT_TOKENS)]
     if name == "c8":
         return list(C8_SOURCES), [source_prompt(f, tokenizer, C8_PROMPT_TOKENS) for f in C8_SOURCES]
-    if name == SERVE_WORKLOAD:
+    if name in SERVE_WORKLOADS:
         from benchmarks.serve import load_prompts as load_serve_prompts
 
         return load_serve_prompts()
-    raise ValueError(f"unknown workload {name!r}; known: {', '.join((*WORKLOADS, SERVE_WORKLOAD))}")
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join((*WORKLOADS, *SERVE_WORKLOADS))}")
 
 
 def plan(
@@ -269,6 +275,17 @@ def plan(
                 "cores": one,
             }
         )
+        for g in gammas:
+            runs.append(
+                {
+                    "system": "specdec-confidence",
+                    "kind": "specdec",
+                    "confidence": "auto",
+                    "gamma": g,
+                    "concurrency": [1],
+                    "cores": one,
+                }
+            )
         for r in runs:
             r["workload"] = "code"
     for name, c, extra in (("long", 1, [0]), ("c8", C8_REQUESTS, [])):
@@ -374,14 +391,15 @@ class SpecdecCluster:
         self.pair, self.out, self.dtype, self.verifier_args = pair, out, dtype, list(verifier_args)
         self.target, self.draft = target, draft  # model references replacing the pair's (None: the pair's)
         self.cluster: Any = None
-        self.drafter_setting: tuple[str, int | None] = ("", None)
+        self.drafter_setting: tuple[str, int | None, str | None] = ("", None, None)
         self.drafter_metrics = ""  # the running drafter's /metrics URL (its batch size is read there)
 
-    def address(self, quantize: str, branches: int | None = None) -> str:
-        """The gateway's address, with a drafter quantised `quantize` and `branches` (None: its default)."""
+    def address(self, quantize: str, branches: int | None = None, confidence: str | None = None) -> str:
+        """The gateway's address, with a drafter quantised `quantize`, `branches` and
+        `draft_confidence` `confidence` (None: the drafter's default)."""
         from specdec_cli.launch import ANY_PORT, Cluster
 
-        if self.cluster is not None and (quantize, branches) != self.drafter_setting:
+        if self.cluster is not None and (quantize, branches, confidence) != self.drafter_setting:
             self.stop()
         if self.cluster is None:
             self.cluster = Cluster(
@@ -403,11 +421,12 @@ class SpecdecCluster:
                         "--quantize",
                         quantize,
                         *(["--branches", str(branches)] if branches is not None else []),
+                        *(["--draft-confidence", confidence] if confidence is not None else []),
                     ],
                 },
             )
             self.cluster.start()
-            self.drafter_setting = (quantize, branches)
+            self.drafter_setting = (quantize, branches, confidence)
             self.drafter_metrics = f"http://127.0.0.1:{self.cluster.drafter.metrics_port}/metrics"
         return str(self.cluster.gateway.address)
 
@@ -543,7 +562,7 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ]
 
     out: dict[str, Any] = {}
-    spec1 = [r for r in pick("specdec", 1) if r["gamma"] and r["speedup"]]
+    spec1 = [r for system in ("specdec", "specdec-confidence") for r in pick(system, 1) if r["gamma"] and r["speedup"]]
     best = max(spec1, key=lambda r: r["speedup"], default=None)
     draft1 = [r for r in pick("vllm-draft", 1) if r["decode_tok_s"]]
     best_draft = max(draft1, key=lambda r: r["decode_tok_s"], default=None)
@@ -553,7 +572,12 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         met = None if value is None else (value <= target if at_most else value >= target)
         out[name] = {"value": value, "target": target, "at_most" if at_most else "at_least": True, "met": met, **where}
 
-    goal("batch1_speedup_vs_target_only", best["speedup"] if best else None, gamma=best and best["gamma"])
+    goal(
+        "batch1_speedup_vs_target_only",
+        best["speedup"] if best else None,
+        gamma=best and best["gamma"],
+        system=best and best["system"],
+    )
     goal(
         "batch1_speedup_vs_vllm_draft_model",
         best["decode_tok_s"] / best_draft["decode_tok_s"] if best and best_draft else None,
@@ -582,6 +606,8 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "gamma": best and best["gamma"],
         "reported": True,
     }  # no target: reported
+    s4, t4 = [r for r in pick("specdec", 4) if r["gamma"]], pick("target-only", 4)
+    goal("c4_throughput_vs_target_only", s4[0]["speedup"] if s4 and t4 else None)
     s16 = [r for r in pick("specdec", 16) if r["gamma"]]
     t16 = pick("target-only", 16)
     if s16 and t16:
@@ -654,7 +680,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     ax = axes[0]
-    for system, style in (("specdec", "o-"), ("vllm-draft", "s--")):  # specdec: int8 draft; vllm-draft: fp32
+    for system, style in (("specdec", "o-"), ("specdec-confidence", "^-"), ("vllm-draft", "s--")):  # vllm-draft: fp32
         pts = sorted(
             (r["gamma"], r["speedup"])
             for r in rows
@@ -772,14 +798,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--workloads",
         default=None,
-        help=f"comma list of {', '.join((*WORKLOADS, SERVE_WORKLOAD))} (see above); default: "
+        help=f"comma list of {', '.join((*WORKLOADS, *SERVE_WORKLOADS))} (see above); default: "
         f"{','.join(WORKLOADS)} (with --prompts-file: code)",
     )
     p.add_argument("--dtype", default="float32")
     p.add_argument(
         "--serve-vllm-dtype",
         metavar="DTYPE",
-        help="serve-c8: vLLM's server's dtype (default: --dtype); "
+        help="serve-c8, serve-c1: vLLM's server's dtype (default: --dtype); "
         "`auto` is what `vllm serve` takes when not told: bfloat16 on the CPU",
     )
     p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.png, logs/")
@@ -890,7 +916,7 @@ def main(args: argparse.Namespace) -> int:
             bar.set_description(f"{run['workload']}: {run['system']} γ={run['gamma']} {len(run['cores'])} core")
             from benchmarks.systems import run_specdec
 
-            address = cluster.address(run.get("quantize", "int8"), run.get("branches"))
+            address = cluster.address(run.get("quantize", "int8"), run.get("branches"), run.get("confidence"))
             mine = os.sched_getaffinity(0)
             os.sched_setaffinity(0, {cpus[-1]})  # the client lives on the drafter's host
             try:
@@ -913,11 +939,15 @@ def main(args: argparse.Namespace) -> int:
         bar.close()
         cluster.stop()
     serve = None
-    if SERVE_WORKLOAD in workloads:  # after the other rows: its servers never share memory with them
-        from benchmarks.serve import run_workload
+    asked = [w for w in SERVE_WORKLOADS if w in workloads]
+    if asked:  # after the other rows: its servers never share memory with them
+        from benchmarks.serve import run_workloads
 
-        print(f"{SERVE_WORKLOAD}: vllm bench serve against vLLM's server, then specdec's REST bridge", file=sys.stderr)
-        serve = run_workload(
+        print(
+            f"{', '.join(asked)}: vllm bench serve against vLLM's server, then specdec's REST bridge", file=sys.stderr
+        )
+        serve = run_workloads(
+            names=asked,
             pair=args.models,
             target=target,
             tokenizer=str(found["tokenizer"]),
@@ -929,7 +959,7 @@ def main(args: argparse.Namespace) -> int:
             cores=(cpus[0], cpus[-1]),
             out=out,
             verifier_args=QUICK_VERIFIER_ARGS if args.quick else (),
-            prompts=texts[SERVE_WORKLOAD],
+            prompts=texts[asked[0]],
         )
     rows.extend(summarise(run, r) for i, run in enumerate(runs) for r in results_of.get(i, []))
     relate(rows, prompts)
@@ -963,10 +993,10 @@ def main(args: argparse.Namespace) -> int:
     plot(rows, out / "bench.png")
     print(table(rows))
     print()
-    if serve is not None:
+    for report_of_workload in (serve or {}).values():
         from benchmarks.serve import table as serve_table
 
-        print(serve_table(serve))
+        print(serve_table(report_of_workload))
         print()
     for name, g in achieved.items():
         value = "n/a" if g["value"] is None else f"{g['value']:.2f}"

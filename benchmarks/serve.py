@@ -1,8 +1,10 @@
-"""The `serve-c8` workload of `specdec bench`: vLLM's own client against two OpenAI servers.
+"""The `serve-c8` and `serve-c1` workloads of `specdec bench`: vLLM's own client against two
+OpenAI servers.
 
 As a new user would measure it: `vllm bench serve` (vLLM's benchmark client, unmodified;
-backend `openai`, /v1/completions, streaming, greedy, `--ignore-eos`) sends all of the
-workload's prompts at once (`--max-concurrency` = the number of prompts, request rate inf) to
+backend `openai`, /v1/completions, streaming, greedy, `--ignore-eos`) sends the workload's
+prompts (`serve-c8`: all at once, `--max-concurrency` = the number of prompts, request rate
+inf; `serve-c1`: the same prompts one at a time, `--max-concurrency 1`) to
 
     target-only  vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`,
                  what `vllm serve` runs) on the target alone, pinned to the target's core
@@ -13,10 +15,11 @@ workload's prompts at once (`--max-concurrency` = the number of prompts, request
                  int8 quantisation): the verifier pinned to the target's core, drafter and
                  gateway on the drafter's core; the client talks to the gateway's REST bridge
 
-one after the other in one run (never both in memory). The client runs on the drafter's core,
-as the bench's own client does. Each server first answers one short warm-up request (the first
-prompt, 8 tokens), then the measured run starts (vLLM's ready check is skipped: the warm-up
-did it).
+one after the other in one run (never both in memory); with both workloads asked for, each
+server runs both, serve-c8 first. The client runs on the drafter's core, as the bench's own
+client does. Each server first answers one short warm-up request (the first prompt, 8 tokens,
+streamed: its time to first token is the server's first-request cost, `warmup_ttft_ms`), then
+the measured runs start (vLLM's ready check is skipped: the warm-up did it).
 
 The prompts (PROMPTS_FILE): 8 excerpts of about 260 tokens of real source files (C, JS, Rust,
 Python), each cut mid-file at a line end; their origin is in each line of the file.
@@ -34,6 +37,27 @@ client has not taken into one event, so under load its figure can fall below 1.0
 whose generated text equals target-only's for the same prompt. For specdec, from the bridge's
 /metrics (counter differences over the measured run): fallbacks (requests that went on
 without their drafter), drafts, draft tokens, accepted tokens, hence alpha and MAL.
+
+Where a TTFT goes (`ttft_account`, ms, means over the measured requests), from each server's
+own clocks beside the client's:
+    client          TTFT as vLLM's client measures it (request sent -> first event)
+    server          the server's own TTFT histogram: vLLM's `vllm:time_to_first_token_seconds`
+                    (the engine's arrival, after tokenizing, -> first token), specdec's
+                    `specdec:time_to_first_token_seconds` (the gateway core's arrival, after the
+                    REST bridge tokenized, -> first token chunk)
+    edge            client - server: HTTP in, tokenizing, detokenizing, SSE out, the client
+    queue, prefill  vLLM: `vllm:request_queue_time_seconds`, `vllm:request_prefill_time_seconds`
+                    (the engine core's own: scheduled -> first token, every chunk of the prompt);
+                    specdec: the first `specdec.round` span's `queue_ms` and `stage.verify_ms`,
+                    the verifier's engine step that made the first token (a prompt prefilled in
+                    several chunks: the last one; the earlier steps fall in `rest`), from the
+                    services' trace (SPECDEC_TRACE_FILE, set for this run)
+    rest            server - queue - prefill: vLLM, the API process and the engine core's input
+                    queue (a request that arrives during a step waits there for its end);
+                    specdec, admission and validation, opening the drafter and verifier
+                    sessions, gRPC both ways, and likewise a step in progress
+The first step's wait for the drafter's first block (`stage.draft_wait_ms` of the first round)
+is not in the TTFT: the verifier streams the prefill's token as a preview before it waits.
 """
 
 from __future__ import annotations
@@ -54,7 +78,9 @@ import httpx
 
 from specdec.errors import exit_status
 
-NAME = "serve-c8"
+NAME = "serve-c8"  # the first workload (its name was the module's only one)
+# workload -> vllm bench serve's --max-concurrency (None: every prompt at once)
+WORKLOADS: dict[str, int | None] = {"serve-c8": None, "serve-c1": 1}
 PROMPTS_FILE = Path(__file__).with_name("serve_c8_prompts.jsonl")
 WARMUP_TOKENS = 8
 READY_TIMEOUT_S = 900.0
@@ -100,6 +126,13 @@ SPEC_COUNTERS = {
     "specdec:spec_decode_num_accepted_tokens_total": "accepted",
     "specdec:rounds_total": "rounds",
     "specdec:generation_tokens_total": "generation_tokens",
+}
+# Server-side latency histograms (Prometheus family -> our name): their _sum and _count, in seconds
+HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": "server_ttft",
+    "vllm:request_queue_time_seconds": "engine_queue",
+    "vllm:request_prefill_time_seconds": "engine_prefill",
+    "specdec:time_to_first_token_seconds": "server_ttft",
 }
 # (row key, vLLM result key, header, format): the table's figures, and the ratios taken of them
 FIGURES = (
@@ -268,37 +301,134 @@ def served_model(url: str) -> str:
     return str(data[0]["id"])
 
 
-def warm_up(url: str, model: str, prompt: str) -> None:
-    """One short greedy completion (WARMUP_TOKENS tokens), not measured."""
-    resp = httpx.post(
-        f"{url}/v1/completions",
-        timeout=READY_TIMEOUT_S,
-        json={"model": model, "prompt": prompt, "max_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True},
-    )
-    resp.raise_for_status()
+def warm_up(url: str, model: str, prompt: str) -> float:
+    """One short greedy completion (WARMUP_TOKENS tokens, streamed), not measured with the rest;
+    its time to first event, ms: the server's first request, with whatever it does first."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": WARMUP_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    t0 = time.perf_counter()
+    first: float | None = None
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=READY_TIMEOUT_S, json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if first is None and line.startswith("data:") and '"choices"' in line:
+                first = time.perf_counter()
+    if first is None:
+        raise RuntimeError(f"the warm-up request to {url} streamed no choices")
+    return (first - t0) * 1e3
 
 
 def scrape(url: str) -> dict[str, float]:
-    """specdec's counters (SPEC_COUNTERS) from the server's /metrics; {} where it has none."""
+    """specdec's counters (SPEC_COUNTERS) and the latency histograms' `NAME_sum` / `NAME_count`
+    (HISTOGRAMS, e.g. `server_ttft_sum`) from the server's /metrics; {} where it has none."""
     from prometheus_client.parser import text_string_to_metric_families
 
     resp = httpx.get(f"{url}/metrics", timeout=30.0, follow_redirects=True)
     if resp.status_code != 200:
         return {}
     out: dict[str, float] = {}
+
+    def add(key: str, value: float) -> None:
+        out[key] = out.get(key, 0.0) + value
+
     for family in text_string_to_metric_families(resp.text):
         for sample in family.samples:
             if sample.name in SPEC_COUNTERS:
-                out[SPEC_COUNTERS[sample.name]] = out.get(SPEC_COUNTERS[sample.name], 0.0) + float(sample.value)
+                add(SPEC_COUNTERS[sample.name], float(sample.value))
+            for prefix, ours in HISTOGRAMS.items():
+                for part in ("_sum", "_count"):
+                    if sample.name == prefix + part:
+                        add(ours + part, float(sample.value))
     return out
+
+
+def first_rounds(trace_file: Path, since_ns: int) -> list[dict[str, float]]:
+    """Per generation the gateway began at or after `since_ns` (epoch ns), its first round from
+    the services' JSON-lines trace: the round span's wall and its `queue_ms`, `stage.verify_ms`
+    (the prefill step), `stage.draft_wait_ms`, `stage.network_ms`, all ms."""
+    if not trace_file.exists():
+        return []
+    generations: set[str] = set()
+    rounds: dict[str, dict[str, Any]] = {}
+    for line in trace_file.read_text().splitlines():
+        try:
+            span = json.loads(line)
+        except json.JSONDecodeError:  # three services append to one file; a torn line is skipped
+            continue
+        if span.get("service") != "gateway":
+            continue
+        if span["name"] == "specdec.generate" and span["start_ns"] >= since_ns:
+            generations.add(span["span_id"])
+        elif span["name"] == "specdec.round" and span["attributes"].get("specdec.round") == 1:
+            rounds[span["parent_id"]] = span
+    out = []
+    for gen in sorted(generations):
+        r = rounds.get(gen)
+        if r is None:
+            continue
+        a = r["attributes"]
+        out.append(
+            {
+                "round_ms": (r["end_ns"] - r["start_ns"]) / 1e6,
+                "queue_ms": float(a.get("specdec.queue_ms", 0.0)),
+                "verify_ms": float(a.get("specdec.stage.verify_ms", 0.0)),
+                "draft_wait_ms": float(a.get("specdec.stage.draft_wait_ms", 0.0)),
+                "network_ms": float(a.get("specdec.stage.network_ms", 0.0)),
+            }
+        )
+    return out
+
+
+def ttft_account(
+    client_ttft_ms: float | None, counters: dict[str, float], rounds: Sequence[dict[str, float]]
+) -> dict[str, float | None]:
+    """Where the mean TTFT goes (see the module's docstring), ms; None where a clock is missing.
+
+    counters: the differences over the measured run (scrape); rounds: specdec's first rounds
+    (first_rounds), empty for vLLM."""
+
+    def mean(name: str) -> float | None:
+        n = counters.get(f"{name}_count")
+        return 1e3 * counters[f"{name}_sum"] / n if n else None
+
+    server = mean("server_ttft")
+    if rounds:
+        queue: float | None = sum(r["queue_ms"] for r in rounds) / len(rounds)
+        prefill: float | None = sum(r["verify_ms"] for r in rounds) / len(rounds)
+    else:
+        queue, prefill = mean("engine_queue"), mean("engine_prefill")
+    known = [v for v in (queue, prefill) if v is not None]
+    return {
+        "client": client_ttft_ms,
+        "server": server,
+        "edge": client_ttft_ms - server if client_ttft_ms is not None and server is not None else None,
+        "queue": queue,
+        "prefill": prefill,
+        "rest": server - sum(known) if server is not None and known else None,
+    }
 
 
 # ---- the client ---------------------------------------------------------------------------------
 def bench_serve_command(
-    url: str, model: str, tokenizer: str, dataset: Path, n: int, output_len: int, result_dir: Path, filename: str
+    url: str,
+    model: str,
+    tokenizer: str,
+    dataset: Path,
+    n: int,
+    output_len: int,
+    result_dir: Path,
+    filename: str,
+    concurrency: int | None = None,
 ) -> list[str]:
-    """`vllm bench serve` arguments: every prompt of `dataset` in file order, all at once, greedy,
-    exactly `output_len` tokens each, per-request results saved."""
+    """`vllm bench serve` arguments: every prompt of `dataset` in file order, `concurrency` at a
+    time (None: all `n` at once), greedy, exactly `output_len` tokens each, per-request results
+    saved."""
     return [
         "bench",
         "serve",
@@ -322,7 +452,7 @@ def bench_serve_command(
         "--num-prompts",
         str(n),
         "--max-concurrency",
-        str(n),
+        str(concurrency or n),
         "--request-rate",
         "inf",
         "--temperature",
@@ -364,10 +494,17 @@ def run_bench_serve(args: list[str], core: int, log: Path, result: Path, timeout
 
 
 # ---- the report ---------------------------------------------------------------------------------
-def row(system: str, result: dict[str, Any], counters: dict[str, float] | None) -> dict[str, Any]:
-    """One system's figures from vLLM's saved result (and specdec's counter differences)."""
+def row(
+    system: str,
+    result: dict[str, Any],
+    counters: dict[str, float] | None,
+    workload: str = NAME,
+    rounds: Sequence[dict[str, float]] = (),
+) -> dict[str, Any]:
+    """One system's figures from vLLM's saved result, the server's counter differences over the
+    run (scrape) and, for specdec, its first rounds (first_rounds)."""
     out: dict[str, Any] = {
-        "workload": NAME,
+        "workload": workload,
         "system": system,
         "concurrency": int(result.get("max_concurrency") or 0),
         "completed": result["completed"],
@@ -388,6 +525,7 @@ def row(system: str, result: dict[str, Any], counters: dict[str, float] | None) 
     out["alpha"] = c["accepted"] / c["draft_tokens"] if c.get("draft_tokens") else None
     out["mean_accepted_length"] = 1 + c["accepted"] / c["drafts"] if c.get("drafts") else None
     out["counters"] = counters
+    out["ttft_account"] = ttft_account(out["ttft_mean_ms"], c, rounds)
     # held_steps: the bridge sends it per request in the final usage chunk (usage.speculation),
     # which vLLM's client does not keep, and its /metrics has no counter of it
     out["held_steps"] = None
@@ -420,7 +558,8 @@ def table(report: dict[str, Any]) -> str:
         return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
 
     lines = [
-        f"{NAME}: vllm bench serve, c = {report['concurrency']}, {report['output_len']} tokens each",
+        f"{report.get('workload', NAME)}: vllm bench serve, c = {report['concurrency']}, "
+        f"{report['output_len']} tokens each",
         "| system | " + " | ".join(h for _, h, _ in cols) + " |",
         "|---|" + "---|" * len(cols),
     ]
@@ -434,11 +573,21 @@ def table(report: dict[str, Any]) -> str:
             + " |"
         )
         lines.append(f"\nexact: {report['exact']:.0%} of specdec's outputs equal target-only's")
+    accounts = [(r["system"], r.get("ttft_account") or {}) for r in report["rows"]]
+    if any(a.get("server") is not None for _, a in accounts):
+        parts = ("client", "server", "edge", "queue", "prefill", "rest")
+        lines += ["", "where the mean TTFT goes, ms (benchmarks.serve.ttft_account)"]
+        lines += ["| system | " + " | ".join(parts) + " |", "|---|" + "---|" * len(parts)]
+        lines += [f"| {name} | " + " | ".join(cell(a.get(k), "{:.0f}") for k in parts) + " |" for name, a in accounts]
+    warm = [(r["system"], r.get("warmup_ttft_ms")) for r in report["rows"]]
+    if any(ms is not None for _, ms in warm):
+        lines.append("first request (warm-up) TTFT: " + ", ".join(f"{n} {cell(ms, '{:.0f}')} ms" for n, ms in warm))
     return "\n".join(lines)
 
 
-def run_workload(
+def run_workloads(
     *,
+    names: Sequence[str],
     pair: str,
     target: str,
     tokenizer: str,
@@ -451,45 +600,77 @@ def run_workload(
     vllm_dtype: str | None = None,
     verifier_args: Sequence[str] = (),
     prompts: tuple[list[str], list[str]] | None = None,
-) -> dict[str, Any]:
-    """Both systems, one after the other; the report: rows, ratios, exact, and the command per row.
+) -> dict[str, dict[str, Any]]:
+    """Both systems, one after the other, each running every workload of `names` (WORKLOADS) on
+    one server; per workload, the report: rows, ratios, exact, and the command per row.
 
     dtype: the services' and (unless `vllm_dtype`) vLLM's server's; cores: (the target's core,
     the drafter's core, where the client runs too)."""
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown serve workload {unknown[0]!r}; known: {', '.join(WORKLOADS)}")
     ids, texts = prompts or load_prompts()
-    work = out / NAME
-    work.mkdir(parents=True, exist_ok=True)
-    dataset = work / "prompts.sharegpt.json"
-    sharegpt_dataset(texts, dataset)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
-    commands: dict[str, list[str]] = {}
+    rows: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    commands: dict[str, dict[str, list[str]]] = {n: {} for n in names}
+    datasets = {}
+    for name in names:
+        (out / name).mkdir(parents=True, exist_ok=True)
+        datasets[name] = out / name / "prompts.sharegpt.json"
+        sharegpt_dataset(texts, datasets[name])
+    trace_file = logs / "serve-trace.jsonl"
 
     def measure(system: str, url: str) -> None:
         model = served_model(url)
-        warm_up(url, model, texts[0])
-        before = scrape(url)
-        name = f"{system}.json"
-        args = bench_serve_command(url, model, tokenizer, dataset, len(texts), output_len, work, name)
-        commands[system] = ["vllm", *args]
-        result = run_bench_serve(args, cores[1], logs / f"{NAME}-client.log", work / name)
-        after = scrape(url)
-        counters = {k: after[k] - before.get(k, 0.0) for k in after} if after else None
-        rows.append(row(system, result, counters))
+        warmup_ms = warm_up(url, model, texts[0])
+        for name in names:
+            before = scrape(url)
+            since = time.time_ns()
+            args = bench_serve_command(
+                url,
+                model,
+                tokenizer,
+                datasets[name],
+                len(texts),
+                output_len,
+                out / name,
+                f"{system}.json",
+                WORKLOADS[name],
+            )
+            commands[name][system] = ["vllm", *args]
+            result = run_bench_serve(args, cores[1], logs / f"{name}-client.log", out / name / f"{system}.json")
+            after = scrape(url)
+            counters = {k: after[k] - before.get(k, 0.0) for k in after} if after else None
+            rounds = first_rounds(trace_file, since) if system == "specdec" else []
+            r = row(system, result, counters, name, rounds)
+            r["warmup_ttft_ms"] = warmup_ms
+            rows[name].append(r)
 
-    with vllm_server(target, vllm_dtype or dtype, cores[0], logs / f"{NAME}-vllm-server.log") as url:
+    with vllm_server(target, vllm_dtype or dtype, cores[0], logs / "serve-vllm-server.log") as url:
         measure("target-only", url)
-    with specdec_services(pair, target_ref, draft_ref, dtype, cores, logs, verifier_args) as url:
-        measure("specdec", url)
+    trace_file.unlink(missing_ok=True)
+    users = os.environ.get("SPECDEC_TRACE_FILE")
+    os.environ["SPECDEC_TRACE_FILE"] = str(trace_file)  # the services' spans: each first round's stages
+    try:
+        with specdec_services(pair, target_ref, draft_ref, dtype, cores, logs, verifier_args) as url:
+            measure("specdec", url)
+    finally:
+        if users is None:
+            os.environ.pop("SPECDEC_TRACE_FILE", None)
+        else:
+            os.environ["SPECDEC_TRACE_FILE"] = users
     return {
-        "workload": NAME,
-        "prompts": ids,
-        "concurrency": len(texts),
-        "output_len": output_len,
-        "dtype": {"target-only": vllm_dtype or dtype, "specdec": dtype},
-        "cores": {"target": cores[0], "drafter_and_client": cores[1]},
-        "rows": rows,
-        **compare(rows),
-        "commands": commands,
+        name: {
+            "workload": name,
+            "prompts": ids,
+            "concurrency": WORKLOADS[name] or len(texts),
+            "output_len": output_len,
+            "dtype": {"target-only": vllm_dtype or dtype, "specdec": dtype},
+            "cores": {"target": cores[0], "drafter_and_client": cores[1]},
+            "rows": rows[name],
+            **compare(rows[name]),
+            "commands": commands[name],
+        }
+        for name in names
     }

@@ -260,6 +260,7 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
     seen = {(r["system"], r["gamma"], r["concurrency"], r["cores"]) for r in rows}
     for g in (1, 2, 4, 8):
         assert ("specdec", g, 1, 1) in seen and ("vllm-draft", g, 1, 1) in seen
+        assert ("specdec-confidence", g, 1, 1) in seen  # drafts sized by confidence, batch 1
     for c in (1, 4, 16):
         assert ("target-only", 0, c, 1) in seen and ("specdec", 4, c, 1) in seen
     for system in ("vllm-ngram", "hf-assisted"):

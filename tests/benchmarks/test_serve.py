@@ -1,6 +1,6 @@
-"""`specdec bench --workloads serve-c8`: the prompts file, the report arithmetic on known vLLM
-results, and an end-to-end run on the tiny pair (vLLM's client against vLLM's server and the
-REST bridge)."""
+"""`specdec bench --workloads serve-c8,serve-c1`: the prompts file, the report arithmetic on known
+vLLM results, where a TTFT goes (the servers' histograms and specdec's trace), and an end-to-end
+run on the tiny pair (vLLM's client against vLLM's server and the REST bridge)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -98,20 +99,143 @@ def test_the_client_sends_every_prompt_at_once_greedy_in_file_order(tmp_path: Pa
     serve.sharegpt_dataset(["p0", "p1"], tmp_path / "d.json")
     rows = json.loads((tmp_path / "d.json").read_text())
     assert [r["conversations"][0]["value"] for r in rows] == ["p0", "p1"]
+    one = serve.bench_serve_command("http://h:1", "m", "tok", tmp_path / "d.json", 8, 64, tmp_path, "r.json", 1)
+    flags = dict(zip(one[:-1], one[1:], strict=True))
+    assert (flags["--num-prompts"], flags["--max-concurrency"]) == ("8", "1")  # serve-c1: one at a time
+    assert serve.WORKLOADS == {"serve-c8": None, "serve-c1": 1} and set(serve.WORKLOADS) == set(bench.SERVE_WORKLOADS)
+
+
+_METRICS = """\
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {n}
+vllm:time_to_first_token_seconds_count{{model_name="m"}} {n}
+vllm:time_to_first_token_seconds_sum{{model_name="m"}} {ttft}
+# HELP vllm:request_prefill_time_seconds Histogram of time spent in PREFILL phase for request.
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{{le="+Inf",model_name="m"}} {n}
+vllm:request_prefill_time_seconds_count{{model_name="m"}} {n}
+vllm:request_prefill_time_seconds_sum{{model_name="m"}} {prefill}
+# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{{le="+Inf",model_name="m"}} {n}
+vllm:request_queue_time_seconds_count{{model_name="m"}} {n}
+vllm:request_queue_time_seconds_sum{{model_name="m"}} {queue}
+"""
+
+
+def test_where_vllms_ttft_goes_from_its_histograms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Differences of the server's own histograms over the run give the means: edge = client -
+    server, rest = server - queue - prefill."""
+    pages = iter(
+        [
+            _METRICS.format(n=1, ttft=0.5, prefill=0.4, queue=0.01),  # the warm-up, before the run
+            _METRICS.format(n=3, ttft=2.5, prefill=2.0, queue=0.05),  # two requests later
+        ]
+    )
+    monkeypatch.setattr(serve.httpx, "get", lambda *a, **k: SimpleNamespace(status_code=200, text=next(pages)))
+    before, after = serve.scrape("http://h:1"), serve.scrape("http://h:1")
+    diff = {k: after[k] - before.get(k, 0.0) for k in after}
+    account = serve.ttft_account(1100.0, diff, [])
+    assert account["server"] == pytest.approx(1000.0) and account["edge"] == pytest.approx(100.0)
+    assert account["queue"] == pytest.approx(20.0) and account["prefill"] == pytest.approx(800.0)
+    assert account["rest"] == pytest.approx(180.0)
+
+
+def _span(name: str, span_id: str, parent: str | None, start: int, end: int, **attrs: object) -> str:
+    return json.dumps(
+        {
+            "name": name,
+            "service": "gateway",
+            "span_id": span_id,
+            "parent_id": parent,
+            "start_ns": start,
+            "end_ns": end,
+            "attributes": attrs,
+        }
+    )
+
+
+def test_where_specdecs_ttft_goes_from_its_first_rounds(tmp_path: Path) -> None:
+    """specdec's queue and prefill are the first round's, read from the gateway's spans of
+    generations begun in the run; earlier ones (the warm-up) and later rounds are not. The first
+    round's draft wait comes after the previewed first token: not part of the account."""
+    ms = 1_000_000
+    stages = {"specdec.stage.draft_wait_ms": 0.0, "specdec.stage.network_ms": 30.0}
+    lines = [
+        _span("specdec.generate", "w", None, 0, 900 * ms),  # the warm-up: before the run
+        _span("specdec.round", "w1", "w", 0, 500 * ms, **{"specdec.round": 1, "specdec.stage.verify_ms": 450.0}),
+        _span("specdec.generate", "a", None, 1000 * ms, 3000 * ms),
+        _span(
+            "specdec.round",
+            "a1",
+            "a",
+            1000 * ms,
+            1900 * ms,
+            **{"specdec.round": 1, "specdec.queue_ms": 10.0, "specdec.stage.verify_ms": 850.0, **stages},
+        ),
+        _span(
+            "specdec.round", "a2", "a", 1900 * ms, 2500 * ms, **{"specdec.round": 2, "specdec.stage.verify_ms": 600.0}
+        ),
+        '{"torn": ',  # three services append to one file
+        _span("specdec.generate", "b", None, 4000 * ms, 6000 * ms),
+        _span(
+            "specdec.round",
+            "b1",
+            "b",
+            4000 * ms,
+            4700 * ms,
+            **{"specdec.round": 1, "specdec.queue_ms": 30.0, "specdec.stage.verify_ms": 650.0, **stages},
+        ),
+    ]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    rounds = serve.first_rounds(trace, since_ns=1000 * ms)
+    assert sorted(r["verify_ms"] for r in rounds) == [650.0, 850.0]
+    assert sorted(r["round_ms"] for r in rounds) == [700.0, 900.0]
+    counters = {"server_ttft_sum": 2 * 0.95, "server_ttft_count": 2.0}
+    account = serve.ttft_account(1000.0, counters, rounds)
+    assert (account["queue"], account["prefill"]) == (20.0, 750.0) and "draft_wait" not in account
+    assert account["server"] == pytest.approx(950.0) and account["edge"] == pytest.approx(50.0)
+    assert account["rest"] == pytest.approx(950.0 - 20.0 - 750.0)
+    assert serve.first_rounds(tmp_path / "none.jsonl", 0) == []
 
 
 @pytest.mark.e2e  # vLLM's server, the three services and vLLM's client, on the tiny pair
 def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
-    """Both rows, the ratios and exactness, from one `specdec bench --quick --workloads serve-c8`."""
+    """Both rows, the ratios, exactness and where the TTFT goes, from one `specdec bench --quick
+    --workloads serve-c8,serve-c1` (each server runs both workloads)."""
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "specdec_cli", "bench", "--quick", "--workloads", "serve-c8", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "specdec_cli",
+            "bench",
+            "--quick",
+            "--workloads",
+            "serve-c8,serve-c1",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=1800,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((out / "bench.json").read_text())["serve"]
+    reports = json.loads((out / "bench.json").read_text())["serve"]
+    assert list(reports) == ["serve-c8", "serve-c1"]
+    one = reports["serve-c1"]
+    assert one["concurrency"] == 1 and one["exact"] == 1.0
+    assert [(r["completed"], r["failed"]) for r in one["rows"]] == [(8, 0), (8, 0)]
+    for r in one["rows"]:
+        account = r["ttft_account"]
+        # every part measured; the server's TTFT lies inside the client's, its parts inside it
+        assert all(account[k] is not None for k in ("client", "server", "edge", "queue", "prefill", "rest")), r
+        assert 0 < account["server"] <= account["client"] and 0 < account["prefill"] <= account["server"], account
+        assert r["warmup_ttft_ms"] > 0
+    assert "serve-c1: vllm bench serve, c = 1" in proc.stdout and "where the mean TTFT goes" in proc.stdout
+    report = reports["serve-c8"]
     assert [r["system"] for r in report["rows"]] == ["target-only", "specdec"]
     for r in report["rows"]:
         assert (r["completed"], r["failed"], r["errors"]) == (8, 0, []), r
