@@ -68,7 +68,7 @@ _SERVICE = "a long-running service; `specdec up` (run here) starts the same `spe
 _BENCH = "the full benchmark takes minutes even on tiny; `specdec bench --quick` runs in tests/benchmarks/test_bench.py"
 _SERVE_C8 = (
     "starts vLLM's OpenAI server and the services on the real pair (minutes); "
-    "tests/benchmarks/test_serve.py runs the serve-c8 workload end to end on tiny"
+    "tests/benchmarks/test_serve.py runs the serve-c8 and serve-c1 workloads end to end on tiny"
 )
 _LINK = (
     "makes network namespaces and runs the benchmark across them (minutes); `specdec bench-link --quick` "
@@ -107,6 +107,7 @@ NOT_RUN = {
     "specdec serve drafter --draft-confidence 0.4": _SERVICE,
     "specdec serve drafter --draft-confidence off": _SERVICE,
     "specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 --out bench-serve-c8": _SERVE_C8,
+    "specdec bench --models qwen-coder --workloads serve-c8,serve-c1 --max-tokens 64 --out bench-serve": _SERVE_C8,
     "specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 --serve-vllm-dtype auto "
     "--out bench-serve-c8-auto": _SERVE_C8,
     "specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 --dtype bfloat16 "
@@ -121,6 +122,10 @@ NOT_RUN = {
     "--verifier-address 10.0.0.1:50053": _SERVICE,
     "specdec bench --models qwen-coder --out bench-results": _BENCH,
     "specdec bench --models qwen-coder --workloads long,c8 --systems target-only,specdec --out bench-long-c8": _BENCH,
+    "specdec bench --models qwen-coder --systems target-only,specdec --workloads code --gammas 4 "
+    "--concurrency 1,4,16 --out bench-load": _BENCH,
+    "specdec bench --models qwen-coder --systems target-only,vllm-draft,specdec,specdec-confidence "
+    "--workloads code --gammas 2,4,8 --concurrency 1 --out bench-batch1": _BENCH,
     "specdec bench --models qwen-coder --prompts-file my-prompts.jsonl --systems target-only,vllm-draft,specdec "
     "--gammas 2,4 --concurrency 1,8 --out bench-mine": _BENCH,
     "specdec bench --models tiny --systems specdec --workloads code --gammas 4 --concurrency 1,4,16 --prompts 2 "
