@@ -94,6 +94,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.serve import WORKLOADS as SERVE_CONCURRENCY  # serve workload -> its client concurrency
 from specdec.acceptance import expected_tokens  # E(alpha, gamma): tokens per target step
 from specdec.models import check_pair, choose
 
@@ -111,7 +112,7 @@ QUICK = {
 QUICK_VERIFIER_ARGS = ("--no-adaptive-gamma", "--draft-wait-margin-ms", "2000")
 DEFAULT_GAMMA = 4  # the gamma of the concurrency sweeps and the one-off baselines
 WORKLOADS = ("code", "long", "c8")  # the default set
-SERVE_WORKLOADS = ("serve-c8", "serve-c1")  # benchmarks.serve.WORKLOADS: opt-in (--workloads serve-c8,serve-c1)
+SERVE_WORKLOADS = tuple(SERVE_CONCURRENCY)  # benchmarks.serve: opt-in (--workloads serve-c8,serve-c1)
 LONG_PROMPT_TOKENS = 1000
 LONG_PROMPT_SOURCE = "argparse.py"  # a real source file every Python install has on disk
 C8_REQUESTS = 8

@@ -350,8 +350,8 @@ def scrape(url: str) -> dict[str, float]:
 
 def first_rounds(trace_file: Path, since_ns: int) -> list[dict[str, float]]:
     """Per generation the gateway began at or after `since_ns` (epoch ns), its first round from
-    the services' JSON-lines trace: the round span's wall and its `queue_ms`, `stage.verify_ms`
-    (the prefill step), `stage.draft_wait_ms`, `stage.network_ms`, all ms."""
+    the services' JSON-lines trace: the round span's wall and its `queue_ms` and
+    `stage.verify_ms` (the step that made the first token), all ms."""
     if not trace_file.exists():
         return []
     generations: set[str] = set()
@@ -378,8 +378,6 @@ def first_rounds(trace_file: Path, since_ns: int) -> list[dict[str, float]]:
                 "round_ms": (r["end_ns"] - r["start_ns"]) / 1e6,
                 "queue_ms": float(a.get("specdec.queue_ms", 0.0)),
                 "verify_ms": float(a.get("specdec.stage.verify_ms", 0.0)),
-                "draft_wait_ms": float(a.get("specdec.stage.draft_wait_ms", 0.0)),
-                "network_ms": float(a.get("specdec.stage.network_ms", 0.0)),
             }
         )
     return out
