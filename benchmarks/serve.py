@@ -9,7 +9,10 @@ inf; `serve-c1`: the same prompts one at a time, `--max-concurrency 1`) to
     target-only  vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`,
                  what `vllm serve` runs) on the target alone, pinned to the target's core
                  with one thread, the settings of the bench's target-only rows (dtype,
-                 prefix cache off, eager, 1 GiB KV cache, max_model_len 2048)
+                 prefix cache off, eager, 1 GiB KV cache, and the verifier's CPU
+                 context, batch size and scheduling budget: max_model_len 2048,
+                 max_num_seqs 32, max_num_batched_tokens 2048, or what SPECDEC_*
+                 variables set for the verifier)
     specdec      the three services as `specdec up` starts them, at their defaults (the
                  verifier at the bench's dtype, prefix cache off; the drafter's own dtype and
                  int8 quantisation): the verifier pinned to the target's core, drafter and
@@ -193,7 +196,12 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: floa
 
 
 def vllm_server_command(target: str, port: int, dtype: str) -> list[str]:
-    """vLLM's OpenAI server on `target` with the settings of the bench's target-only rows."""
+    """vLLM's OpenAI server on `target` with the settings of the bench's target-only rows: the
+    verifier's CPU engine settings (context, batch size, scheduling budget, with any SPECDEC_*
+    variable that changes them), so both servers schedule a burst alike."""
+    from verifier.vllm_hooks import engine_settings_from_env
+
+    settings = engine_settings_from_env("cpu")
     return [
         sys.executable,
         "-m",
@@ -207,9 +215,11 @@ def vllm_server_command(target: str, port: int, dtype: str) -> list[str]:
         "--dtype",
         dtype,
         "--max-model-len",
-        "2048",
+        str(settings.max_model_len),
         "--max-num-seqs",
-        "32",
+        str(settings.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(settings.max_num_batched_tokens),
         "--enforce-eager",
         "--no-enable-prefix-caching",
         "--kv-cache-memory-bytes",

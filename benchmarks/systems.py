@@ -73,13 +73,18 @@ def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    from verifier.vllm_hooks import engine_settings_from_env
+
+    settings = engine_settings_from_env("cpu")  # the verifier's batch size and budget, as specdec's rows run it
+
     engine = LLMEngine.from_engine_args(
         EngineArgs(
             model=job["target"],
             tokenizer=job["target"],
             dtype=job["dtype"],
             max_model_len=job["max_model_len"],
-            max_num_seqs=32,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
             enforce_eager=True,
             enable_prefix_caching=False,
             kv_cache_memory_bytes=int(job["kv_cache_gib"] * (1 << 30)),

@@ -282,6 +282,12 @@ class VerifierConfig(TransportConfig):
         "Engine batch size limit (requests decoded together); 0: `vllm serve`'s on CUDA (256, or 1024 on a "
         "GPU of 70 GiB or more), 32 on the CPU.",
     )
+    max_num_batched_tokens: int = setting(
+        0,
+        "Engine scheduling budget: tokens one step computes (prefill chunks, each request's token and "
+        "drafts); 0: `vllm serve`'s (on CUDA by GPU memory; 2048 on the CPU). A burst of prompts is prefilled "
+        "in one step while it fits; a larger budget holds a larger burst (docs/performance.md).",
+    )
     max_sessions: int = setting(
         512,
         "Most Verify sessions at once (running and queued in the engine); one more is refused with "

@@ -108,6 +108,8 @@ NOT_RUN = {
     "specdec serve drafter --draft-confidence off": _SERVICE,
     "specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 --out bench-serve-c8": _SERVE_C8,
     "specdec bench --models qwen-coder --workloads serve-c8,serve-c1 --max-tokens 64 --out bench-serve": _SERVE_C8,
+    "SPECDEC_MAX_NUM_BATCHED_TOKENS=4096 specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 "
+    "--out bench-serve-c8-4096": _SERVE_C8,
     "specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 --serve-vllm-dtype auto "
     "--out bench-serve-c8-auto": _SERVE_C8,
     "specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 --dtype bfloat16 "

@@ -91,6 +91,13 @@ PROPOSER_CLASS = f"{__name__}.ExternalDraftProposer"
 CPU_MAX_MODEL_LEN = 2048
 CPU_KV_CACHE_GIB = 1.0
 CPU_MAX_NUM_SEQS = 32
+# The CPU's scheduling budget (tokens one engine step computes): `vllm serve`'s CPU default, made
+# explicit (vLLM's table has no entry for the usage context the verifier builds in, and its generic
+# default is the same 2048). A burst of prompts over it is prefilled in two steps, the second beside
+# the first requests' decodes (a stall for them); 4096 (vLLM's CPU default for its LLM class) removes
+# that for bursts up to 4096 tokens but made steady decode steps ~6 % slower at batch 16 here
+# (docs/performance.md, "The scheduling budget and the spill-over step"): a setting, not the default.
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
 # The CPU's dtype when left to "auto": float32, the precision every exactness suite runs at. vLLM's
 # own auto is bfloat16 on x86, ~3x faster where the CPU has AVX512-BF16 or AMX and far slower
 # where it has not (docs/performance.md, serve-c8); `--dtype bfloat16` asks for it.
@@ -103,13 +110,15 @@ class EngineSettings:
 
     None means vLLM's own default: max_model_len None is the model's context length,
     kv_cache_memory_bytes None sizes the KV cache from gpu_memory_utilization, and max_num_seqs
-    None is what `vllm serve` takes (the engine is built in its usage context, `serve`).
+    and max_num_batched_tokens None are what `vllm serve` takes (the engine is built in its usage
+    context, `serve`).
     """
 
     device: str  # "cuda" or "cpu" (vLLM's current_platform.device_type; other accelerators: as cuda)
     dtype: str  # the target's dtype for vLLM: "auto" is vLLM's own choice (the checkpoint's)
     max_model_len: int | None
     max_num_seqs: int | None
+    max_num_batched_tokens: int | None
     enforce_eager: bool
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
@@ -132,6 +141,7 @@ def engine_settings(cfg: VerifierConfig, device: str) -> EngineSettings:
             dtype=CPU_DTYPE if cfg.dtype == "auto" else cfg.dtype,
             max_model_len=cfg.max_model_len or CPU_MAX_MODEL_LEN,
             max_num_seqs=cfg.max_num_seqs or CPU_MAX_NUM_SEQS,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS,
             enforce_eager=True if cfg.enforce_eager is None else cfg.enforce_eager,
             kv_cache_memory_bytes=int((gib or CPU_KV_CACHE_GIB) * (1 << 30)),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -141,10 +151,19 @@ def engine_settings(cfg: VerifierConfig, device: str) -> EngineSettings:
         dtype=cfg.dtype,
         max_model_len=cfg.max_model_len or None,
         max_num_seqs=cfg.max_num_seqs or None,
+        max_num_batched_tokens=cfg.max_num_batched_tokens or None,
         enforce_eager=False if cfg.enforce_eager is None else cfg.enforce_eager,
         kv_cache_memory_bytes=int(gib * (1 << 30)) if gib > 0 else None,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
     )
+
+
+def engine_settings_from_env(device: str) -> EngineSettings:
+    """engine_settings of the verifier `specdec serve verifier` would start here with no flags: its
+    defaults and SPECDEC_* variables (benchmarks give their vLLM baselines the same settings)."""
+    from specdec.config import from_env
+
+    return engine_settings(from_env(VerifierConfig), device)
 
 
 # ---- environment ----------------------------------------------------------------------
@@ -291,6 +310,7 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device
         dtype=cast("ModelDType", settings.dtype),  # a str (the flag's type); vLLM checks the name
         max_model_len=settings.max_model_len,  # type: ignore[arg-type]  # vLLM annotates int, defaults to None (the model's)
         max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
         enforce_eager=settings.enforce_eager,
         enable_prefix_caching=cfg.prefix_caching,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,

@@ -10,7 +10,13 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 # Settings whose unset value means "vllm serve's default on CUDA" (verifier.vllm_hooks.engine_settings).
-CUDA_AUTO = {"SPECDEC_MAX_MODEL_LEN", "SPECDEC_KV_CACHE_GIB", "SPECDEC_ENFORCE_EAGER", "SPECDEC_MAX_NUM_SEQS"}
+CUDA_AUTO = {
+    "SPECDEC_MAX_MODEL_LEN",
+    "SPECDEC_KV_CACHE_GIB",
+    "SPECDEC_ENFORCE_EAGER",
+    "SPECDEC_MAX_NUM_SEQS",
+    "SPECDEC_MAX_NUM_BATCHED_TOKENS",
+}
 
 
 def _env(path: Path) -> set[str]:

@@ -288,6 +288,7 @@ def test_a_cuda_host_gets_vllm_serves_defaults() -> None:
         "auto",
     )
     assert s.max_num_seqs is None  # vllm serve's: 256, or 1024 on a GPU of 70 GiB or more
+    assert s.max_num_batched_tokens is None  # vllm serve's: 2048, 8192 or 16384 by GPU memory
     from vllm.config import CacheConfig
 
     assert s.gpu_memory_utilization == CacheConfig.gpu_memory_utilization  # vLLM's own default
@@ -302,6 +303,7 @@ def test_a_cpu_host_keeps_the_cpu_settings() -> None:
         32,
         "float32",
     )
+    assert s.max_num_batched_tokens == 2048  # vllm serve's on the CPU, explicit
 
 
 def test_settings_given_win_on_either_device() -> None:
@@ -311,6 +313,7 @@ def test_settings_given_win_on_either_device() -> None:
         kv_cache_gib=20.0,
         gpu_memory_utilization=0.8,
         max_num_seqs=64,
+        max_num_batched_tokens=1024,
         dtype="float32",
     )
     cuda = vllm_hooks.engine_settings(cfg, "cuda")
@@ -320,16 +323,21 @@ def test_settings_given_win_on_either_device() -> None:
         cuda.kv_cache_memory_bytes,
         cuda.gpu_memory_utilization,
         cuda.max_num_seqs,
+        cuda.max_num_batched_tokens,
         cuda.dtype,
-    ) == (4096, True, 20 << 30, 0.8, 64, "float32")
+    ) == (4096, True, 20 << 30, 0.8, 64, 1024, "float32")
     cpu = vllm_hooks.engine_settings(
-        VerifierConfig(max_model_len=512, enforce_eager=False, kv_cache_gib=2.5, dtype="bfloat16"), "cpu"
+        VerifierConfig(
+            max_model_len=512, enforce_eager=False, kv_cache_gib=2.5, dtype="bfloat16", max_num_batched_tokens=1024
+        ),
+        "cpu",
     )
-    assert (cpu.max_model_len, cpu.enforce_eager, cpu.kv_cache_memory_bytes, cpu.dtype) == (
+    assert (cpu.max_model_len, cpu.enforce_eager, cpu.kv_cache_memory_bytes, cpu.dtype, cpu.max_num_batched_tokens) == (
         512,
         False,
         int(2.5 * (1 << 30)),
         "bfloat16",
+        1024,
     )
 
 
