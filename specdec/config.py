@@ -343,13 +343,6 @@ class VerifierConfig(TransportConfig):
         "per ms under the measured step cost and each request's recent acceptance; under saturation this "
         "backs off to plain decoding. Off: always a request's full gamma.",
     )
-    max_step_stretch: float = setting(
-        0.0,
-        "Inter-token budget under a queue (adaptive gamma): a step shared by more than one request verifies "
-        "only the drafts that keep its predicted time within this x the plain step's (each streamed event is "
-        "one step, so the gap between events stays within it); a step of one request is not limited. 0: no "
-        "limit (drafts by throughput alone).",
-    )
     batch_window_ms: float = setting(
         20.0,
         "When the engine is idle and a request arrives, wait until no other arrives for this long (ms; at "

@@ -24,14 +24,6 @@ so a request gets its whole gamma. When the verifier is saturated (many requests
 per-token cost dominates T) the threshold rises above alpha and the budgets fall to 0:
 the step is plain decoding, so speculation backs off before it costs throughput.
 
-Under a queue one request's drafts lengthen every other request's step, so with a stretch limit
-s > 0 (`max_step_stretch`) a step shared by more than one request also stays within s x the
-plain step it replaces: T(n) <= s * T(rows + extra_tokens). Each event of a streamed response
-is one step, so this bounds the inter-token gap at s x plain decoding's (vLLM's client counts
-one gap per event). A step of one request is not capped: its drafts delay no one else. The
-fit is trusted for this only up to one draft per row past the largest step it has measured, so
-the first steps after a burst's prefill (measured so far: steps of one request) grow step by step.
-
 The same rule decides whether a step waits for drafts that have not arrived
 (`worth_waiting`). Waiting is a renewal problem: a step's cycle is wait + T and yields N
 tokens, so the step waits for the next draft token only while that token's expected gain per
@@ -68,7 +60,6 @@ class StepCost:
         self._ms: deque[float] = deque(maxlen=window)
         self.base_ms = 0.0
         self.per_token_ms = 0.0
-        self.max_n = 0  # the most tokens a step in the window computed: the fit holds up to about here
 
     def observe(self, n_tokens: int, step_ms: float) -> None:
         """One engine step that computed `n_tokens` tokens in `step_ms` (draft waits excluded)."""
@@ -76,7 +67,6 @@ class StepCost:
             return
         self._n.append(float(n_tokens))
         self._ms.append(float(step_ms))
-        self.max_n = int(max(self._n))
         n, ms = np.asarray(self._n), np.asarray(self._ms)
         n_mean, ms_mean = float(n.mean()), float(ms.mean())
         # ridge regression of ms on n, pulled toward the prior slope when n barely varies
@@ -116,29 +106,19 @@ class Acceptance:
         return (self.accepted + PRIOR_ALPHA * PRIOR_ALPHA_WEIGHT) / (self.tried + PRIOR_ALPHA_WEIGHT)
 
 
-def allocate(
-    alphas: list[float], caps: list[int], cost: StepCost, extra_tokens: int = 0, max_stretch: float = 0.0
-) -> list[int]:
+def allocate(alphas: list[float], caps: list[int], cost: StepCost, extra_tokens: int = 0) -> list[int]:
     """Budgets k_i <= caps[i] maximising expected tokens per ms (see the module docstring).
 
     alphas[i]: row i's acceptance rate; caps[i]: drafts row i could verify (gamma, room left);
-    extra_tokens: other tokens the step computes anyway (prefill chunks); max_stretch: with more
-    than one row, the step's predicted time stays within this x the plain step's (0: no limit).
+    extra_tokens: other tokens the step computes anyway (prefill chunks).
     """
     k = [0] * len(alphas)
-    capped = max_stretch > 0 and len(alphas) > 1
-    if not cost.ready:  # nothing measured yet: speculate fully, unless the stretch cannot be shown to hold
-        return k if capped else list(caps)
-    if cost.per_token_ms <= 0:
-        return list(caps)  # drafts cost nothing measurable
+    if not cost.ready or cost.per_token_ms <= 0:
+        return list(caps)  # nothing measured yet: speculate fully
     n_tokens = len(alphas) + extra_tokens
     expected = float(len(alphas))  # N: each row's own token
     step_ms = cost.predict_ms(n_tokens)  # T
-    limit_ms = max_stretch * step_ms if capped else float("inf")
-    # capped, the fit is trusted only up to one draft per row past the largest step it has seen
-    # (after a burst's prefill the steps so far may all be of one request)
-    limit_n = max(cost.max_n, n_tokens) + len(alphas) if capped else None
-    while step_ms + cost.per_token_ms <= limit_ms and (limit_n is None or n_tokens < limit_n):
+    while True:
         best, best_gain = -1, 0.0
         for i, a in enumerate(alphas):
             if k[i] < caps[i]:
@@ -151,8 +131,6 @@ def allocate(
         k[best] += 1
         expected += best_gain
         step_ms += cost.per_token_ms
-        n_tokens += 1
-    return k  # the stretch limit (or the fit's range) reached
 
 
 def worth_waiting(

@@ -206,7 +206,6 @@ class TargetEngine:
             wait_margin_s=cfg.draft_wait_margin_ms / 1e3,
             adaptive=cfg.adaptive_gamma,
             metrics=metrics,
-            max_step_stretch=cfg.max_step_stretch,
         )
         engine = vllm_hooks.build_engine(cfg, model_path, board)
         target = cls(cfg, engine, board, metrics, vllm_hooks.model_facts(engine))

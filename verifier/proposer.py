@@ -129,7 +129,6 @@ class DraftBoard:
         wait_margin_s: float = 0.05,
         adaptive: bool = False,
         metrics: telemetry.VerifierMetrics | None = None,
-        max_step_stretch: float = 0.0,
     ) -> None:
         self.metrics = metrics if metrics is not None else telemetry.VerifierMetrics(CollectorRegistry())
         self._cond = threading.Condition()
@@ -140,7 +139,6 @@ class DraftBoard:
         self.wait_margin_s = wait_margin_s  # ... + margin: the longest a step waits for a row's drafts
         self.waited_s = 0.0  # total time steps spent waiting for drafts
         self.adaptive = adaptive  # budgets from verifier.budget instead of each request's gamma
-        self.max_step_stretch = max_step_stretch  # adaptive: a shared step within this x a plain one (0: off)
         self.cost = StepCost()  # the engine's measured step cost (fed by the engine thread)
         self.queued = 0  # requests waiting for their first scheduling (set by the engine each step)
         self._arrivals = 0  # requests submitted so far (a new one ends an adaptive wait)
@@ -366,7 +364,7 @@ class DraftBoard:
         alphas = [e.acceptance.alpha if e is not None else 0.0 for e in entries]
         if not self.adaptive:
             return caps, alphas
-        return allocate(alphas, caps, self.cost, max_stretch=self.max_step_stretch), alphas
+        return allocate(alphas, caps, self.cost), alphas
 
     def propose_batch(self, rows: list[tuple[str, np.ndarray]], k_max: int) -> list[list[int]]:
         """Drafts for each (request id, context [L]) row, within its budget, waiting up to

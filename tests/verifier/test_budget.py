@@ -82,30 +82,6 @@ def test_allocation_raises_expected_tokens_per_ms() -> None:
                 assert rate(other) <= rate(k) + 1e-12
 
 
-def test_a_stretch_limit_keeps_a_shared_step_within_it_of_the_plain_step() -> None:
-    """max_stretch s: a step of several rows stays within s x the plain step (the gap between two
-    streamed events of each request); a step of one row is not limited (its drafts delay no one)."""
-    c = _cost(274.0, 27.0)  # Qwen2.5-Coder 1.5B float32 on one EPYC core at batch 8, roughly
-    alphas, caps = [0.8] * 8, [4] * 8
-    free = allocate(alphas, caps, c)
-    plain_ms = c.predict_ms(8)
-    assert c.predict_ms(8 + sum(free)) > 1.2 * plain_ms  # unlimited, the step stretches past 1.2x
-    for s in (1.05, 1.2, 1.5):
-        k = allocate(alphas, caps, c, max_stretch=s)
-        assert c.predict_ms(8 + sum(k)) <= s * plain_ms
-        assert c.predict_ms(8 + sum(k) + 1) > s * plain_ms or k == free  # as many drafts as fit
-        assert all(0 <= x <= f for x, f in zip(k, free, strict=True))  # within what pays, never beyond
-    assert allocate([0.8] * 8, [4] * 8, c, max_stretch=1.0) == [0] * 8  # 1.0: plain decoding
-    assert allocate([0.9], [8], c, max_stretch=1.05) == allocate([0.9], [8], c)  # batch 1: not limited
-    # measured only on steps of one request (up to 5 tokens), a step of 8 grows by one draft per row
-    small = _cost(274.0, 27.0, sizes=(1, 3, 5))
-    assert sum(allocate(alphas, caps, small, max_stretch=3.0)) == 8
-    assert sum(allocate(alphas, caps, small)) > 8  # uncapped, the fit is extrapolated as before
-    # nothing measured yet: a shared step gets no drafts rather than an unbounded stretch
-    assert allocate([0.8] * 2, [4] * 2, StepCost(), max_stretch=1.2) == [0, 0]
-    assert allocate([0.8], [4], StepCost(), max_stretch=1.2) == [4]
-
-
 def test_waits_for_the_whole_block_of_a_good_drafter_at_batch_one() -> None:
     c = _cost(480.0, 30.0)  # Qwen2.5-Coder 1.5B on one core
     for have in range(4):  # even after waiting for 3 drafts, the 4th is worth its 130 ms
