@@ -306,6 +306,17 @@ def test_a_cpu_host_keeps_the_cpu_settings() -> None:
     assert s.max_num_batched_tokens == 2048  # vllm serve's on the CPU, explicit
 
 
+def test_the_bench_baselines_get_the_verifiers_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine_settings_from_env: what `specdec serve verifier` would build with no flags, so the
+    bench's vLLM baselines follow a SPECDEC_* variable the bench's verifier also reads."""
+    monkeypatch.delenv("SPECDEC_MAX_NUM_SEQS", raising=False)
+    monkeypatch.setenv("SPECDEC_MAX_NUM_BATCHED_TOKENS", "4096")
+    s = vllm_hooks.engine_settings_from_env("cpu")
+    assert (s.max_num_batched_tokens, s.max_num_seqs) == (4096, 32)
+    monkeypatch.delenv("SPECDEC_MAX_NUM_BATCHED_TOKENS")
+    assert vllm_hooks.engine_settings_from_env("cpu").max_num_batched_tokens == 2048
+
+
 def test_settings_given_win_on_either_device() -> None:
     cfg = VerifierConfig(
         max_model_len=4096,
