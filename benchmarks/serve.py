@@ -10,9 +10,8 @@ inf; `serve-c1`: the same prompts one at a time, `--max-concurrency 1`) to
                  what `vllm serve` runs) on the target alone, pinned to the target's core
                  with one thread, the settings of the bench's target-only rows (dtype,
                  prefix cache off, eager, 1 GiB KV cache, and the verifier's CPU
-                 context, batch size and scheduling budget: max_model_len 2048,
-                 max_num_seqs 32, max_num_batched_tokens 2048, or what SPECDEC_*
-                 variables set for the verifier)
+                 context, batch size and scheduling budget, SPECDEC_* variables
+                 included: verifier.vllm_hooks.engine_settings_from_env)
     specdec      the three services as `specdec up` starts them, at their defaults (the
                  verifier at the bench's dtype, prefix cache off; the drafter's own dtype and
                  int8 quantisation): the verifier pinned to the target's core, drafter and

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, cast
 
-from specdec.config import MAX_LOGPROBS, VerifierConfig
+from specdec.config import MAX_LOGPROBS, VerifierConfig, from_env
 
 if TYPE_CHECKING:  # no numpy/torch at import: configure_vllm_env must run before their thread pools start
     import numpy as np
@@ -161,8 +161,6 @@ def engine_settings(cfg: VerifierConfig, device: str) -> EngineSettings:
 def engine_settings_from_env(device: str) -> EngineSettings:
     """engine_settings of the verifier `specdec serve verifier` would start here with no flags: its
     defaults and SPECDEC_* variables (benchmarks give their vLLM baselines the same settings)."""
-    from specdec.config import from_env
-
     return engine_settings(from_env(VerifierConfig), device)
 
 
