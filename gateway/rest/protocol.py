@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from gateway.convert import GenerationFields, Int32
 from specdec.config import MAX_LOGPROBS
@@ -65,6 +65,20 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """A content list of parts takes text parts only (the models are text-only): another
+        part is refused naming its index and type, not with the union's first branch's error."""
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"part {i} has type {kind!r}; only text parts ({{'type': 'text', 'text': ...}}) are supported"
+                    )
+        return value
 
     def template_dict(self) -> dict[str, str]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])

@@ -174,3 +174,28 @@ def test_byte_fallback_tokens_are_named_as_vllm_names_them() -> None:
     )
     assert out["tokens"] == [" ok", "", "é"]
     assert out["text_offset"] == [0, 3, 3]
+
+
+@pytest.mark.parametrize(
+    "part, kind",
+    [
+        ({"type": "image_url", "image_url": {"url": "http://x"}}, "'image_url'"),
+        ({"text": "no type"}, "None"),
+        ("hi", "None"),
+    ],
+)
+def test_a_content_part_that_is_not_text_is_refused_by_index_and_type(part: Any, kind: str) -> None:
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from gateway.rest.routes import _validation_error
+
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}]}
+    with pytest.raises(ValidationError) as info:
+        ChatRequest.model_validate(body)
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
+    api = _validation_error(RequestValidationError(errors))
+    assert api.param == "messages"
+    assert api.message.startswith("messages.0.content: ")
+    assert f"part 1 has type {kind}; only text parts" in api.message
+    assert ChatRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]})
