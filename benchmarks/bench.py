@@ -59,7 +59,17 @@ Terms (per row of the table; a row is one system at one gamma and one concurrenc
                    token): drafting is off the target's critical path, but a round cannot be
                    shorter than drafting its block. The decode step is target-only's TPOT;
                    verify step and draft time are specdec's measured ones (engine step,
-                   drafter compute per token). fraction = speedup / bound.
+                   drafter compute per token). fraction = speedup / bound. Under load
+                   (c > 1) the bound is the load bound below, and fraction = speedup / it.
+    load bound     specdec under load (c > 1): the throughput ratio over target-only if every
+                   request verified a block of the best gamma in every decode step (no held
+                   or draft-less step), at this run's measured costs (`load_bound`): the
+                   target's step costs base + per_token x n for n computed tokens, a line
+                   through target-only's step (n = c, its TPOT) and specdec's mean verify step
+                   (n = c x (1 + drafts per row-step), drafts = (tokens per step - 1) / alpha);
+                   each request takes its measured TTFT, then its other tokens at E(alpha_token,
+                   gamma) per step of n = c x (1 + gamma). A goal above it cannot be met at
+                   these costs and this acceptance, whatever the scheduling.
     overhead       specdec's per-round cost beyond the engine step (draft wait, gRPC, the
                    gateway): mean round time - mean verify step, against an in-process call
     fallbacks      specdec: requests whose drafter was given up (they ran as plain decoding);
@@ -478,8 +488,10 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         "round_ms": None,
         "overhead_ms": None,
         "draft_wait_ms": None,
+        "drafts_per_step": None,
         "speedup": None,
         "bound": None,
+        "bound_gamma": None,
         "bound_fraction": None,
         "exact": None,
         "workload": run.get("workload", "code"),
@@ -499,6 +511,7 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         row["round_ms"] = 1e3 * decode_s / spec["steps"]
         row["overhead_ms"] = row["round_ms"] - row["verify_step_ms"]
         row["draft_wait_ms"] = spec["draft_wait_ms"] / spec["steps"]
+        row["drafts_per_step"] = spec.get("draft_tokens", 0.0) / spec["steps"]  # verified per row and step
         if spec.get("accepted", 0) + spec.get("rejections", 0):
             row["alpha_token"] = spec["accepted"] / (spec["accepted"] + spec["rejections"])
         if spec.get("draft_tokens_sent"):
@@ -548,8 +561,42 @@ def relate(rows: list[dict[str, Any]], prompts: dict[str, list[list[int]]]) -> N
         ):
             round_ms = max(r["verify_step_ms"], r["gamma"] * (r["draft_token_ms"] or 0.0))
             r["bound"] = expected_tokens(r["alpha_token"], r["gamma"]) * one["tpot_ms"] / round_ms
-            if r["concurrency"] == 1 and r["speedup"]:
-                r["bound_fraction"] = r["speedup"] / r["bound"]
+        if r["system"].startswith("specdec") and r["concurrency"] > 1 and b is not None:
+            found = load_bound(r, b)
+            r["bound"], r["bound_gamma"] = found if found is not None else (None, None)
+        if r["bound"] and r["speedup"]:
+            r["bound_fraction"] = r["speedup"] / r["bound"]
+
+
+def load_bound(spec: dict[str, Any], plain: dict[str, Any], max_gamma: int = 16) -> tuple[float, int] | None:
+    """(the load bound, its gamma) of a specdec row under load against target-only's row at the
+    same concurrency (see the module's terms); None when the rows lack a field it needs or the
+    fit is not a cost that grows with the tokens (noise larger than the drafts' compute).
+
+    Units: ms and tokens. c rows per step; N tokens per request; the fit
+    ms(n) = base + per_token * n passes through (c, plain TPOT) and (n_spec, verify step)."""
+    c = spec["concurrency"]
+    need = ("verify_step_ms", "tokens_per_step", "alpha", "alpha_token", "ttft_ms", "tokens", "requests")
+    if any(not spec.get(k) for k in need) or not plain.get("tpot_ms") or not plain.get("ttft_ms"):
+        return None
+    # drafts verified per row and step: counted (drafts_per_step), or from the client's tokens per
+    # step and alpha (rows from before the count: each step's accepted drafts / alpha)
+    drafts = spec.get("drafts_per_step") or (spec["tokens_per_step"] - 1) / spec["alpha"]
+    n_spec = c * (1 + drafts)
+    if n_spec <= c:
+        return None
+    per_token = (spec["verify_step_ms"] - plain["tpot_ms"]) / (n_spec - c)
+    base = plain["tpot_ms"] - c * per_token
+    if per_token <= 0 or base < 0:
+        return None
+    rates = {  # tokens per ms of one request, verifying gamma drafts in every step
+        g: expected_tokens(spec["alpha_token"], g) / (base + per_token * c * (1 + g)) for g in range(1, max_gamma + 1)
+    }
+    gamma = max(rates, key=lambda g: rates[g])
+    n = spec["tokens"] / spec["requests"]  # tokens per request
+    plain_ms = plain["ttft_ms"] + (n - 1) * plain["tpot_ms"]
+    best_ms = spec["ttft_ms"] + (n - 1) / rates[gamma]
+    return plain_ms / best_ms, gamma
 
 
 def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
