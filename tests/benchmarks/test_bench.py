@@ -108,6 +108,34 @@ def test_speedup_bound_and_exactness_against_target_only() -> None:
     assert g["batch1_speedup_vs_vllm_draft_model"]["value"] is None  # no vllm-draft rows in this run
 
 
+def test_load_bound_is_the_best_gamma_at_the_fitted_step_cost() -> None:
+    """c = 4: target-only's step 300 ms for 4 tokens; specdec's verify step 500 ms with 1 draft
+    per row and step (8 tokens): per token 50 ms, base 100 ms. Every request: 1 s to its first
+    token, then 48 more tokens."""
+    plain = {"concurrency": 4, "tpot_ms": 300.0, "ttft_ms": 1000.0}
+    spec = {
+        "concurrency": 4,
+        "verify_step_ms": 500.0,
+        "drafts_per_step": 1.0,
+        "tokens_per_step": 1.8,
+        "alpha": 0.8,
+        "alpha_token": 0.8,
+        "ttft_ms": 1000.0,
+        "tokens": 196,
+        "requests": 4,
+    }
+    ratio, gamma = bench.load_bound(spec, plain)
+    rates = {g: bench.expected_tokens(0.8, g) / (100.0 + 50.0 * 4 * (1 + g)) for g in range(1, 17)}
+    best = max(rates, key=lambda g: rates[g])
+    assert gamma == best
+    assert ratio == pytest.approx((1000.0 + 48 * 300.0) / (1000.0 + 48 / rates[best]))
+    # without the count, the drafts per step come from the client's tokens per step and alpha
+    assert bench.load_bound({**spec, "drafts_per_step": None}, plain) == pytest.approx((ratio, gamma))
+    # a verify step no dearer than the plain one (noise): no cost line, no bound
+    assert bench.load_bound({**spec, "verify_step_ms": 290.0}, plain) is None
+    assert bench.load_bound({**spec, "alpha": None}, plain) is None
+
+
 def test_fallback_rows_are_flagged_and_report_the_longest_wait() -> None:
     run = {"system": "specdec", "kind": "specdec", "gamma": 4, "cores": [0], "workload": "c8"}
     result = {
