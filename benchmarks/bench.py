@@ -66,7 +66,8 @@ Terms (per row of the table; a row is one system at one gamma and one concurrenc
                    or draft-less step), at this run's measured costs (`load_bound`): the
                    target's step costs base + per_token x n for n computed tokens, a line
                    through target-only's step (n = c, its TPOT) and specdec's mean verify step
-                   (n = c x (1 + drafts per row-step), drafts = (tokens per step - 1) / alpha);
+                   (n = c x (1 + drafts verified per row and step: drafts_per_step, counted;
+                   in rows from before that count, (tokens per step - 1) / alpha));
                    each request takes its measured TTFT, then its other tokens at E(alpha_token,
                    gamma) per step of n = c x (1 + gamma). A goal above it cannot be met at
                    these costs and this acceptance, whatever the scheduling.
@@ -558,10 +559,11 @@ def relate(rows: list[dict[str, Any]], prompts: dict[str, list[list[int]]]) -> N
             and r["alpha_token"] is not None
             and r["verify_step_ms"]
             and one
+            and r["concurrency"] == 1
         ):
             round_ms = max(r["verify_step_ms"], r["gamma"] * (r["draft_token_ms"] or 0.0))
             r["bound"] = expected_tokens(r["alpha_token"], r["gamma"]) * one["tpot_ms"] / round_ms
-        if r["system"].startswith("specdec") and r["concurrency"] > 1 and b is not None:
+        elif r["system"].startswith("specdec") and r["concurrency"] > 1 and b is not None:
             found = load_bound(r, b)
             r["bound"], r["bound_gamma"] = found if found is not None else (None, None)
         if r["bound"] and r["speedup"]:

@@ -27,11 +27,11 @@ the step is plain decoding, so speculation backs off before it costs throughput.
 The fit is robust to single slow steps (a cold first decode step, a stall of a shared VM):
 each step size's median time, then the median of the slopes between sizes (Theil-Sen), with
 the prior slope as PRIOR_VOTES more slopes. A least-squares line through a narrow range of
-sizes is moved arbitrarily far by one such step: from a cold step at a size of its own, to a
-base of 0, where drafts look as dear as the step itself and every budget is 0, and no step of
-another size comes to correct it while that step stays in the window. Replaying the 87 decode
-steps of a c = 16 run here with the 12.9 s step of a stalled run added (tests/verifier/
-test_budget.py), least squares allocated 4 drafts per row for the next 20 steps and 2 or 3 for
+sizes is moved arbitrarily far by one such step at a size of its own, down to a base of 0,
+where drafts look as dear as the step itself, every budget is 0, and no step of another size
+comes to correct it while that step stays in the window. Replaying the 87 decode steps of a
+c = 16 run here with the 12.9 s step of a stalled run added (tests/verifier/test_budget.py),
+least squares allocated 4 drafts per row for the next 20 steps and 2 or 3 for
 the rest of the run, where without that step it allocated 1; the median of slopes allocated the
 same in every step with it as without it.
 
@@ -87,11 +87,8 @@ class StepCost:
         n, ms = np.asarray(self._n), np.asarray(self._ms)  # [W], [W]
         n_mid, ms_mid = float(np.median(n)), float(np.median(ms))
         prior = PRIOR_PER_TOKEN_FRACTION * ms_mid / (1.0 + PRIOR_PER_TOKEN_FRACTION * n_mid)
-        # Theil-Sen over the sizes seen: each size's median time, then the median of the slopes
-        # between sizes, with the prior slope as PRIOR_VOTES more (it decides while few sizes
-        # were seen). Robust: one slow step at a size of its own (a cold one, a noisy VM's) moves
-        # a least-squares line through a narrow range of sizes arbitrarily far; here it is one
-        # size's time, and its slopes are outvoted
+        # Theil-Sen over the sizes seen (the module docstring): each size's median time, then the
+        # median of the slopes between sizes and PRIOR_VOTES prior slopes
         order = np.lexsort((ms, n))  # by size, then time
         n_sorted, ms_sorted = n[order], ms[order]  # [W], [W]
         sizes, first, count = np.unique(n_sorted, return_index=True, return_counts=True)  # [S] each
@@ -138,9 +135,9 @@ def allocate(alphas: list[float], caps: list[int], cost: StepCost, extra_tokens:
     alphas[i]: row i's acceptance rate; caps[i]: drafts row i could verify (gamma, room left);
     extra_tokens: other tokens the step computes anyway (prefill chunks).
     """
+    k = [0] * len(alphas)
     if not cost.ready or cost.per_token_ms <= 0:
         return list(caps)  # nothing measured yet: speculate fully
-    k = [0] * len(alphas)
     n_tokens = len(alphas) + extra_tokens
     expected = float(len(alphas))  # N: each row's own token
     step_ms = cost.predict_ms(n_tokens)  # T

@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from gateway.client import vllm_spec_metrics
 from gateway.convert import REFUSED, refuse_extras
 from gateway.convert import generation_spec as build_spec
 from gateway.rest.protocol import ChatRequest, CompletionRequest
+from gateway.rest.routes import _validation_error
 from gateway.rest.serving import CHAT, COMPLETION, LogprobsShaper
 from specdec.validation import InvalidField
 from specdec.wire import pb
@@ -185,11 +188,6 @@ def test_byte_fallback_tokens_are_named_as_vllm_names_them() -> None:
     ],
 )
 def test_a_content_part_that_is_not_text_is_refused_by_index_and_type(part: Any, kind: str) -> None:
-    from fastapi.exceptions import RequestValidationError
-    from pydantic import ValidationError
-
-    from gateway.rest.routes import _validation_error
-
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}]}
     with pytest.raises(ValidationError) as info:
         ChatRequest.model_validate(body)
