@@ -30,8 +30,9 @@ arrive before their step were verified: 22, 9, 3 and 0 drafts in the four tables
 the defaults. At 2 at a time the drafter keeps ahead of the steps: 3,517, 3,623, 562 and 272
 drafts verified (1,313 and 1,560 accepted with the agreeing draft); the four tables took 246 s
 in all, against 99 s at 8; with a busy loop taking one of the two cores, 2,923, 3,329, 2,347 and
-3,684 (a slower step makes drafts worth waiting for). The fixed stack is the one that exercises the rejection sampler at a
-known gamma, and only there is "some drafts rejected" asserted.
+3,684 (a slower step makes drafts worth waiting for). The fixed stack is the one that
+exercises the rejection sampler at a known gamma, and only there is "some drafts rejected"
+asserted.
 
 This test failed before the CPU rejection-sampler fix (verifier/vllm_hooks.py, apply_cpu_sampler_fix).
 """
