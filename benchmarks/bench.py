@@ -851,7 +851,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=f"comma list of {', '.join((*WORKLOADS, *SERVE_WORKLOADS))} (see above); default: "
         f"{','.join(WORKLOADS)} (with --prompts-file: code)",
     )
-    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="the target's dtype in every system (float32, bfloat16, float16); auto: each system's own "
+        "choice untold (vLLM's: the checkpoint's, a float32 one downcast to bfloat16; the verifier's: that "
+        "where the CPU has bfloat16 instructions, else float32)",
+    )
     p.add_argument(
         "--serve-vllm-dtype",
         metavar="DTYPE",

@@ -120,6 +120,17 @@ sys.argv = ["vllm", *sys.argv[1:]]
 runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
 """
 )
+# vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server ARGS`, what `vllm serve` runs)
+# after asking for the AMX state as the verifier does (verifier.vllm_hooks.request_cpu_amx): vLLM
+# 0.32's bfloat16 CPU attention runs AMX instructions without asking, and its server dies of SIGILL
+# on a prompt of a few tokens where nothing asked first. A no-op on a CPU without AMX.
+SERVER_SHIM = """
+import runpy, sys
+from verifier.vllm_hooks import request_cpu_amx
+request_cpu_amx()
+sys.argv = ["vllm.entrypoints.openai.api_server", *sys.argv[1:]]
+runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
+"""
 # specdec's counters on the gateway's /metrics (Prometheus sample names) -> our names
 SPEC_COUNTERS = {
     "specdec:drafter_fallbacks_total": "fallbacks",
@@ -203,8 +214,8 @@ def vllm_server_command(target: str, port: int, dtype: str) -> list[str]:
     settings = engine_settings_from_env("cpu")
     return [
         sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
+        "-c",
+        SERVER_SHIM,
         "--model",
         target,
         "--host",

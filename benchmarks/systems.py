@@ -73,9 +73,10 @@ def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from verifier.vllm_hooks import engine_settings_from_env
+    from verifier.vllm_hooks import engine_settings_from_env, request_cpu_amx
 
     settings = engine_settings_from_env("cpu")  # the verifier's batch size and budget, as specdec's rows run it
+    request_cpu_amx()  # as the verifier does: vLLM's bfloat16 attention would die of SIGILL without it
 
     engine = LLMEngine.from_engine_args(
         EngineArgs(
@@ -163,7 +164,7 @@ def run_hf_assisted(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
     from transformers.generation.streamers import BaseStreamer
 
     torch.set_num_threads(int(job["threads"]))
-    dtype = getattr(torch, job["dtype"])
+    dtype = job["dtype"] if job["dtype"] == "auto" else getattr(torch, job["dtype"])  # auto: the checkpoint's
     # transformers' auto models, Any at this boundary: their declared types contradict this use (eval() is
     # untyped, generate() asks for a `self` the auto class is not)
     target: Any = AutoModelForCausalLM.from_pretrained(job["target"], dtype=dtype)

