@@ -358,7 +358,9 @@ def load_causal_lm(
         resolve(ref, revision=revision), dtype=getattr(torch, dtype)
     ).eval()
     if device != "cpu":
-        return model.to(device)
+        from specdec.models.device import to_device
+
+        return to_device(model, device)
     if quantize == "int8":
         import warnings
 

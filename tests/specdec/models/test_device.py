@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+import torch
 
 from specdec.errors import UserError
-from specdec.models.device import GpuProbe, Placement, draft_placement
+from specdec.models.device import GpuProbe, Placement, draft_placement, to_device
 
 
 def no_gpu() -> GpuProbe:
@@ -64,3 +67,53 @@ def test_a_cpu_draft_in_bfloat16_is_not_quantised_and_int8_with_it_is_refused() 
     assert draft_placement("cpu", "bfloat16", probe=no_gpu) == Placement("cpu", "bfloat16", "none")
     with pytest.raises(UserError, match="quantize int8.*dtype bfloat16"):
         draft_placement("cpu", "bfloat16", "int8", probe=no_gpu)
+
+
+class _Recorder(torch.nn.Module):
+    """Stands in for a draft model: records where it was asked to go (no GPU needed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moves: list[tuple[object, object]] = []
+
+    def to(self, *args: object, **kwargs: object) -> _Recorder:  # type: ignore[override]
+        self.moves.append((kwargs.get("device", args[0] if args else None), kwargs.get("dtype")))
+        return self
+
+
+@pytest.fixture
+def cudnn_attention() -> Iterator[None]:
+    """torch's process-wide cuDNN attention flag, restored after the test."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.usefixtures("cudnn_attention")
+def test_a_cuda_draft_runs_without_cudnn_attention() -> None:
+    """cuDNN builds an attention plan per new key length: a drafter's every step (docstring of
+    specdec.models.device, measured on an H200)."""
+    model = _Recorder()
+    assert to_device(model, "cuda", torch.bfloat16) is model
+    assert model.moves == [("cuda", torch.bfloat16)]
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.usefixtures("cudnn_attention")
+def test_a_cpu_draft_leaves_torchs_attention_settings_alone() -> None:
+    model = _Recorder()
+    to_device(model, "cpu")
+    assert model.moves == [("cpu", None)]
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.usefixtures("cudnn_attention")
+def test_load_causal_lm_places_a_cuda_draft_through_to_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drafter's loader takes the same path (the model's own `.to` stubbed: no GPU here)."""
+    from specdec.models import load_causal_lm
+
+    moved: list[object] = []
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(a or k) or self)
+    load_causal_lm("tiny/draft-mid", "float32", "none", device="cuda")
+    assert moved == [("cuda",)] and not torch.backends.cuda.cudnn_sdp_enabled()
