@@ -1,7 +1,7 @@
 """Drafter capacity: draft tokens per second and per-session pace against the number of
 sessions, the batched worker (drafter.batch) against the serial loop, in one run.
 
-    specdec bench-drafter [--model tiny/draft-mid] [--quantize none]
+    specdec bench-drafter [--model tiny/draft-mid] [--quantize none] [--device auto]
         [--sessions 1,2,4,8,16,32] [--core 0] [--out bench-drafter]
 
 (`python -m benchmarks.drafter_capacity` takes the same flags.)
@@ -21,10 +21,16 @@ correction, as under a verifier. A mode runs at least `--min-rounds` rounds and 
 seconds after `--warmup` rounds. One core, one torch thread (the drafter's default
 `--threads 1`); pin the process too: `--core 0` (as `taskset -c 0`).
 
-Time is the CPU time of the worker's thread (time.thread_time), so tok/s is per CPU-second of
-one core: on a core shared with other work, wall-clock rates fall with the share the process
-gets, CPU-time rates much less (the wall-clock rate is in the CSV and JSON too). On a core of
-its own the two agree.
+Time, on the CPU, is the CPU time of the worker's thread (time.thread_time), so tok/s is per
+CPU-second of one core: on a core shared with other work, wall-clock rates fall with the share
+the process gets, CPU-time rates much less (the wall-clock rate is in the CSV and JSON too). On
+a core of its own the two agree.
+
+`--device` places the draft model as the drafter's own `--device`/`--dtype` do
+(specdec.models.device.draft_placement: auto is cuda when torch sees a GPU; on cuda, bfloat16,
+or float16 without bf16, and no int8). On a GPU, time is the wall clock between synchronised
+points (the GPU's work is not the thread's CPU time): the first row's warm-up rounds also take
+the CUDA kernels' first-use costs.
 
 `--shape qwen2.5-0.5b`: a random-init Qwen2 with the Qwen2.5-Coder-0.5B draft's shapes (24
 layers, hidden 896, 14 heads, 2 KV heads, vocab 151,936) instead of `--model`'s weights: the
@@ -55,6 +61,7 @@ import torch
 from drafter.server import DraftWorker, Emit
 from drafter.sessions import DraftSession, ModelDraftSession, Ready
 from specdec.models import load_causal_lm
+from specdec.models.device import DEVICES, Placement, draft_placement, to_device
 
 # Qwen2.5-Coder-0.5B-Instruct's shapes (its config.json), for `--shape qwen2.5-0.5b`.
 QWEN_05B: dict[str, Any] = dict(
@@ -79,7 +86,7 @@ class Row:
     mode: str  # "batched" or "serial"
     rounds: int
     tokens: int
-    seconds: float  # CPU time of the worker's thread (see the module's docstring)
+    seconds: float  # CPU time of the worker's thread; on a GPU the wall clock (see the module's docstring)
     wall_seconds: float
 
     @property
@@ -95,21 +102,43 @@ class Row:
         return self.tokens / self.wall_seconds
 
 
-def load(args: argparse.Namespace) -> torch.nn.Module:
-    """The draft model: `--model` (with `--quantize`) or a random-init `--shape`."""
+def placement(args: argparse.Namespace) -> Placement:
+    """Where the draft model runs: `--device`, `--dtype` and `--quantize` decided as the
+    drafter decides them (a UserError naming the setting when the host cannot)."""
+    return draft_placement(args.device, args.dtype, args.quantize)
+
+
+def load(args: argparse.Namespace, where: Placement) -> torch.nn.Module:
+    """The draft model: `--model` (with `--quantize`) or a random-init `--shape`, placed at `where`."""
     if args.shape == "qwen2.5-0.5b":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         torch.manual_seed(0)
         model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B)).eval()
-        if args.quantize == "int8":  # as specdec.models.load_causal_lm quantises
+        if where.device != "cpu" or where.dtype != "float32":
+            return to_device(model, where.device, getattr(torch, where.dtype))
+        if where.quantize == "int8":  # as specdec.models.load_causal_lm quantises
             import warnings
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
         return model
-    return load_causal_lm(args.model, "float32", args.quantize)
+    return load_causal_lm(args.model, where.dtype, where.quantize, device=where.device)
+
+
+class Clock:
+    """The benchmark's time: the worker thread's CPU time on the CPU; on a GPU the wall clock,
+    read after the device finished its queued work."""
+
+    def __init__(self, device: str) -> None:
+        self.gpu = device != "cpu"
+
+    def __call__(self) -> float:
+        if self.gpu:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.thread_time()
 
 
 def _vocab(model: torch.nn.Module) -> int:
@@ -165,7 +194,7 @@ def _fail(item: object) -> None:
         raise RuntimeError("a draft step failed") from item
 
 
-def measure(model: torch.nn.Module, n: int, batched: bool, args: argparse.Namespace) -> Row:
+def measure(model: torch.nn.Module, n: int, batched: bool, args: argparse.Namespace, clock: Clock) -> Row:
     sessions = make_sessions(model, n, args)
     worker = DraftWorker(batch=batched)
     active: list[tuple[DraftSession, Emit]] = [(s, _fail) for s in sessions]
@@ -174,19 +203,24 @@ def measure(model: torch.nn.Module, n: int, batched: bool, args: argparse.Namesp
         worker.advance(active)
         verdicts(sessions, args.gamma, args.accept, vocab)
     before = sum(s.steps for s in sessions)
-    rounds, t0, c0 = 0, time.perf_counter(), time.thread_time()
-    while rounds < args.min_rounds or time.thread_time() - c0 < args.seconds:
+    rounds, c0 = 0, clock()
+    t0 = time.perf_counter()
+    while rounds < args.min_rounds or clock() - c0 < args.seconds:
         worker.advance(active)
         rounds += 1
         verdicts(sessions, args.gamma, args.accept, vocab)
-    cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+    cpu = clock() - c0
+    wall = time.perf_counter() - t0
     return Row(n, "batched" if batched else "serial", rounds, sum(s.steps for s in sessions) - before, cpu, wall)
 
 
-def copy_share(model: torch.nn.Module, n: int, args: argparse.Namespace, repeats: int = 5) -> tuple[float, float]:
+def copy_share(
+    model: torch.nn.Module, n: int, args: argparse.Namespace, clock: Clock, repeats: int = 5
+) -> tuple[float, float]:
     """(ms of one batched step of n one-token rows, ms of its cache copies alone): the same
     gathers into [n, heads, Lp + 1, dim] and appends of one token per row and layer, timed
-    apart from the forward (medians of `repeats`; CPU time). What one batched cache would save."""
+    apart from the forward (medians of `repeats`; the benchmark's Clock). What one batched cache
+    would save."""
     import statistics
 
     from drafter import batch
@@ -196,10 +230,10 @@ def copy_share(model: torch.nn.Module, n: int, args: argparse.Namespace, repeats
     for _ in range(repeats):
         for s in sessions:
             s.context.append(101)
-        c0 = time.thread_time()
+        c0 = clock()
         batch.forward_rows(model, sessions)
-        steps.append(time.thread_time() - c0)
-        c0 = time.thread_time()
+        steps.append(clock() - c0)
+        c0 = clock()
         padded = max(s.cached for s in sessions)
         for layer in range(len(sessions[0].cache.layers)):
             k0, _ = _kv(sessions[0].cache.layers[layer])  # [1, heads, L, dim]
@@ -213,7 +247,7 @@ def copy_share(model: torch.nn.Module, n: int, args: argparse.Namespace, repeats
                 own_keys, own_values = _kv(s.cache.layers[layer])
                 torch.cat([own_keys, keys[i : i + 1, :, -1:]], dim=-2)
                 torch.cat([own_values, values[i : i + 1, :, -1:]], dim=-2)
-        copies.append(time.thread_time() - c0)
+        copies.append(clock() - c0)
     return statistics.median(steps) * 1e3, statistics.median(copies) * 1e3
 
 
@@ -278,6 +312,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shape", default="", choices=("", "qwen2.5-0.5b"), help="random-init model of these shapes")
     ap.add_argument("--quantize", default="none", choices=("none", "int8"))
     ap.add_argument(
+        "--device", default="auto", choices=DEVICES, help="as the drafter's: auto is cuda when torch sees a GPU"
+    )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="as the drafter's: auto is float32 on the CPU, bfloat16 (or float16) on a GPU",
+    )
+    ap.add_argument(
         "--sessions",
         type=session_counts,
         default=session_counts("1,2,4,8,16,32"),
@@ -289,7 +332,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--accept", type=int, default=4, help="drafts each verdict accepts (of gamma)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--min-rounds", type=int, default=4)
-    ap.add_argument("--seconds", type=float, default=2.0, help="least CPU time measured per (sessions, mode)")
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=2.0,
+        help="least time measured per (sessions, mode): CPU time, or a GPU's wall clock",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--core",
@@ -347,20 +395,26 @@ def main(args: argparse.Namespace) -> int:
     if args.core is not None:
         os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(args.threads)
-    model = load(args)
+    where = placement(args)
+    model = load(args, where)
+    clock = Clock(where.device)
     name = args.shape or args.model
+    on = f"{where.device} {where.dtype}" + (f" {where.quantize}" if where.quantize != "none" else "")
+    if where.device == "cuda":
+        on += f" ({torch.cuda.get_device_name(0)})"
     if args.copies:
-        step_ms, copy_ms = copy_share(model, args.copies, args)
+        step_ms, copy_ms = copy_share(model, args.copies, args, clock)
+        basis = "wall clock" if clock.gpu else "CPU"
         print(
-            f"{name} ({args.quantize}), {args.copies} sessions, prompts {args.prompt}+: batched step "
-            f"{step_ms:.1f} ms CPU, of which cache copies {copy_ms:.1f} ms ({100 * copy_ms / step_ms:.0f} %)"
+            f"{name} ({on}), {args.copies} sessions, prompts {args.prompt}+: batched step {step_ms:.1f} ms "
+            f"({basis}), of which cache copies {copy_ms:.1f} ms ({100 * copy_ms / step_ms:.0f} %)"
         )
         return 0
-    title = f"{name} ({args.quantize}), {args.threads} thread(s), gamma {args.gamma}, accept {args.accept}"
+    title = f"{name} ({on}), {args.threads} thread(s), gamma {args.gamma}, accept {args.accept}"
     rows: list[Row] = []
     for n in args.sessions:
         for batched in (False, True):
-            rows.append(measure(model, n, batched, args))
+            rows.append(measure(model, n, batched, args, clock))
             r = rows[-1]
             print(
                 f"{n:3d} sessions {r.mode:8s} {r.tok_s:8.1f} tok/s  pace {r.pace_ms:7.1f} ms  ({r.rounds} rounds; "

@@ -6,18 +6,25 @@ A prepared check for a GPU host (minutes; the tiny pair is built in seconds, ran
     python -m benchmarks.gpu_drafter_check --device cpu    # the same run, CPU against itself
 
 It drives the drafter's own sessions (drafter.sessions.ModelDraftSession, as the drafter's
-worker does: several sessions stepped round-robin one token at a time, each keeping its KV
-cache across rounds; rejections roll the cache back; idle sessions draft branches, batched
-through the model) with the verdicts of the tiny target (greedy, float32, on the CPU). The
-committed sequence depends on the target only, so the drafts of two placements of the same
-draft model can be compared token for token:
+worker does: several sessions advanced a token at a time, each keeping its KV cache across
+rounds; rejections roll the cache back; idle sessions draft branches, batched through the
+model) with the verdicts of the tiny target (greedy, float32, on the CPU). Each placement runs
+twice, as the worker can step its sessions:
 
-    float32 on --device vs float32 on the CPU   every draft and branch token must be equal
-                                                (exit status 1 otherwise)
-    --dtypes others (default bfloat16)          agreement with the CPU drafts is reported
+    serial      one session's forward at a time (`DrafterConfig.batch_drafts` off)
+    batched     every session's next token in one forward of ragged rows (drafter.batch,
+                the default)
 
-and prints each placement's draft ms per token (the median of the drafting steps' compute,
-the first round of each session left out as warm-up).
+The committed sequence depends on the target only, so the drafts of two placements of the same
+draft model can be compared token for token with the CPU drafter's (serial, float32):
+
+    float32 on --device, serial and batched   every draft and branch token must be equal
+                                              (exit status 1 otherwise)
+    --dtypes others (default bfloat16)        agreement with the CPU drafts is reported
+
+and prints each run's draft ms per token: the median over rounds of a round's wall clock
+(the device synchronised) over the tokens it drafted, each session's first round left out as
+warm-up.
 """
 
 from __future__ import annotations
@@ -65,9 +72,28 @@ def verdict(target: Any, context: list[int], drafts: list[int]) -> list[int]:
     return out + [preds[len(drafts)]]
 
 
-def drive(label: str, draft: Any, target: Any, prompts: list[list[int]], gamma: int, tokens: int, branches: int) -> Run:
+def _now(model: Any) -> float:
+    """The wall clock once `model`'s device has finished its queued work."""
+    if getattr(model, "device", torch.device("cpu")).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def drive(
+    label: str,
+    draft: Any,
+    target: Any,
+    prompts: list[list[int]],
+    gamma: int,
+    tokens: int,
+    branches: int,
+    batched: bool = False,
+) -> Run:
     """Run one draft-model placement through `prompts` (one session each) until each has
-    `tokens` committed tokens past its prompt."""
+    `tokens` committed tokens past its prompt; `batched`: each round's drafts in one forward
+    (drafter.batch.draft_step), else one session's step at a time."""
+    from drafter import batch  # imports transformers
+
     run = Run(label)
     sessions = [
         ModelDraftSession(
@@ -86,15 +112,22 @@ def drive(label: str, draft: Any, target: Any, prompts: list[list[int]], gamma: 
         s.commit(len(s.context), verdict(target, s.context, [])[-1:])
     live = set(range(len(sessions)))
     while live:
-        while any(sessions[i].wants_work() for i in live):  # round-robin, a token at a time
-            for i in sorted(live):
-                s = sessions[i]
-                if not s.wants_work():
-                    continue
-                steps = s.steps
-                out = s.step()
-                if s.steps > steps and rounds[i] > 0:
-                    run.token_ms.append(s.last_token_ms)
+        while todo := [i for i in sorted(live) if sessions[i].wants_work()]:  # a token per session a round
+            steps = [sessions[i].steps for i in todo]
+            r0 = _now(draft)
+            if batched:
+                results = batch.draft_step([sessions[i] for i in todo])
+                for _, exc in results:
+                    if exc is not None:
+                        raise exc
+                outs = [out for out, _ in results]
+            else:
+                outs = [sessions[i].step() for i in todo]
+            round_ms = (_now(draft) - r0) * 1e3
+            drafted = sum(sessions[i].steps > n for i, n in zip(todo, steps))
+            if drafted and all(rounds[i] > 0 for i in todo):
+                run.token_ms.append(round_ms / drafted)
+            for i, out in zip(todo, outs):
                 if isinstance(out, BlockOut) and out.drafts:
                     run.blocks.append((i, out.start_position, False, [d.token_id for d in out.drafts]))
         for i in sorted(live):  # windows full: branches, one batched step at a time
@@ -119,11 +152,14 @@ def drive(label: str, draft: Any, target: Any, prompts: list[list[int]], gamma: 
     return run
 
 
+WORKERS = {False: "serial", True: "batched"}
+
+
 def _ms(run: Run) -> str:
     med = statistics.median(run.token_ms) if run.token_ms else float("nan")
     per_branch = run.branch_ms / run.branch_tokens if run.branch_tokens else float("nan")
     return (
-        f"{run.label:<28} draft {med:7.2f} ms/token (median of {len(run.token_ms)}), branches "
+        f"{run.label:<32} draft {med:7.2f} ms/token (median of {len(run.token_ms)}), branches "
         f"{per_branch:6.2f} ms/token ({run.branch_tokens}), {len(run.blocks)} blocks, {run.rollbacks} rollbacks, "
         f"{run.wall_s:.1f} s"
     )
@@ -160,23 +196,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     common = (target, prompts, args.gamma, args.tokens, args.branches)
-    reference = drive("cpu float32 (reference)", load_causal_lm(args.draft, "float32", "none"), *common)
+    reference = drive("cpu float32 serial (reference)", load_causal_lm(args.draft, "float32", "none"), *common)
     print(_ms(reference))
     failed = False
     for dtype in [d for d in args.dtypes.split(",") if d]:
         model = load_causal_lm(args.draft, dtype, "none", device=args.device)
-        drive(f"{args.device} {dtype} warm-up", model, target, prompts[:1], args.gamma, 8, args.branches)
-        run = drive(f"{args.device} {dtype}", model, *common)
-        print(_ms(run))
-        ref, got = reference.tokens(), run.tokens()
-        same = sum(a == b for a, b in zip(ref, got))
-        equal = run.blocks == reference.blocks
-        print(
-            f"  draft tokens equal to the CPU drafter's: {'yes' if equal else 'NO'} "
-            f"({same}/{max(len(ref), len(got))} tokens agree, {len(run.blocks)} vs {len(reference.blocks)} blocks)"
-        )
-        if dtype == "float32" and not equal:
-            failed = True
+        drive(f"{args.device} {dtype} warm-up", model, target, prompts[:2], args.gamma, 8, args.branches, True)
+        for batched in (False, True):
+            run = drive(f"{args.device} {dtype} {WORKERS[batched]}", model, *common, batched)
+            print(_ms(run))
+            ref, got = reference.tokens(), run.tokens()
+            same = sum(a == b for a, b in zip(ref, got))
+            equal = run.blocks == reference.blocks
+            print(
+                f"  draft tokens equal to the CPU drafter's: {'yes' if equal else 'NO'} "
+                f"({same}/{max(len(ref), len(got))} tokens agree, {len(run.blocks)} vs {len(reference.blocks)} blocks)"
+            )
+            if dtype == "float32" and not equal:
+                failed = True
     if failed:
         print("gpu_drafter_check: FAILED: float32 drafts differ from the CPU drafter's", file=sys.stderr)
     return 1 if failed else 0

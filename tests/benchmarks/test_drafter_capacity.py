@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdec_cli import main as cli
 
@@ -59,6 +60,19 @@ def test_bench_drafter_measures_each_session_count_in_both_modes(tmp_path: Path)
 
 
 @pytest.mark.e2e  # loads the tiny draft model
+def test_the_placement_is_the_drafters_and_is_recorded(tmp_path: Path) -> None:
+    """`--device`/`--dtype` place the draft as the drafter's own flags do; the title says where."""
+    argv = ["--sessions", "1", *TINY[2:], "--device", "cpu", "--dtype", "bfloat16", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "bench-drafter", *argv], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "drafter-capacity.json").read_text())
+    assert report["title"].startswith("tiny/draft-mid (cpu bfloat16), 1 thread(s)")
+    assert report["args"]["device"] == "cpu" and report["args"]["dtype"] == "bfloat16"
+
+
+@pytest.mark.e2e  # loads the tiny draft model
 def test_the_module_runs_the_same_benchmark(tmp_path: Path) -> None:
     """`python -m benchmarks.drafter_capacity` takes the subcommand's flags (here `--copies`)."""
     proc = subprocess.run(
@@ -79,6 +93,15 @@ def test_the_module_runs_the_same_benchmark(tmp_path: Path) -> None:
         (["--accept", "8", "--gamma", "8"], "--accept 8: must be 0 to gamma - 1 (7)"),
         (["--prompt", "0"], "--prompt 0: must be at least 1"),
         (["--core", "100000"], "--core 100000: not one of this process's cores"),
+        (
+            ["--device", "cpu", "--dtype", "bfloat16", "--quantize", "int8"],
+            "quantize int8 runs float32 activations (torch's dynamic quantisation), not dtype bfloat16",
+        ),
+        pytest.param(
+            ["--device", "cuda"],
+            "device cuda: torch sees no CUDA GPU on this host",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU"),
+        ),
     ],
 )
 def test_bad_settings_are_one_line_errors_naming_the_flag(
