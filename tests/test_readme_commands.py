@@ -85,6 +85,10 @@ _DRAFTER_SHAPE = (
     "the same command on the "
     "tiny draft runs from the line without --shape"
 )
+_GPU = (
+    "needs a CUDA GPU (none here); tests/benchmarks/test_drafter_capacity.py checks that --device cuda "
+    "says so, and runs the benchmark on the tiny draft"
+)
 _QWEN_DEFAULTS = (
     "no pair on the line to replace (eval-draft's defaults are the qwen-coder pair); the same "
     "command on tiny runs from the `specdec eval-draft --target ... --draft ...` line"
@@ -144,6 +148,7 @@ NOT_RUN = {
     "--warmup 1 --out bench-drafter-qwen": _DRAFTER_SHAPE,
     "specdec bench-drafter --core 0 --shape qwen2.5-0.5b --quantize int8 --sessions 1,16 --prompt 256 --seconds 2 "
     "--min-rounds 3 --warmup 1 --out bench-drafter-qwen-256": _DRAFTER_SHAPE,
+    "specdec bench-drafter --device cuda --shape qwen2.5-0.5b --seconds 1 --out bench-drafter-h200": _GPU,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 64": _QWEN_DEFAULTS,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 48 --limit 4 --gammas 4 --quantize int8": _QWEN_DEFAULTS,  # noqa: E501 (a README command, verbatim)
 }
