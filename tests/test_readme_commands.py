@@ -134,6 +134,8 @@ NOT_RUN = {
     "--concurrency 1,4,16 --out bench-load": _BENCH,
     "specdec bench --models qwen-coder --systems target-only,specdec --workloads code --gammas 4 "
     "--concurrency 4,16 --out bench-load-bound": _BENCH,
+    "specdec bench --models qwen-coder --systems target-only,specdec --workloads code --gammas 4 "
+    "--concurrency 4,16 --dtype auto --out bench-load-auto": _BENCH,
     "specdec bench --models qwen-coder --systems target-only,vllm-draft,specdec,specdec-confidence "
     "--workloads code --gammas 2,4,8 --concurrency 1 --out bench-batch1": _BENCH,
     "specdec bench --models qwen-coder --prompts-file my-prompts.jsonl --systems target-only,vllm-draft,specdec "
