@@ -15,9 +15,9 @@ The probe (`cuda_probe`) is a parameter, so the decision is tested on hosts with
 attention backend off for the process: cuDNN builds an execution plan for every new
 key/value length it sees, and a drafter's single-session step attends one query to a cache
 one token longer than the last, so every step paid a new plan. Measured on an H200 (torch
-2.11.0+cu130, bf16, one query, 14 heads / 2 KV heads of dim 64, 64 lengths never seen):
+2.11.0+cu130, bf16, one query against keys of 64 lengths never seen, 14 heads of dim 64):
 `scaled_dot_product_attention` took a median 38 ms (max 760 ms) with cuDNN, 0.03 ms without;
-the tiny draft's serial step 13.7 ms a token against 1.9 ms (docs/models-and-gpus.md, "A
+the tiny draft's serial step 13.7 ms a token against 1.5-1.9 ms (docs/models-and-gpus.md, "A
 drafter on a GPU"). torch then picks flash or memory-efficient attention, which need no plan.
 """
 
