@@ -151,6 +151,8 @@ NOT_RUN = {
     "specdec bench-drafter --core 0 --shape qwen2.5-0.5b --quantize int8 --sessions 1,16 --prompt 256 --seconds 2 "
     "--min-rounds 3 --warmup 1 --out bench-drafter-qwen-256": _DRAFTER_SHAPE,
     "specdec bench-drafter --device cuda --shape qwen2.5-0.5b --seconds 1 --out bench-drafter-h200": _GPU,
+    "specdec bench-drafter --model qwen-coder/draft --quantize int8 --sessions 1,4 --core 1 --seconds 2 "
+    "--out bench-drafter-qwen": _DRAFTER,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 64": _QWEN_DEFAULTS,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 48 --limit 4 --gammas 4 --quantize int8": _QWEN_DEFAULTS,  # noqa: E501 (a README command, verbatim)
 }
