@@ -551,18 +551,22 @@ class ModelDraftSession(DraftSession):
 
     @torch.inference_mode()
     def _begin_branch_rows(self, rows: list[tuple[int, int]]) -> object:
-        """The batch's state: a copy of the cache up to the earliest row's position `base`,
-        one copy per row ([B, heads, base, dim]), and each row's first input, context[base:p]
-        + [t], left-padded to the longest (T) after the shared prefix ([B, T]).
+        """The batch's state: a copy of the cache up to `base` (the earliest row's position, or
+        the cache's end where that is earlier), one copy per row ([B, heads, base, dim]), and
+        each row's first input, context[base:p] + [t], left-padded to the longest (T) after the
+        shared prefix ([B, T]).
 
         Rows at one position need no padding: the batch is fed as a plain one. Otherwise a
         2D attention mask [B, keys] hides each row's padding slots (from every later query,
         for the whole batch) and explicit position ids [B, T] give each row its own positions."""
         import copy
 
-        base = min(p for p, _ in rows)
+        # the rows share the cache up to `base`: the earliest row's position, or the cache's end
+        # where tokens before it are not cached yet (the last draft, a commit's new tokens): those
+        # are fed with every row, so each row's continuation is drafted from its whole context
+        base = min(min(p for p, _ in rows), self.cached)
         cache = copy.deepcopy(self.cache)
-        if self.cached > base:  # cached >= base: every drafted position but the last is cached
+        if self.cached > base:
             cache.crop(base - self.cached)
         if len(rows) > 1:
             cache.batch_repeat_interleave(len(rows))

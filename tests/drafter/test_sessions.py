@@ -281,3 +281,25 @@ def test_branches_at_different_positions_are_one_batch_each_its_own_greedy_conti
     for b in blocks:
         p, t = b.start_position, b.drafts[0].token_id
         assert [d.token_id for d in b.drafts[1:]] == _greedy(model, context[:p] + [t], s.gamma), (p, t)
+
+
+def test_a_branch_past_the_cache_is_drafted_from_its_whole_context(model) -> None:
+    """A branch at the bonus position (after the last draft, which is not in the draft model's
+    cache yet) is the continuation of the whole context + [t], the last draft included."""
+    prompt = [3, 14, 15, 92, 65]
+    s = ModelDraftSession(model, prompt, 3, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8)
+    s.branches = 1
+    s.commit(len(prompt), [35])
+    _drain(s)  # lock-step: the block of 3, its last draft not fed yet
+    context = list(s.context)
+    assert s.cached == len(context) - 1
+    t = next(x for x in range(512) if x != context[-1])
+    rows = [(len(context), t), (len(context) - 1, t)]  # the bonus position, and a ragged batch with it
+    for batch in (rows[:1], rows):
+        s._branch_job = s._begin_branch_rows(batch)
+        done = None
+        while done is None:
+            done = s._advance_branches()
+        s._branch_job = None
+        for (p, token), cont in zip(*done[:2], strict=True):
+            assert [d.token_id for d in cont] == _greedy(model, context[:p] + [token], s.gamma), (p, batch)
