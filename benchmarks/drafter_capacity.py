@@ -36,6 +36,11 @@ the CUDA kernels' first-use costs.
 layers, hidden 896, 14 heads, 2 KV heads, vocab 151,936) instead of `--model`'s weights: the
 same cost per forward, without the weights (its drafts are meaningless; their speed is not).
 
+`--forward` picks the draft's forward as the drafter's `--forward` does (auto: the lean one,
+specdec.models.lean, where it applies). `--forward-ab`: instead, for each `--sessions` count,
+the batched worker with transformers' forward and with the lean one, one after the other in
+one run (the same weights, the same sessions): the lean forward's gain, as a ratio of tok/s.
+
 `--copies N`: instead, time one batched step of N sessions and, apart, the cache copies it
 makes (gathering each row's cache into the padded batch, appending the new token to it):
 what a single batched cache, which copies nothing, could save (docs/batched-drafting.md).
@@ -108,15 +113,21 @@ def placement(args: argparse.Namespace) -> Placement:
     return draft_placement(args.device, args.dtype, args.quantize)
 
 
-def load(args: argparse.Namespace, where: Placement) -> torch.nn.Module:
-    """The draft model: `--model` (with `--quantize`) or a random-init `--shape`, placed at `where`."""
+def load(args: argparse.Namespace, where: Placement, forward: str | None = None) -> torch.nn.Module:
+    """The draft model: `--model` (with `--quantize`) or a random-init `--shape`, placed at `where`,
+    with `forward` (default `--forward`; specdec.models.load_causal_lm's)."""
+    forward = forward or args.forward
     if args.shape == "qwen2.5-0.5b":
         from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from specdec.models.lean import LeanDecoder
 
         torch.manual_seed(0)
         model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B)).eval()
         if where.device != "cpu" or where.dtype != "float32":
             return to_device(model, where.device, getattr(torch, where.dtype))
+        if forward != "transformers":
+            model = LeanDecoder(model)
         if where.quantize == "int8":  # as specdec.models.load_causal_lm quantises
             import warnings
 
@@ -124,7 +135,7 @@ def load(args: argparse.Namespace, where: Placement) -> torch.nn.Module:
                 warnings.simplefilter("ignore")
                 model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
         return model
-    return load_causal_lm(args.model, where.dtype, where.quantize, device=where.device)
+    return load_causal_lm(args.model, where.dtype, where.quantize, device=where.device, forward=forward)
 
 
 class Clock:
@@ -346,6 +357,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         metavar="N",
         help="pin the process to this core first (as `taskset -c N`; default: not pinned)",
     )
+    ap.add_argument(
+        "--forward",
+        default="auto",
+        choices=("auto", "lean", "transformers"),
+        help="the draft's forward, as the drafter's --forward (auto: lean where it applies)",
+    )
+    ap.add_argument(
+        "--forward-ab",
+        action="store_true",
+        help="instead: the batched worker with transformers' forward and with the lean one, in one run",
+    )
     ap.add_argument("--out", default="bench-drafter")
     ap.add_argument(
         "--copies",
@@ -396,7 +418,7 @@ def main(args: argparse.Namespace) -> int:
         os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(args.threads)
     where = placement(args)
-    model = load(args, where)
+    model = load(args, where, "transformers" if args.forward_ab else None)
     clock = Clock(where.device)
     name = args.shape or args.model
     on = f"{where.device} {where.dtype}" + (f" {where.quantize}" if where.quantize != "none" else "")
@@ -411,6 +433,8 @@ def main(args: argparse.Namespace) -> int:
         )
         return 0
     title = f"{name} ({on}), {args.threads} thread(s), gamma {args.gamma}, accept {args.accept}"
+    if args.forward_ab:
+        return forward_ab(model, load(args, where, "lean"), title, args, clock)
     rows: list[Row] = []
     for n in args.sessions:
         for batched in (False, True):
@@ -448,6 +472,38 @@ def main(args: argparse.Namespace) -> int:
     (out / "drafter-capacity.json").write_text(json.dumps(summary, indent=1))
     plotted = plot(rows, title, out / "drafter-capacity.png")
     print(f"\n{title}\n\n{table(rows)}\n\nwrote {out}/drafter-capacity.csv, .json" + (", .png" if plotted else ""))
+    return 0
+
+
+def forward_ab(own: torch.nn.Module, lean: torch.nn.Module, title: str, args: argparse.Namespace, clock: Clock) -> int:
+    """`--forward-ab`: per session count, the batched worker with `own` (transformers' forward)
+    then with `lean` (the same weights); prints and writes OUT/forward-ab.json."""
+    from specdec.models.lean import LeanDecoder
+
+    if not isinstance(lean, LeanDecoder):
+        from specdec.errors import UserError
+
+        raise UserError(f"--forward-ab: the lean forward does not apply to {args.shape or args.model}", "drop it")
+    lines = [
+        "| sessions | transformers tok/s | lean tok/s | lean / transformers | transformers pace ms | lean pace ms |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    results = []
+    for n in args.sessions:
+        a, b = measure(own, n, True, args, clock), measure(lean, n, True, args, clock)
+        results.append(
+            {"sessions": n, "transformers": asdict(a) | {"tok_s": a.tok_s}, "lean": asdict(b) | {"tok_s": b.tok_s}}
+        )
+        lines.append(
+            f"| {n} | {a.tok_s:.1f} | {b.tok_s:.1f} | {b.tok_s / a.tok_s:.2f}x | {a.pace_ms:.1f} | {b.pace_ms:.1f} |"
+        )
+        print(lines[-1], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "command", "debug")}
+    (out / "forward-ab.json").write_text(json.dumps({"title": title, "args": settings, "rows": results}, indent=1))
+    print(f"\n{title}: the batched worker, transformers' forward against the lean one\n\n" + "\n".join(lines))
+    print(f"\nwrote {out}/forward-ab.json")
     return 0
 
 

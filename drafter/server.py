@@ -462,6 +462,7 @@ def build(cfg: DrafterConfig, registry: CollectorRegistry) -> DrafterServicer:
     """The factory: check the draft fits cfg.target (before loading any weights), load it where
     cfg places it, calibrate it, and make the servicer, its metrics on `registry`."""
     from specdec.models import load_causal_lm, resolve
+    from specdec.models.lean import LeanDecoder
 
     parse_mode(cfg.draft_confidence)  # a bad value fails here, before any weights load
     torch.set_num_threads(cfg.threads)
@@ -471,16 +472,17 @@ def build(cfg: DrafterConfig, registry: CollectorRegistry) -> DrafterServicer:
     if cfg.target:  # refuse a draft that does not fit its target before loading any weights
         compat.check(compat.from_folder(resolve(cfg.target), cfg.target), vocabulary)
     placement = draft_placement(cfg.device, cfg.dtype, cfg.quantize)
-    model = load_causal_lm(cfg.model, placement.dtype, placement.quantize, revision, placement.device)
+    model = load_causal_lm(cfg.model, placement.dtype, placement.quantize, revision, placement.device, cfg.forward)
     token_ms = calibrate(model, vocabulary, cfg.q_top_k)
     log.info(
-        "draft model %s loaded from %s (vocab %d, %s, %s, quantize %s, %.1f ms per draft token)",
+        "draft model %s loaded from %s (vocab %d, %s, %s, quantize %s, forward %s, %.1f ms per draft token)",
         cfg.model,
         path,
         vocab_size(model),
         placement.device,
         placement.dtype,
         placement.quantize,
+        "lean" if isinstance(model, LeanDecoder) else "transformers",
         token_ms,
     )
     return DrafterServicer(cfg, model, vocabulary, telemetry.DrafterMetrics(registry), token_ms)

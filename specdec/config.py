@@ -182,6 +182,15 @@ class DrafterConfig(TransportConfig):
         "bfloat16/float16 dtype); none: as loaded; auto: int8 for a float32 draft on the CPU, else none.",
         choices=("auto", "none", "int8"),
     )
+    forward: str = setting(
+        "auto",
+        "The draft model's forward on the CPU: lean runs a llama, qwen2 or mistral draft without "
+        "transformers' per-layer modules (fused q/k/v and gate/up projections, specdec.models.lean; the "
+        "same model, 1.07-1.14x the draft tokens a second on Qwen2.5-Coder-0.5B int8, docs/batched-drafting.md); "
+        "transformers: the model's own; auto: "
+        "lean where it applies (those model types on the CPU), else transformers.",
+        choices=("auto", "lean", "transformers"),
+    )
     lookahead: int = setting(
         -1,
         "Tokens past gamma the drafter may draft ahead of the committed context while a block is being "

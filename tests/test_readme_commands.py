@@ -107,6 +107,7 @@ NOT_RUN = {
     "specdec serve drafter --model Qwen/Qwen3-0.6B --device cuda": _SERVICE,
     "specdec serve drafter --model Qwen/Qwen3-0.6B --device auto": _SERVICE,
     "specdec serve drafter --no-batch-drafts": _SERVICE,
+    "specdec serve drafter --forward transformers": _SERVICE,
     "specdec serve drafter --draft-confidence auto": _SERVICE,
     "specdec serve drafter --draft-confidence 0.4": _SERVICE,
     "specdec serve drafter --draft-confidence off": _SERVICE,
@@ -153,6 +154,10 @@ NOT_RUN = {
     "specdec bench-drafter --device cuda --shape qwen2.5-0.5b --seconds 1 --out bench-drafter-h200": _GPU,
     "specdec bench-drafter --model qwen-coder/draft --quantize int8 --sessions 1,4 --core 1 --seconds 2 "
     "--out bench-drafter-qwen": _DRAFTER,
+    "specdec bench-drafter --model qwen-coder/draft --quantize int8 --forward-ab --sessions 1,4,1,4 --core 1 "
+    "--seconds 3 --out forward-ab-qwen": _DRAFTER,
+    "specdec bench --models qwen-coder --systems target-only,vllm-draft,specdec --workloads code --gammas 4,8 "
+    "--concurrency 1 --dtype auto --out bench-batch1-auto": _BENCH,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 64": _QWEN_DEFAULTS,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 48 --limit 4 --gammas 4 --quantize int8": _QWEN_DEFAULTS,  # noqa: E501 (a README command, verbatim)
 }

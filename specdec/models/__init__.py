@@ -333,13 +333,23 @@ def list_pairs() -> list[dict[str, Any]]:
 
 
 QUANTIZE = ("none", "int8")
+FORWARDS = ("auto", "lean", "transformers")
 
 
 def load_causal_lm(
-    ref: str, dtype: str = "float32", quantize: str = "none", revision: str | None = None, device: str = "cpu"
+    ref: str,
+    dtype: str = "float32",
+    quantize: str = "none",
+    revision: str | None = None,
+    device: str = "cpu",
+    forward: str = "transformers",
 ) -> torch.nn.Module:
     """A transformers causal LM for a model reference (`revision`: as for `resolve`), in eval
     mode, on `device` ("cpu" or "cuda": see specdec.models.device for choosing it).
+
+    forward "lean": the model's forward as specdec.models.lean.LeanDecoder (the same weights,
+    without transformers' per-layer modules; llama, qwen2 and mistral on the CPU only, else a
+    ValueError); "auto": lean where it applies, else the model's own; "transformers": its own.
 
     quantize "int8": dynamic int8 quantisation of every Linear layer (weights int8, activations
     quantised per batch; torch's fbgemm kernels; CPU only). A CPU drafter is memory-bound, so
@@ -354,9 +364,21 @@ def load_causal_lm(
         raise ValueError(f"quantize must be one of {QUANTIZE}, not {quantize!r}")
     if quantize == "int8" and device != "cpu":
         raise ValueError(f"quantize int8 is CPU-only, not for device {device!r}")
+    if forward not in FORWARDS:
+        raise ValueError(f"forward must be one of {FORWARDS}, not {forward!r}")
+    if forward == "lean" and device != "cpu":
+        raise ValueError(f"forward lean is CPU-only, not for device {device!r}")
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
         resolve(ref, revision=revision), dtype=getattr(torch, dtype)
     ).eval()
+    if forward != "transformers" and device == "cpu":
+        from specdec.models import lean
+
+        if lean.supports(model):
+            model = lean.LeanDecoder(model).eval()  # before quantising: the fused projections are quantised whole
+        elif forward == "lean":
+            kind = getattr(model.config, "model_type", "?")
+            raise ValueError(f"forward lean runs {', '.join(lean.LEAN_MODEL_TYPES)} drafts, not {kind} ({ref})")
     if device != "cpu":
         from specdec.models.device import to_device
 

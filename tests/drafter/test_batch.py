@@ -17,6 +17,7 @@ from drafter import batch
 from drafter.server import DraftWorker
 from drafter.sessions import BlockOut, ModelDraftSession, Ready
 from specdec.models import resolve
+from specdec.models.lean import LeanDecoder
 
 pytestmark = pytest.mark.e2e  # the tiny draft model, loaded with transformers (tests/conftest.py tiers)
 
@@ -27,9 +28,11 @@ CLOSES = {1: 14, 3: 30}  # session index -> the step it closes at
 HOLDS = {2: (6, 10)}  # session index -> (held from, released at)
 
 
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(resolve("tiny/draft-mid")).eval()
+@pytest.fixture(scope="module", params=["transformers", "lean"])
+def model(request: pytest.FixtureRequest) -> torch.nn.Module:
+    """The tiny draft with transformers' forward, and with the lean one the drafter runs on the CPU."""
+    loaded = AutoModelForCausalLM.from_pretrained(resolve("tiny/draft-mid")).eval()
+    return LeanDecoder(loaded) if request.param == "lean" else loaded
 
 
 def _run(model: torch.nn.Module, batched: bool, temperature: float, steps: int = 48) -> dict[int, list]:
@@ -156,8 +159,11 @@ def test_a_batched_row_equals_a_single_forward(model: torch.nn.Module, kind: str
     """forward_rows on rows of different cached lengths and new-token counts gives each row the
     logits of its own serial forward, and leaves each row's cache as the serial forward would."""
     if kind == "qwen2-gqa":
+        lean = isinstance(model, LeanDecoder)
         model = _qwen2_gqa()
         assert model.config._attn_implementation == "sdpa"
+        if lean:
+            model = LeanDecoder(model)
 
     def session(length: int) -> ModelDraftSession:
         return ModelDraftSession(
