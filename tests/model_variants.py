@@ -4,6 +4,7 @@ padded          the same model and tokenizer, its embedding and output layers pa
                 rows past the tokenizer (as Qwen2.5-7B's 152064 rows over 151665 tokens)
 other_vocab     one token added to the tokenizer (another vocabulary), the model resized
 other_eos       the same vocabulary, another token as EOS
+small_qwen2     (in memory) a random-init Qwen2 with the qwen-coder draft's kind of attention
 """
 
 from __future__ import annotations
@@ -45,3 +46,24 @@ def other_eos(folder: Path, dest: Path, eos_id: int = 1) -> Path:
     model.save_pretrained(dest)
     tok.save_pretrained(dest)
     return dest
+
+
+# a small decoder's shape: 2 layers of width 64, grouped-query attention (4 heads over 2 KV heads)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def small_qwen2(vocab: int):  # -> a Qwen2ForCausalLM in eval mode
+    """A random-init Qwen2 of the SMALL shape (seed 0): biased q/k/v and grouped-query
+    attention, as the qwen-coder draft groups 14 heads over 2."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, **SMALL)).eval()

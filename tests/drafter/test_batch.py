@@ -9,6 +9,7 @@ the same tokens from the same seeds, and the same q up to float tolerance.
 
 from __future__ import annotations
 
+import model_variants
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -136,31 +137,13 @@ def test_batched_drafts_equal_serial_drafts(model: torch.nn.Module, temperature:
     assert max(batched["batch sizes"]) >= 4  # rows were batched, with ragged lengths and rollbacks
 
 
-def _qwen2_gqa() -> torch.nn.Module:
-    """A small random-init Qwen2 with grouped-query attention (4 heads, 2 KV heads), as the
-    qwen-coder draft has (14 and 2): the batched step's attention (drafter.batch._rows_attention)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return Qwen2ForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize("kind", ["tiny-draft", "qwen2-gqa"])
 def test_a_batched_row_equals_a_single_forward(model: torch.nn.Module, kind: str) -> None:
     """forward_rows on rows of different cached lengths and new-token counts gives each row the
     logits of its own serial forward, and leaves each row's cache as the serial forward would."""
     if kind == "qwen2-gqa":
         lean = isinstance(model, LeanDecoder)
-        model = _qwen2_gqa()
+        model = model_variants.small_qwen2(VOCAB)  # the batched attention with grouped KV heads
         assert model.config._attn_implementation == "sdpa"
         if lean:
             model = LeanDecoder(model)

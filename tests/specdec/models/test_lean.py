@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import model_variants
 import pytest
 import torch
 from transformers import (
@@ -14,8 +15,6 @@ from transformers import (
     DynamicCache,
     MistralConfig,
     MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -24,21 +23,12 @@ from specdec.models import load_causal_lm, resolve
 from specdec.models.lean import LeanDecoder, supports
 
 VOCAB = 300
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+SMALL = dict(vocab_size=VOCAB, **model_variants.SMALL)  # for the model types the lean forward refuses or takes
 
 
 def _qwen2() -> torch.nn.Module:
     """Random-init Qwen2: biased q/k/v projections, grouped-query attention (4 heads, 2 KV)."""
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(**SMALL)).eval()
+    return model_variants.small_qwen2(VOCAB)
 
 
 def _tiny() -> torch.nn.Module:
