@@ -2,9 +2,10 @@
 per-layer machinery.
 
 A CPU draft step feeds one token per session through a 0.5B model: its cost is reading the
-weights (memory-bound, ~10 GB/s on one core here) plus, with transformers' modules, ~12 ms of
-per-layer Python and small ops a forward (Qwen2.5-Coder-0.5B int8, 24 layers: 77 -> 65 ms a
-token, docs/performance.md). `LeanDecoder` runs the same model from the same weights with:
+weights (memory-bound, ~10 GB/s on one core here) plus, with transformers' modules, ~10 ms of
+per-layer Python and small ops a forward (Qwen2.5-Coder-0.5B int8, 24 layers, one session:
+78.7 -> 69.1 ms a token, `specdec bench-drafter --forward-ab`, docs/batched-drafting.md).
+`LeanDecoder` runs the same model from the same weights with:
     - q/k/v in one Linear and gate/up in one Linear (one int8 GEMM instead of three and two:
       the activations are quantised once, the weights read in one pass);
     - attention as plain matrix products with the query heads grouped by their KV head (no
