@@ -44,6 +44,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from drafter.sessions import DRAFT_NEEDED, BlockOut, DraftSession, ModelDraftSession, Ready
+from specdec.models.lean import PLAIN_ATTENTION_MODEL_TYPES, grouped_attention
 
 StepResult = BlockOut | Ready | None
 
@@ -106,21 +107,12 @@ def _rows_attention(
     with a mask and one query per row was about 2x slower than this at 16 rows (Qwen2.5-0.5B
     shapes: 14 heads, 2 KV heads; docs/batched-drafting.md)."""
     # query [B, heads, T, dim]; key, value [B, kv heads, S, dim]; attention_mask [B, 1, T, S] additive
-    b, heads, t, dim = query.shape
-    kv = key.shape[1]
-    group = heads // kv  # head h uses KV head h // group
-    scale = scaling if scaling is not None else dim**-0.5
-    q = query.reshape(b, kv, group * t, dim)  # [B, kv, group * T, dim]
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [B, kv, group * T, S]
-    if attention_mask is not None:
-        scores = (scores.view(b, kv, group, t, -1) + attention_mask[:, :, None].float()).view(b, kv, group * t, -1)
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value).view(b, heads, t, dim)  # [B, heads, T, dim]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = grouped_attention(query, key, value, attention_mask, scale)  # [B, heads, T, dim]
     return out.transpose(1, 2).contiguous(), None  # [B, T, heads, dim]
 
 
 ROWS_ATTENTION = "specdec_rows"
-PLAIN_ATTENTION_MODELS = ("llama", "qwen2", "mistral")
 AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
 
 
@@ -171,7 +163,7 @@ def forward_rows(model: torch.nn.Module, sessions: Sequence[ModelDraftSession]) 
     attention = config._attn_implementation
     # the same attention, faster for a batched step (_rows_attention), for the model types whose
     # attention is plain scaled dot-product (no soft-capping, sinks or sliding window); others keep their own
-    if attention in ("sdpa", "eager") and getattr(config, "model_type", "") in PLAIN_ATTENTION_MODELS:
+    if attention in ("sdpa", "eager") and getattr(config, "model_type", "") in PLAIN_ATTENTION_MODEL_TYPES:
         config._attn_implementation = ROWS_ATTENTION
     try:
         out = model(

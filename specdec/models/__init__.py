@@ -377,8 +377,8 @@ def load_causal_lm(
         if lean.supports(model):
             model = lean.LeanDecoder(model).eval()  # before quantising: the fused projections are quantised whole
         elif forward == "lean":
-            kind = getattr(model.config, "model_type", "?")
-            raise ValueError(f"forward lean runs {', '.join(lean.LEAN_MODEL_TYPES)} drafts, not {kind} ({ref})")
+            kind, kinds = getattr(model.config, "model_type", "?"), ", ".join(lean.PLAIN_ATTENTION_MODEL_TYPES)
+            raise ValueError(f"forward lean runs {kinds} drafts, not {kind} ({ref})")
     if device != "cpu":
         from specdec.models.device import to_device
 

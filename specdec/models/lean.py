@@ -9,7 +9,7 @@ per-layer Python and small ops a forward (Qwen2.5-Coder-0.5B int8, 24 layers, on
     - q/k/v in one Linear and gate/up in one Linear (one int8 GEMM instead of three and two:
       the activations are quantised once, the weights read in one pass);
     - attention as plain matrix products with the query heads grouped by their KV head (no
-      repeated keys), softmax in float32, as drafter.batch's batched attention;
+      repeated keys), softmax in float32 (`grouped_attention`, drafter.batch's batched attention too);
     - transformers' own rotary embedding module (its RoPE scaling, whatever the config says).
 
 It takes the call the drafter makes of a transformers causal LM and returns what it reads:
@@ -42,13 +42,15 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# model types whose attention is plain scaled dot-product (no soft-capping, sinks or per-layer
+# windows): the lean forward runs them, and drafter.batch runs its own batched attention for them
+PLAIN_ATTENTION_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether `LeanDecoder(model)` computes what `model`'s own forward does (see the module)."""
     config: Any = getattr(model, "config", None)
-    if config is None or getattr(config, "model_type", "") not in LEAN_MODEL_TYPES:
+    if config is None or getattr(config, "model_type", "") not in PLAIN_ATTENTION_MODEL_TYPES:
         return False
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     windowed = getattr(config, "use_sliding_window", False) or (
@@ -76,6 +78,25 @@ def _fused(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([p.bias for p in parts]))
     return fused
+
+
+def grouped_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Attention in plain matrix products with the query heads grouped by their KV head
+    (grouped-query attention without repeating the keys), softmax in float32.
+    query [B, heads, T, dim]; key, value [B, kv heads, S, dim]; mask [B or 1, 1, T, S] additive
+    or None -> [B, heads, T, dim]."""
+    b, heads, t, dim = query.shape
+    kv = key.shape[1]
+    group = heads // kv  # head h uses KV head h // group
+    q = query.reshape(b, kv, group * t, dim)  # [B, kv, group * T, dim]
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [B, kv, group * T, S]
+    if mask is not None:
+        s = scores.shape[-1]
+        scores = (scores.view(b, kv, group, t, s) + mask[:, :, None].float()).view(b, kv, group * t, s)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).view(b, heads, t, dim)
 
 
 class _Layer(torch.nn.Module):
@@ -182,7 +203,7 @@ class LeanDecoder(torch.nn.Module):
         h = self.embed(input_ids)  # [B, T, hidden]
         cos, sin = self.rotary(h, position_ids)  # [B, T, dim] each
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, dim]
-        nq, nkv, group = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.heads // self.kv_heads
+        nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         mask: torch.Tensor | None = None
         layers: Sequence[_Layer] = self.layers  # type: ignore[assignment]  # a ModuleList of _Layer
         for index, layer in enumerate(layers):
@@ -195,14 +216,7 @@ class LeanDecoder(torch.nn.Module):
             keys, values = cache.update(k, v, index)  # [B, kv, S, dim]
             if index == 0:
                 mask = self._mask(attention_mask, t, keys.shape[-2])
-            # grouped-query attention without repeating the keys: [B, kv, group x T, S]
-            scores = torch.matmul(q.reshape(b, self.kv_heads, group * t, self.head_dim), keys.transpose(-1, -2))
-            scores = scores.float() * self.scale
-            if mask is not None:
-                s = scores.shape[-1]
-                scores = (scores.view(b, self.kv_heads, group, t, s) + mask[:, :, None]).view(b, self.kv_heads, -1, s)
-            probs = torch.softmax(scores, dim=-1).to(values.dtype)
-            out = torch.matmul(probs, values).view(b, self.heads, t, self.head_dim)  # [B, heads, T, dim]
+            out = grouped_attention(q, keys, values, mask, self.scale)  # [B, heads, T, dim]
             h = h + layer.o(out.transpose(1, 2).reshape(b, t, nq))
             gate_up = layer.gate_up(self._rms(h, layer.norm_post))  # [B, T, 2 x intermediate]
             gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
