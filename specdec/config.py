@@ -191,6 +191,13 @@ class DrafterConfig(TransportConfig):
         "lean where it applies (those model types on the CPU), else transformers.",
         choices=("auto", "lean", "transformers"),
     )
+    draft_vocab: str = setting(
+        "",
+        "A draft vocabulary file (`specdec draft-vocab` makes one from a sample of your traffic): the draft's "
+        "output layer scores only its ids, a forward reads fewer bytes (docs/draft-vocabulary.md). The draft "
+        "can then not propose other ids; output stays exact. Empty: the whole vocabulary.",
+        metavar="FILE",
+    )
     lookahead: int = setting(
         -1,
         "Tokens past gamma the drafter may draft ahead of the committed context while a block is being "

@@ -178,13 +178,22 @@ def check_same_vocab(target_vocab: dict[str, int], draft_vocab: dict[str, int]) 
     )
 
 
-def load_model(ref: str, quantize: str = "none") -> tuple[Any, Any]:
-    """(model in eval mode, float32, and its tokenizer) for a model reference."""
+def load_model(ref: str, quantize: str = "none", draft_vocab: Path | None = None) -> tuple[Any, Any]:
+    """(model in eval mode, float32, and its tokenizer) for a model reference; `draft_vocab`: a
+    draft vocabulary file its output layer is cut to (as the drafter's --draft-vocab)."""
     from transformers import AutoTokenizer
 
     from specdec.models import load_causal_lm, resolve
+    from specdec.models.vocab import DraftVocab
 
-    return load_causal_lm(ref, "float32", quantize), AutoTokenizer.from_pretrained(resolve(ref))
+    try:
+        cut = DraftVocab.load(draft_vocab) if draft_vocab else None
+        model = load_causal_lm(ref, "float32", quantize, draft_vocab=cut)
+    except ValueError as err:
+        if draft_vocab is None:
+            raise
+        raise UserError(f"--draft-vocab: {err}", "make one for this draft with `specdec draft-vocab`") from err
+    return model, AutoTokenizer.from_pretrained(resolve(ref))
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -327,8 +336,10 @@ def evaluate(
     timing_steps: int = DEFAULT_TIMING_STEPS,
     progress: bool = True,
     quantize: str = "none",
+    draft_vocab: Path | None = None,
 ) -> Report:
-    """Load both models, measure agreement over the prompts and step costs, predict speedups."""
+    """Load both models, measure agreement over the prompts and step costs, predict speedups
+    (`quantize`, `draft_vocab`: the draft's, as load_model's)."""
     from tqdm import tqdm
 
     if not prompts:
@@ -338,7 +349,7 @@ def evaluate(
     gammas = sorted(set(gammas))
     t0 = time.perf_counter()
     target, tokenizer = load_model(target_ref)
-    draft, draft_tokenizer = load_model(draft_ref, quantize)
+    draft, draft_tokenizer = load_model(draft_ref, quantize, draft_vocab)
     check_same_vocab(tokenizer.get_vocab(), draft_tokenizer.get_vocab())
     stop = eos_ids(target, tokenizer)
     t1 = time.perf_counter()
@@ -438,6 +449,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p.add_argument(
         "--quantize", choices=["none", "int8"], default="none", help="the draft's quantisation (as the drafter's)"
     )
+    p.add_argument(
+        "--draft-vocab", type=Path, metavar="FILE", help="cut the draft's output layer to this draft vocabulary"
+    )
     p.add_argument("--json", metavar="PATH", help="write every number as JSON to PATH ('-': stdout)")
     p.set_defaults(func=run)
     return p
@@ -458,6 +472,7 @@ def run(args: argparse.Namespace) -> int:
         args.max_new_tokens,
         args.timing_steps,
         quantize=args.quantize,
+        draft_vocab=args.draft_vocab,
     )
     print(format_table(report), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:

@@ -45,6 +45,8 @@ from specdec.models import hub
 if TYPE_CHECKING:  # torch is imported where a model is loaded, not with this module
     import torch
 
+    from specdec.models.vocab import DraftVocab
+
 TINY = "tiny"
 # The pairs file in the working directory, unless SPECDEC_PAIRS names another.
 PAIRS_FILE = "specdec.toml"
@@ -343,6 +345,7 @@ def load_causal_lm(
     revision: str | None = None,
     device: str = "cpu",
     forward: str = "transformers",
+    draft_vocab: DraftVocab | None = None,
 ) -> torch.nn.Module:
     """A transformers causal LM for a model reference (`revision`: as for `resolve`), in eval
     mode, on `device` ("cpu" or "cuda": see specdec.models.device for choosing it).
@@ -350,6 +353,9 @@ def load_causal_lm(
     forward "lean": the model's forward as specdec.models.lean.LeanDecoder (the same weights,
     without transformers' per-layer modules; llama, qwen2 and mistral on the CPU only, else a
     ValueError); "auto": lean where it applies, else the model's own; "transformers": its own.
+
+    draft_vocab: the output layer cut to these ids (specdec.models.vocab.SubsetHead, before
+    quantising; a ValueError when the vocabulary was made for another output width).
 
     quantize "int8": dynamic int8 quantisation of every Linear layer (weights int8, activations
     quantised per batch; torch's fbgemm kernels; CPU only). A CPU drafter is memory-bound, so
@@ -379,6 +385,10 @@ def load_causal_lm(
         elif forward == "lean":
             kind, kinds = getattr(model.config, "model_type", "?"), ", ".join(lean.PLAIN_ATTENTION_MODEL_TYPES)
             raise ValueError(f"forward lean runs {kinds} drafts, not {kind} ({ref})")
+    if draft_vocab is not None:
+        from specdec.models.vocab import restrict
+
+        model = restrict(model, draft_vocab)
     if device != "cpu":
         from specdec.models.device import to_device
 
