@@ -33,6 +33,8 @@ Systems:
                      a block ends where the draft's cumulative confidence falls below a tau
                      learned from the verdicts; the freed drafter time goes to branches), at
                      every gamma, batch 1
+    specdec-draft-vocab with --draft-vocab FILE only: specdec with that draft vocabulary (drafter
+                     --draft-vocab: the draft scores only its ids), default gamma, every concurrency
 
 Hardware: every target gets the same single core (the first); vllm-draft and vllm-ngram
 run once more with both cores ("2 cores": the same total hardware as specdec); specdec's
@@ -79,7 +81,11 @@ Terms (per row of the table; a row is one system at one gamma and one concurrenc
     branch hits    specdec: steps whose drafts came from a pre-drafted branch / steps after a
                    verdict that broke the drafts' chain (a rejection, or a wrong bonus guess)
     exact          fraction of requests whose tokens equal target-only's for that prompt
-                   (same workload)
+                   (same workload; target-only's at batch 1 where the run has it, else at
+                   the row's concurrency). Every request's output ids are in OUT/outputs.json
+                   (rows in bench.json's order; request i used prompt i mod the prompts).
+                   At bfloat16 plain vLLM's own output can differ between concurrencies
+                   (a near tie the batch's shape decides): compare those rows there
     held           specdec: target steps whose verdict held the drafter (adaptive gamma),
                    summed over the requests' stats (JSON: held_steps)
     draft rows     specdec: the drafter's batch size, mean rows per forward of the draft
@@ -211,9 +217,15 @@ def workload_prompts(
 
 
 def plan(
-    gammas: list[int], concurrency: list[int], cpus: list[int], workloads: tuple[str, ...] = ("code",)
+    gammas: list[int],
+    concurrency: list[int],
+    cpus: list[int],
+    workloads: tuple[str, ...] = ("code",),
+    draft_vocab: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The runs, in order. Each: label, kind, gamma, concurrency list, cores, workload."""
+    """The runs, in order. Each: label, kind, gamma, concurrency list, cores, workload.
+    draft_vocab: a draft vocabulary file; adds `specdec-draft-vocab`, specdec at the default gamma
+    and every concurrency with the drafter's --draft-vocab, beside the plain specdec rows."""
     one, both = [cpus[0]], list(cpus)
     g0 = DEFAULT_GAMMA if DEFAULT_GAMMA in gammas else gammas[len(gammas) // 2]
     runs: list[dict[str, Any]] = []
@@ -295,6 +307,17 @@ def plan(
                     "confidence": "auto",
                     "gamma": g,
                     "concurrency": [1],
+                    "cores": one,
+                }
+            )
+        if draft_vocab:
+            runs.append(
+                {
+                    "system": "specdec-draft-vocab",
+                    "kind": "specdec",
+                    "draft_vocab": draft_vocab,
+                    "gamma": g0,
+                    "concurrency": concurrency,
                     "cores": one,
                 }
             )
@@ -403,15 +426,18 @@ class SpecdecCluster:
         self.pair, self.out, self.dtype, self.verifier_args = pair, out, dtype, list(verifier_args)
         self.target, self.draft = target, draft  # model references replacing the pair's (None: the pair's)
         self.cluster: Any = None
-        self.drafter_setting: tuple[str, int | None, str | None] = ("", None, None)
+        self.drafter_setting: tuple[str, int | None, str | None, str | None] = ("", None, None, None)
         self.drafter_metrics = ""  # the running drafter's /metrics URL (its batch size is read there)
 
-    def address(self, quantize: str, branches: int | None = None, confidence: str | None = None) -> str:
-        """The gateway's address, with a drafter quantised `quantize`, `branches` and
-        `draft_confidence` `confidence` (None: the drafter's default)."""
+    def address(
+        self, quantize: str, branches: int | None = None, confidence: str | None = None, draft_vocab: str | None = None
+    ) -> str:
+        """The gateway's address, with a drafter quantised `quantize`, `branches`,
+        `draft_confidence` `confidence` and `draft_vocab` (None: the drafter's default)."""
         from specdec_cli.launch import ANY_PORT, Cluster
 
-        if self.cluster is not None and (quantize, branches, confidence) != self.drafter_setting:
+        setting = (quantize, branches, confidence, draft_vocab)
+        if self.cluster is not None and setting != self.drafter_setting:
             self.stop()
         if self.cluster is None:
             self.cluster = Cluster(
@@ -434,11 +460,12 @@ class SpecdecCluster:
                         quantize,
                         *(["--branches", str(branches)] if branches is not None else []),
                         *(["--draft-confidence", confidence] if confidence is not None else []),
+                        *(["--draft-vocab", draft_vocab] if draft_vocab is not None else []),
                     ],
                 },
             )
             self.cluster.start()
-            self.drafter_setting = (quantize, branches, confidence)
+            self.drafter_setting = setting
             self.drafter_metrics = f"http://127.0.0.1:{self.cluster.drafter.metrics_port}/metrics"
         return str(self.cluster.gateway.address)
 
@@ -846,6 +873,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--systems", help="only these systems (comma list), e.g. target-only,specdec")
     p.add_argument(
+        "--draft-vocab",
+        metavar="FILE",
+        help="also run specdec-draft-vocab: specdec at the default gamma with this draft vocabulary "
+        "(the drafter's --draft-vocab), beside the plain specdec rows",
+    )
+    p.add_argument(
         "--workloads",
         default=None,
         help=f"comma list of {', '.join((*WORKLOADS, *SERVE_WORKLOADS))} (see above); default: "
@@ -864,7 +897,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="serve-c8, serve-c1: vLLM's server's dtype (default: --dtype); "
         "`auto` is what `vllm serve` takes when not told: bfloat16 on the CPU",
     )
-    p.add_argument("--out", default="bench-results", help="folder for bench.json, bench.png, logs/")
+    p.add_argument("--out", default="bench-results", help="folder for bench.json, outputs.json, bench.png, logs/")
     p.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens: a smoke run (CI)")
     p.set_defaults(func=main)
 
@@ -929,9 +962,14 @@ def main(args: argparse.Namespace) -> int:
     gammas = [int(g) for g in args.gammas.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]
     cpus = sorted(os.sched_getaffinity(0))
-    runs = plan(gammas, concurrency, cpus, workloads)
+    draft_vocab = str(Path(args.draft_vocab).resolve()) if args.draft_vocab else None
+    if draft_vocab and not Path(draft_vocab).is_file():
+        from specdec.errors import UserError
+
+        raise UserError(f"--draft-vocab {args.draft_vocab}: no such file", "make one with `specdec draft-vocab`")
+    runs = plan(gammas, concurrency, cpus, workloads, draft_vocab)
     if args.systems:
-        keep = set(args.systems.split(",")) | {"target-only"}
+        keep = set(args.systems.split(",")) | {"target-only"} | ({"specdec-draft-vocab"} if draft_vocab else set())
         runs = [r for r in runs if r["system"] in keep]
     total = sum(_requests_in(r, len(prompts[r["workload"]])) for r in runs)
     sizes = ", ".join(f"{w}: {len(ps)} x ~{int(np.mean([len(p) for p in ps]))} tokens" for w, ps in prompts.items())
@@ -972,7 +1010,9 @@ def main(args: argparse.Namespace) -> int:
             bar.set_description(f"{run['workload']}: {run['system']} γ={run['gamma']} {len(run['cores'])} core")
             from benchmarks.systems import run_specdec
 
-            address = cluster.address(run.get("quantize", "int8"), run.get("branches"), run.get("confidence"))
+            address = cluster.address(
+                run.get("quantize", "int8"), run.get("branches"), run.get("confidence"), run.get("draft_vocab")
+            )
             mine = os.sched_getaffinity(0)
             os.sched_setaffinity(0, {cpus[-1]})  # the client lives on the drafter's host
             try:
@@ -1020,8 +1060,11 @@ def main(args: argparse.Namespace) -> int:
     rows.extend(summarise(run, r) for i, run in enumerate(runs) for r in results_of.get(i, []))
     relate(rows, prompts)
     achieved = goals(rows)
-    for r in rows:
-        r.pop("_tokens", None)
+    outputs = [  # every request's output, to tell which differ and where (`exact`)
+        {k: r[k] for k in ("workload", "system", "gamma", "concurrency", "cores")} | {"tokens": r.pop("_tokens", None)}
+        for r in rows
+    ]
+    (out / "outputs.json").write_text(json.dumps(outputs))
     report: dict[str, Any] = {
         "meta": {
             "command": "specdec bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
@@ -1064,6 +1107,7 @@ def main(args: argparse.Namespace) -> int:
             f"goal {name}: {value} ({sign} {g['target']}) {'met' if g['met'] else 'NOT met' if g['met'] is False else ''}"
         )
     print(
-        f"\n{len(rows)} rows in {report['meta']['duration_s']:.0f} s; wrote {out / 'bench.json'} and {out / 'bench.png'}"
+        f"\n{len(rows)} rows in {report['meta']['duration_s']:.0f} s; wrote {out / 'bench.json'}, "
+        f"{out / 'outputs.json'} and {out / 'bench.png'}"
     )
     return 0

@@ -41,6 +41,11 @@ specdec.models.lean, where it applies). `--forward-ab`: instead, for each `--ses
 the batched worker with transformers' forward and with the lean one, one after the other in
 one run (the same weights, the same sessions): the lean forward's gain, as a ratio of tok/s.
 
+`--draft-vocab FILE` cuts the draft's output layer to a draft vocabulary, as the drafter's
+`--draft-vocab` does (specdec.models.vocab; not with `--shape`). `--draft-vocab-ab FILE`:
+instead, for each `--sessions` count, the batched worker with the whole output layer and with
+it cut to FILE's ids, one after the other in one run (OUT/draft-vocab-ab.json).
+
 `--copies N`: instead, time one batched step of N sessions and, apart, the cache copies it
 makes (gathering each row's cache into the padded batch, appending the new token to it):
 what a single batched cache, which copies nothing, could save (docs/batched-drafting.md).
@@ -113,10 +118,14 @@ def placement(args: argparse.Namespace) -> Placement:
     return draft_placement(args.device, args.dtype, args.quantize)
 
 
-def load(args: argparse.Namespace, where: Placement, forward: str | None = None) -> torch.nn.Module:
+def load(
+    args: argparse.Namespace, where: Placement, forward: str | None = None, draft_vocab: str | None = None
+) -> torch.nn.Module:
     """The draft model: `--model` (with `--quantize`) or a random-init `--shape`, placed at `where`,
-    with `forward` (default `--forward`; specdec.models.load_causal_lm's)."""
+    with `forward` (default `--forward`; specdec.models.load_causal_lm's) and `draft_vocab` (a
+    file; default `--draft-vocab`)."""
     forward = forward or args.forward
+    draft_vocab = draft_vocab or args.draft_vocab
     if args.shape == "qwen2.5-0.5b":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -135,7 +144,20 @@ def load(args: argparse.Namespace, where: Placement, forward: str | None = None)
                 warnings.simplefilter("ignore")
                 model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
         return model
-    return load_causal_lm(args.model, where.dtype, where.quantize, device=where.device, forward=forward)
+    if not draft_vocab:
+        return load_causal_lm(args.model, where.dtype, where.quantize, device=where.device, forward=forward)
+    from specdec.errors import UserError
+    from specdec.models.vocab import DraftVocab
+
+    try:  # a file that is not one, or made for another width: one line naming the flag
+        cut = DraftVocab.load(Path(draft_vocab))
+        return load_causal_lm(
+            args.model, where.dtype, where.quantize, device=where.device, forward=forward, draft_vocab=cut
+        )
+    except ValueError as err:
+        raise UserError(
+            f"--draft-vocab {draft_vocab}: {err}", "make one for this draft with `specdec draft-vocab`"
+        ) from err
 
 
 class Clock:
@@ -368,6 +390,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead: the batched worker with transformers' forward and with the lean one, in one run",
     )
+    ap.add_argument(
+        "--draft-vocab", metavar="FILE", help="cut the draft's output layer to this draft vocabulary (the drafter's)"
+    )
+    ap.add_argument(
+        "--draft-vocab-ab",
+        metavar="FILE",
+        help="instead: the batched worker with the whole output layer and with it cut to FILE, in one run",
+    )
     ap.add_argument("--out", default="bench-drafter")
     ap.add_argument(
         "--copies",
@@ -390,6 +420,8 @@ def _check(args: argparse.Namespace) -> None:
     """Values argparse cannot judge alone: a UserError naming the flag."""
     from specdec.errors import UserError
 
+    if args.shape and (args.draft_vocab or args.draft_vocab_ab):
+        raise UserError("--draft-vocab and --draft-vocab-ab need --model's weights, not --shape", "drop --shape")
     if args.core is not None:
         cores = sorted(os.sched_getaffinity(0))
         if args.core not in cores:
@@ -435,6 +467,10 @@ def main(args: argparse.Namespace) -> int:
     title = f"{name} ({on}), {args.threads} thread(s), gamma {args.gamma}, accept {args.accept}"
     if args.forward_ab:
         return forward_ab(model, load(args, where, "lean"), title, args, clock)
+    if args.draft_vocab_ab:
+        cut = load(args, where, draft_vocab=args.draft_vocab_ab)
+        what = f"the whole output layer against a draft vocabulary ({args.draft_vocab_ab})"
+        return side_by_side(model, cut, ("whole", "cut"), what, "draft-vocab-ab", title, args, clock)
     rows: list[Row] = []
     for n in args.sessions:
         for batched in (False, True):
@@ -484,16 +520,31 @@ def forward_ab(own: torch.nn.Module, lean: torch.nn.Module, title: str, args: ar
         from specdec.errors import UserError
 
         raise UserError(f"--forward-ab: the lean forward does not apply to {args.shape or args.model}", "drop it")
+    what = "transformers' forward against the lean one"
+    return side_by_side(own, lean, ("transformers", "lean"), what, "forward-ab", title, args, clock)
+
+
+def side_by_side(
+    first: torch.nn.Module,
+    second: torch.nn.Module,
+    names: tuple[str, str],
+    what: str,
+    stem: str,
+    title: str,
+    args: argparse.Namespace,
+    clock: Clock,
+) -> int:
+    """Per `--sessions` count, the batched worker with `first` then with `second` (named `names`,
+    compared as `what`): prints the table and writes OUT/`stem`.json."""
+    a_name, b_name = names
     lines = [
-        "| sessions | transformers tok/s | lean tok/s | lean / transformers | transformers pace ms | lean pace ms |",
+        f"| sessions | {a_name} tok/s | {b_name} tok/s | {b_name} / {a_name} | {a_name} pace ms | {b_name} pace ms |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     results = []
     for n in args.sessions:
-        a, b = measure(own, n, True, args, clock), measure(lean, n, True, args, clock)
-        results.append(
-            {"sessions": n, "transformers": asdict(a) | {"tok_s": a.tok_s}, "lean": asdict(b) | {"tok_s": b.tok_s}}
-        )
+        a, b = measure(first, n, True, args, clock), measure(second, n, True, args, clock)
+        results.append({"sessions": n, a_name: asdict(a) | {"tok_s": a.tok_s}, b_name: asdict(b) | {"tok_s": b.tok_s}})
         lines.append(
             f"| {n} | {a.tok_s:.1f} | {b.tok_s:.1f} | {b.tok_s / a.tok_s:.2f}x | {a.pace_ms:.1f} | {b.pace_ms:.1f} |"
         )
@@ -501,9 +552,9 @@ def forward_ab(own: torch.nn.Module, lean: torch.nn.Module, title: str, args: ar
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "command", "debug")}
-    (out / "forward-ab.json").write_text(json.dumps({"title": title, "args": settings, "rows": results}, indent=1))
-    print(f"\n{title}: the batched worker, transformers' forward against the lean one\n\n" + "\n".join(lines))
-    print(f"\nwrote {out}/forward-ab.json")
+    (out / f"{stem}.json").write_text(json.dumps({"title": title, "args": settings, "rows": results}, indent=1))
+    print(f"\n{title}: the batched worker, {what}\n\n" + "\n".join(lines))
+    print(f"\nwrote {out}/{stem}.json")
     return 0
 
 

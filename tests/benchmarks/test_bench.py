@@ -242,9 +242,16 @@ def test_bench_with_a_bad_prompts_file_says_so_in_one_line(tmp_path: Path) -> No
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from specdec.models.tiny import VOCAB_SIZE
+    from specdec.models.vocab import DraftVocab
+
     out = tmp_path_factory.mktemp("bench")
+    vocab = out / "vocab.json"
+    DraftVocab(tuple(range(0, VOCAB_SIZE, 2)), VOCAB_SIZE).save(
+        vocab
+    )  # half the tiny draft's ids: the specdec-draft-vocab rows
     proc = subprocess.run(
-        [sys.executable, "-m", "specdec_cli", "bench", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "specdec_cli", "bench", "--quick", "--draft-vocab", str(vocab), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -295,6 +302,12 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
         assert any(s == system for s, *_ in seen)
     assert ("vllm-draft", 4, 1, 2) in seen and ("specdec-fp32-draft", 4, 1, 1) in seen
     assert ("specdec-no-branches", 4, 1, 1) in seen
+    assert {("specdec-draft-vocab", 4, c, 1) for c in (1, 4, 16)} <= seen  # --draft-vocab: the drafter's
+    outputs = json.loads((quick / "outputs.json").read_text())  # every request's output ids, per row
+    assert [(o["system"], o["gamma"], o["concurrency"]) for o in outputs] == [
+        (r["system"], r["gamma"], r["concurrency"]) for r in rows
+    ]
+    assert all(len(o["tokens"]) == r["requests"] for o, r in zip(outputs, rows, strict=True))
     assert ("target-only-sync", 0, 1, 1) in seen and ("target-only-sync", 0, 16, 1) in seen  # async scheduling off
     for row in rows:  # greedy: every system's output is the target's (batch 1)
         if row["concurrency"] == 1 and row["system"] != "hf-assisted":

@@ -60,6 +60,40 @@ def test_bench_drafter_measures_each_session_count_in_both_modes(tmp_path: Path)
 
 
 @pytest.mark.e2e  # loads the tiny draft model
+def test_draft_vocab_ab_measures_both_heads_side_by_side(tmp_path: Path) -> None:
+    from specdec.models.tiny import VOCAB_SIZE
+    from specdec.models.vocab import DraftVocab
+
+    vocab = tmp_path / "vocab.json"
+    DraftVocab(tuple(range(0, VOCAB_SIZE, 4)), VOCAB_SIZE).save(vocab)  # the tiny draft's width
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdec_cli",
+            "bench-drafter",
+            *TINY,
+            "--draft-vocab-ab",
+            str(vocab),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    report = json.loads((out / "draft-vocab-ab.json").read_text())
+    assert [r["sessions"] for r in report["rows"]] == [1, 2, 3]
+    for r in report["rows"]:
+        assert r["whole"]["tokens"] > 0 and r["cut"]["tokens"] > 0
+    table = proc.stdout[proc.stdout.index("| sessions |") :].splitlines()  # after the rows as they came
+    assert table[0].startswith("| sessions | whole tok/s | cut tok/s | cut / whole |")
+    assert [line.split("|")[1].strip() for line in table[2:5]] == ["1", "2", "3"]
+
+
+@pytest.mark.e2e  # loads the tiny draft model
 def test_the_placement_is_the_drafters_and_is_recorded(tmp_path: Path) -> None:
     """`--device`/`--dtype` place the draft as the drafter's own flags do; the title says where."""
     argv = ["--sessions", "1", *TINY[2:], "--device", "cpu", "--dtype", "bfloat16", "--out", str(tmp_path)]
@@ -93,6 +127,7 @@ def test_the_module_runs_the_same_benchmark(tmp_path: Path) -> None:
         (["--accept", "8", "--gamma", "8"], "--accept 8: must be 0 to gamma - 1 (7)"),
         (["--prompt", "0"], "--prompt 0: must be at least 1"),
         (["--core", "100000"], "--core 100000: not one of this process's cores"),
+        (["--shape", "qwen2.5-0.5b", "--draft-vocab", "v.json"], "--draft-vocab and --draft-vocab-ab need --model's"),
         (
             ["--device", "cpu", "--dtype", "bfloat16", "--quantize", "int8"],
             "quantize int8 runs float32 activations (torch's dynamic quantisation), not dtype bfloat16",
