@@ -65,6 +65,10 @@ READY_TIMEOUT_S = 1200
 # Documented commands this test does not run, exactly as the docs write them (comment dropped),
 # with the reason. test_not_run_lists_only_documented_commands keeps this list honest.
 _SERVICE = "a long-running service; `specdec up` (run here) starts the same `specdec serve` commands"
+_VOCAB = (
+    "a sample of your traffic's text (or this VM's sources, minutes on the real pair); tests/e2e/test_draft_vocab.py "
+    "runs `specdec draft-vocab` on stdlib sources for the tiny draft"
+)
 _BENCH = "the full benchmark takes minutes even on tiny; `specdec bench --quick` runs in tests/benchmarks/test_bench.py"
 _SERVE_C8 = (
     "starts vLLM's OpenAI server and the services on the real pair (minutes); "
@@ -158,7 +162,18 @@ NOT_RUN = {
     "--seconds 3 --out forward-ab-qwen": _DRAFTER,
     "specdec bench --models qwen-coder --systems target-only,vllm-draft,specdec --workloads code --gammas 4,8 "
     "--concurrency 1 --dtype auto --out bench-batch1-auto": _BENCH,
+    "specdec bench --models qwen-coder --systems target-only,specdec --workloads code --gammas 4 --concurrency 4,16 "
+    "--dtype auto --draft-vocab qwen-vocab-64k.json --out vocab-load": _BENCH,
+    "specdec bench-drafter --model qwen-coder/draft --quantize int8 --draft-vocab-ab qwen-vocab-64k.json "
+    "--sessions 1,4,1,4 --core 1 --seconds 3 --out vocab-ab-qwen": _DRAFTER,
+    "specdec draft-vocab ./traffic-sample/ --model qwen-coder/draft --out draft-vocab.json": _VOCAB,
+    "specdec serve drafter --draft-vocab draft-vocab.json": _SERVICE,
+    "specdec draft-vocab .venv/lib/python3.11/site-packages/transformers /usr/include /usr/lib/node_modules/npm "
+    "--size 65536 --out qwen-vocab-64k.json": _VOCAB,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 64": _QWEN_DEFAULTS,
+    "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 64 --gammas 4 --quantize int8": _QWEN_DEFAULTS,
+    "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 64 --gammas 4 --quantize int8 --draft-vocab "
+    "qwen-vocab-64k.json": _QWEN_DEFAULTS,
     "OMP_NUM_THREADS=1 specdec eval-draft --threads 1 --max-new-tokens 48 --limit 4 --gammas 4 --quantize int8": _QWEN_DEFAULTS,  # noqa: E501 (a README command, verbatim)
 }
 # Commands that need a running gateway (or what it exported) and long-running ones.

@@ -354,8 +354,9 @@ def load_causal_lm(
     without transformers' per-layer modules; llama, qwen2 and mistral on the CPU only, else a
     ValueError); "auto": lean where it applies, else the model's own; "transformers": its own.
 
-    draft_vocab: the output layer cut to these ids (specdec.models.vocab.SubsetHead, before
-    quantising; a ValueError when the vocabulary was made for another output width).
+    draft_vocab: the output layer cut to these ids (specdec.models.vocab.SubsetHead, after
+    quantising: the kept rows' scores are the full layer's bit for bit; a ValueError when the
+    vocabulary was made for another output width).
 
     quantize "int8": dynamic int8 quantisation of every Linear layer (weights int8, activations
     quantised per batch; torch's fbgemm kernels; CPU only). A CPU drafter is memory-bound, so
@@ -385,18 +386,18 @@ def load_causal_lm(
         elif forward == "lean":
             kind, kinds = getattr(model.config, "model_type", "?"), ", ".join(lean.PLAIN_ATTENTION_MODEL_TYPES)
             raise ValueError(f"forward lean runs {kinds} drafts, not {kind} ({ref})")
-    if draft_vocab is not None:
-        from specdec.models.vocab import restrict
-
-        model = restrict(model, draft_vocab)
-    if device != "cpu":
-        from specdec.models.device import to_device
-
-        return to_device(model, device)
-    if quantize == "int8":
+    if quantize == "int8":  # the CPU only (refused above for another device)
         import warnings
 
         with warnings.catch_warnings():  # torch.ao marks dynamic quantisation as legacy; it is still its CPU path
             warnings.simplefilter("ignore")
             model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    if draft_vocab is not None:
+        from specdec.models.vocab import restrict
+
+        model = restrict(model, draft_vocab)  # after int8: the kept rows as they are (specdec.models.vocab)
+    if device != "cpu":
+        from specdec.models.device import to_device
+
+        return to_device(model, device)
     return model

@@ -7,8 +7,9 @@ actually produces reads a quarter fewer bytes. The *draft vocabulary* is that se
 by `build`), plus the tokenizer's special tokens. The idea is FR-Spec's (Zhao et al., 2025,
 "frequency-ranked speculative sampling") and EAGLE-3's draft vocabulary.
 
-`SubsetHead` replaces the model's `lm_head`: a Linear over the vocabulary's rows only, whose
-scores are written into a full-width logits row with every other id at the dtype's minimum, so
+`SubsetHead` replaces the model's `lm_head`: a Linear over the vocabulary's rows only (after
+int8 quantisation, the same int8 rows and scales: a kept id's score is the full layer's bit for
+bit), whose scores are written into a full-width logits row with every other id at the dtype's minimum, so
 everything after the forward (greedy picks, q for sampled requests, alternatives for branches,
 allowed_token_ids) is unchanged. The draft can then never propose an id outside the vocabulary;
 its q gives such ids probability 0. Output stays exact either way: the target verifies every
@@ -111,29 +112,53 @@ def coverage(vocab: DraftVocab, counts: Counter[int]) -> float:
     return sum(n for i, n in counts.items() if i in inside) / total if total else 1.0
 
 
+def _kept_rows(head: torch.nn.Module, ids: torch.Tensor) -> torch.nn.Module:
+    """A layer computing `head`'s outputs at `ids` only: a Linear of those rows, or for torch's
+    dynamic int8 Linear one whose rows keep their int8 values and scales (so a kept id's score is
+    the full layer's bit for bit)."""
+    dynamic = torch.ao.nn.quantized.dynamic.Linear
+    if isinstance(head, dynamic):
+        weight, bias = head.weight(), head.bias()  # qint8 [vocab, hidden], float [vocab] or None
+        values = weight.dequantize()[ids]  # exact multiples of the scales: requantised to the same ints
+        if weight.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            kept = torch.quantize_per_tensor(values, weight.q_scale(), weight.q_zero_point(), weight.dtype)
+        else:
+            scales, zeros = weight.q_per_channel_scales()[ids], weight.q_per_channel_zero_points()[ids]
+            kept = torch.quantize_per_channel(values, scales, zeros, 0, weight.dtype)
+        rows = dynamic(head.in_features, len(ids), dtype=weight.dtype)  # type: ignore[no-untyped-call]
+        rows.set_weight_bias(kept, None if bias is None else bias[ids])
+        return rows
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"draft vocabulary: the output layer is a {type(head).__name__}, not a Linear")
+    linear = torch.nn.Linear(
+        head.in_features, len(ids), bias=head.bias is not None, dtype=head.weight.dtype, device=head.weight.device
+    )
+    with torch.no_grad():  # a copy: a tied embedding keeps its full table
+        linear.weight.copy_(head.weight[ids])
+        if head.bias is not None:
+            linear.bias.copy_(head.bias[ids])
+    return linear
+
+
 class SubsetHead(torch.nn.Module):
     """An output layer that scores only a draft vocabulary's ids:
     hidden [..., hidden] -> logits [..., vocab_size], the vocabulary's ids scored by `head`'s
-    rows for them, every other id at the dtype's minimum (softmax gives it 0)."""
+    rows for them (bit for bit the full layer's, float or dynamic int8), every other id at the
+    dtype's minimum (softmax gives it 0)."""
 
     ids: torch.Tensor  # [K] the vocabulary's ids, sorted
-    rows: torch.nn.Module  # Linear hidden -> K (quantised with the model)
+    rows: torch.nn.Module  # hidden -> K
 
-    def __init__(self, head: torch.nn.Linear, vocab: DraftVocab) -> None:
+    def __init__(self, head: torch.nn.Module, vocab: DraftVocab) -> None:
         super().__init__()
-        if head.out_features != vocab.vocab_size:
+        width = int(getattr(head, "out_features", 0))
+        if width != vocab.vocab_size:
             raise ValueError(
-                f"draft vocabulary: made for an output layer {vocab.vocab_size} ids wide, "
-                f"this model's is {head.out_features}"
+                f"draft vocabulary: made for an output layer {vocab.vocab_size} ids wide, this model's is {width}"
             )
-        ids = torch.tensor(vocab.token_ids, dtype=torch.long, device=head.weight.device)
-        self.rows = torch.nn.Linear(
-            head.in_features, len(ids), bias=head.bias is not None, dtype=head.weight.dtype, device=ids.device
-        )
-        with torch.no_grad():  # a copy: a tied embedding keeps its full table
-            self.rows.weight.copy_(head.weight[ids])
-            if head.bias is not None:
-                self.rows.bias.copy_(head.bias[ids])
+        device = next((p.device for p in head.parameters()), torch.device("cpu"))
+        ids = torch.tensor(vocab.token_ids, dtype=torch.long, device=device)
+        self.rows = _kept_rows(head, ids)
         self.register_buffer("ids", ids, persistent=False)  # [K]
         self.vocab_size = vocab.vocab_size
 
@@ -146,10 +171,11 @@ class SubsetHead(torch.nn.Module):
 
 def restrict(model: torch.nn.Module, vocab: DraftVocab) -> torch.nn.Module:
     """`model` with its `lm_head` replaced by a SubsetHead over `vocab` (transformers' causal LMs
-    and specdec.models.lean.LeanDecoder both call `self.lm_head`); a ValueError when the model has
-    no Linear output layer or its width is not vocab.vocab_size."""
+    and specdec.models.lean.LeanDecoder both call `self.lm_head`), before or after int8 dynamic
+    quantisation; a ValueError when the model has no Linear output layer or its width is not
+    vocab.vocab_size."""
     head = getattr(model, "lm_head", None)
-    if not isinstance(head, torch.nn.Linear):
-        raise ValueError(f"draft vocabulary: {type(model).__name__} has no Linear lm_head to cut")
+    if head is None:
+        raise ValueError(f"draft vocabulary: {type(model).__name__} has no lm_head to cut")
     model.lm_head = SubsetHead(head, vocab)
     return model

@@ -104,15 +104,20 @@ def test_a_cut_model_drafts_the_full_models_pick_among_its_ids(lean: bool) -> No
     assert left > 0, "the full model never picked an id outside the vocabulary"
 
 
-def test_load_causal_lm_cuts_before_quantising(tmp_path: Path) -> None:
-    model = model_variants.small_qwen2(VOCAB)
-    model.save_pretrained(tmp_path)
+def test_load_causal_lm_cuts_the_int8_layer_keeping_its_rows_bit_for_bit(tmp_path: Path) -> None:
+    """Under int8 the kept ids' scores are the full int8 model's exactly (the same int8 rows and
+    scale), so a cut draft's greedy pick is the full int8 draft's pick among the vocabulary."""
+    model_variants.small_qwen2(VOCAB).save_pretrained(tmp_path)
     vocab = DraftVocab(tuple(range(0, VOCAB, 2)), VOCAB)
-    loaded = load_causal_lm(str(tmp_path), quantize="int8", forward="lean", draft_vocab=vocab)
-    assert isinstance(loaded.lm_head, SubsetHead)
-    assert isinstance(loaded.lm_head.rows, torch.ao.nn.quantized.dynamic.Linear)  # the cut layer is int8 too
+    full = load_causal_lm(str(tmp_path), quantize="int8", forward="lean")
+    cut = load_causal_lm(str(tmp_path), quantize="int8", forward="lean", draft_vocab=vocab)
+    assert isinstance(cut.lm_head, SubsetHead)
+    assert isinstance(cut.lm_head.rows, torch.ao.nn.quantized.dynamic.Linear)  # the cut layer is int8 too
+    ids = torch.tensor(vocab.token_ids)
+    tokens = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
-        logits = loaded(input_ids=torch.tensor([[1, 2, 3]]), logits_to_keep=1).logits[0, -1]  # [vocab]
-    assert int(logits.argmax()) % 2 == 0
+        want = full(input_ids=tokens).logits  # [3, 7, vocab]
+        got = cut(input_ids=tokens).logits
+    assert torch.equal(got[..., ids], want[..., ids])
     with pytest.raises(ValueError, match="made for an output layer 301 ids wide"):
         load_causal_lm(str(tmp_path), draft_vocab=DraftVocab((1,), VOCAB + 1))
