@@ -79,17 +79,17 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"--size {args.size}: must be at least 1", "pass --size 32768, say")
     if args.holdout < 0 or args.holdout == 1:
         raise UserError(f"--holdout {args.holdout}: must be 0 or at least 2", "pass --holdout 10, say")
-    folder = resolve(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    width = int(AutoConfig.from_pretrained(folder).vocab_size)  # the output layer's width
     sample: list[str] = []
     held: list[str] = []
-    for n, path in enumerate(text_files(args.paths), 1):
+    for n, path in enumerate(text_files(args.paths), 1):  # before loading anything: a bad path is one line
         text = read_text(path)
         if text:
             (held if args.holdout and n % args.holdout == 0 else sample).append(text)
     if not sample:
         raise UserError(f"no text files in {', '.join(map(str, args.paths))}", "give files or folders of text")
+    folder = resolve(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    width = int(AutoConfig.from_pretrained(folder).vocab_size)  # the output layer's width
     counts = count_tokens(tokenizer, sample)
     special = [*tokenizer.all_special_ids, *getattr(tokenizer, "added_tokens_decoder", {})]
     mb = sum(len(t.encode()) for t in sample + held) / 1e6
