@@ -146,18 +146,14 @@ def load(
         return model
     if not draft_vocab:
         return load_causal_lm(args.model, where.dtype, where.quantize, device=where.device, forward=forward)
-    from specdec.errors import UserError
-    from specdec.models.vocab import DraftVocab
+    from specdec.models import compat, resolve
+    from specdec.models.vocab import read
 
-    try:  # a file that is not one, or made for another width: one line naming the flag
-        cut = DraftVocab.load(Path(draft_vocab))
-        return load_causal_lm(
-            args.model, where.dtype, where.quantize, device=where.device, forward=forward, draft_vocab=cut
-        )
-    except ValueError as err:
-        raise UserError(
-            f"--draft-vocab {draft_vocab}: {err}", "make one for this draft with `specdec draft-vocab`"
-        ) from err
+    width = compat.from_folder(resolve(args.model), args.model).vocab_size
+    cut = read(draft_vocab, args.model, width)  # checked before the weights load, as the drafter does
+    return load_causal_lm(
+        args.model, where.dtype, where.quantize, device=where.device, forward=forward, draft_vocab=cut
+    )
 
 
 class Clock:

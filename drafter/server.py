@@ -12,7 +12,6 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import TypeAlias
 
 import grpc
@@ -23,10 +22,9 @@ from drafter.confidence import ConfidencePolicy, parse_mode
 from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Ready
 from specdec import serving, telemetry
 from specdec.config import MAX_GAMMA_LIMIT, DrafterConfig
-from specdec.errors import UserError
 from specdec.models import compat
 from specdec.models.device import draft_placement
-from specdec.models.vocab import DraftVocab
+from specdec.models.vocab import read as read_draft_vocab
 from specdec.validation import (
     BACKEND_REQUEST_ID_EXTRA,
     MAX_REQUEST_ID_CHARS,
@@ -461,22 +459,6 @@ def calibrate(
     return statistics.median(costs[1:] or costs) if costs else 0.0
 
 
-def load_draft_vocab(path: str, vocabulary: compat.Vocabulary) -> DraftVocab:
-    """The `--draft-vocab` file, checked against the draft's output width before any weights
-    load (a UserError naming the setting when it is not one, or made for another width)."""
-    try:
-        cut = DraftVocab.load(Path(path))
-    except ValueError as err:
-        raise UserError(f"--draft-vocab: {err}", "make one with `specdec draft-vocab`") from err
-    if vocabulary.vocab_size and cut.vocab_size != vocabulary.vocab_size:
-        raise UserError(
-            f"--draft-vocab {path}: made for an output layer {cut.vocab_size} ids wide, not the draft "
-            f"{vocabulary.model}'s {vocabulary.vocab_size}",
-            f"make one for {vocabulary.model} with `specdec draft-vocab --model {vocabulary.model}`",
-        )
-    return cut
-
-
 def build(cfg: DrafterConfig, registry: CollectorRegistry) -> DrafterServicer:
     """The factory: check the draft fits cfg.target (before loading any weights), load it where
     cfg places it, calibrate it, and make the servicer, its metrics on `registry`."""
@@ -491,7 +473,7 @@ def build(cfg: DrafterConfig, registry: CollectorRegistry) -> DrafterServicer:
     if cfg.target:  # refuse a draft that does not fit its target before loading any weights
         compat.check(compat.from_folder(resolve(cfg.target), cfg.target), vocabulary)
     placement = draft_placement(cfg.device, cfg.dtype, cfg.quantize)
-    cut = load_draft_vocab(cfg.draft_vocab, vocabulary) if cfg.draft_vocab else None
+    cut = read_draft_vocab(cfg.draft_vocab, cfg.model, vocabulary.vocab_size) if cfg.draft_vocab else None
     model = load_causal_lm(cfg.model, placement.dtype, placement.quantize, revision, placement.device, cfg.forward, cut)
     token_ms = calibrate(model, vocabulary, cfg.q_top_k)
     log.info(

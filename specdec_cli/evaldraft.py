@@ -183,17 +183,11 @@ def load_model(ref: str, quantize: str = "none", draft_vocab: Path | None = None
     draft vocabulary file its output layer is cut to (as the drafter's --draft-vocab)."""
     from transformers import AutoTokenizer
 
-    from specdec.models import load_causal_lm, resolve
-    from specdec.models.vocab import DraftVocab
+    from specdec.models import compat, load_causal_lm, resolve
+    from specdec.models.vocab import read
 
-    try:
-        cut = DraftVocab.load(draft_vocab) if draft_vocab else None
-        model = load_causal_lm(ref, "float32", quantize, draft_vocab=cut)
-    except ValueError as err:
-        if draft_vocab is None:
-            raise
-        raise UserError(f"--draft-vocab: {err}", "make one for this draft with `specdec draft-vocab`") from err
-    return model, AutoTokenizer.from_pretrained(resolve(ref))
+    cut = read(draft_vocab, ref, compat.from_folder(resolve(ref), ref).vocab_size) if draft_vocab else None
+    return load_causal_lm(ref, "float32", quantize, draft_vocab=cut), AutoTokenizer.from_pretrained(resolve(ref))
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from specdec.errors import UserError
+
 FORMAT = "specdec-draft-vocab/1"
 
 
@@ -84,6 +86,23 @@ class DraftVocab:
             return cls(tuple(ids), width, str(body.get("source", "")))
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from err
+
+
+def read(path: str | Path, model: str, width: int) -> DraftVocab:
+    """The `--draft-vocab` file for the draft `model` whose output layer is `width` ids wide (0:
+    unknown, not checked), read before any weights load: a UserError naming the setting when it
+    is not one, or was made for another width."""
+    try:
+        vocab = DraftVocab.load(Path(path))
+    except ValueError as err:
+        raise UserError(f"--draft-vocab: {err}", "make one with `specdec draft-vocab`") from err
+    if width and vocab.vocab_size != width:
+        raise UserError(
+            f"--draft-vocab {path}: made for an output layer {vocab.vocab_size} ids wide, "
+            f"not the draft {model}'s {width}",
+            f"make one for {model} with `specdec draft-vocab --model {model}`",
+        )
+    return vocab
 
 
 def count_tokens(tokenizer: Any, texts: Iterable[str]) -> Counter[int]:
