@@ -920,8 +920,6 @@ def baseline_job(run: dict[str, Any], common: dict[str, Any], draft: str) -> dic
         **common,
         "kind": "vllm",
         "speculative_config": spec,
-        "kv_cache_gib": 1.0,
-        "max_model_len": 2048,
         "async_scheduling": run.get("async_scheduling"),
     }
 

@@ -610,8 +610,6 @@ def _run(args: argparse.Namespace, fractions: list[float], variants: dict[str, l
             "warmup_prompt": warmup,
             "concurrency": [1],
             "speculative_config": None,
-            "kv_cache_gib": 1.0,
-            "max_model_len": 2048,
         }
         base_run = {"system": "target-only", "kind": "vllm", "gamma": 0, "cores": [cpus[0]], "workload": "code"}
         base = summarise(base_run, _run_child(job, [cpus[0]], lambda: bar.update(1), logs / "baseline.log")[0])

@@ -89,7 +89,6 @@ READY_TIMEOUT_S = 900.0
 SYSTEMS = ("target-only", "specdec")
 # vLLM on these CPU machines (as the bench's target-only rows and tests/e2e/openai_reference.py)
 VLLM_CPU_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "NUMBA_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
@@ -207,7 +206,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: floa
 
 def vllm_server_command(target: str, port: int, dtype: str) -> list[str]:
     """vLLM's OpenAI server on `target` with the settings of the bench's target-only rows: the
-    verifier's CPU engine settings (context, batch size, scheduling budget, with any SPECDEC_*
+    verifier's CPU engine settings (context, KV cache, batch size, scheduling budget, with any SPECDEC_*
     variable that changes them), so both servers schedule a burst alike."""
     from verifier.vllm_hooks import engine_settings_from_env
 
@@ -224,8 +223,7 @@ def vllm_server_command(target: str, port: int, dtype: str) -> list[str]:
         str(port),
         "--dtype",
         dtype,
-        "--max-model-len",
-        str(settings.max_model_len),
+        f"--max-model-len={settings.max_model_len}",  # -1 (the CPU's default): vLLM's auto-fit
         "--max-num-seqs",
         str(settings.max_num_seqs),
         "--max-num-batched-tokens",
@@ -233,7 +231,7 @@ def vllm_server_command(target: str, port: int, dtype: str) -> list[str]:
         "--enforce-eager",
         "--no-enable-prefix-caching",
         "--kv-cache-memory-bytes",
-        str(1 << 30),
+        str(settings.kv_cache_memory_bytes),
         "--disable-uvicorn-access-log",
     ]
 

@@ -62,12 +62,12 @@ def _batches(prompts: list[list[int]], concurrency: int) -> list[list[list[int]]
 # ---- vLLM in-engine (target-only, draft_model, ngram) -----------------------------------
 def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
     """job: target, speculative_config (None: target-only), threads, prompts, max_tokens,
-    concurrency (list), kv_cache_gib, dtype, async_scheduling (optional: None is vLLM's default)."""
+    concurrency (list), dtype, async_scheduling (optional: None is vLLM's default). The engine's
+    context, KV cache, batch size and budget are the verifier's CPU settings, as specdec's rows run."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     os.environ["OMP_NUM_THREADS"] = str(job["threads"])
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(job["kv_cache_gib"]))))
     from vllm import EngineArgs, SamplingParams
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import RequestOutputKind
@@ -75,7 +75,7 @@ def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
 
     from verifier.vllm_hooks import engine_settings_from_env, request_cpu_amx
 
-    settings = engine_settings_from_env("cpu")  # the verifier's batch size and budget, as specdec's rows run it
+    settings = engine_settings_from_env("cpu")  # the verifier's context, KV cache, batch size and budget
     request_cpu_amx()  # as the verifier does: vLLM's bfloat16 attention would die of SIGILL without it
 
     engine = LLMEngine.from_engine_args(
@@ -83,12 +83,12 @@ def run_vllm(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
             model=job["target"],
             tokenizer=job["target"],
             dtype=job["dtype"],
-            max_model_len=job["max_model_len"],
+            max_model_len=settings.max_model_len,  # type: ignore[arg-type]  # vLLM annotates int; -1 is its auto-fit
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             enforce_eager=True,
             enable_prefix_caching=False,
-            kv_cache_memory_bytes=int(job["kv_cache_gib"] * (1 << 30)),
+            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
             speculative_config=job["speculative_config"],
             disable_log_stats=False,
             async_scheduling=job.get("async_scheduling"),  # None: vLLM's default (on where supported)

@@ -291,7 +291,9 @@ class VerifierConfig(TransportConfig):
     max_model_len: int = setting(
         0,
         "Context length of the engine (prompt + completion tokens); 0: the model's own on CUDA (as `vllm "
-        "serve`), 2048 on the CPU.",
+        "serve`), and on the CPU the model's own reduced to what the KV cache (--kv-cache-gib) holds for one "
+        "request (vLLM's auto-fit); -1: that auto-fit on either device. The verifier logs the length it runs "
+        "with; the gateway refuses a longer prompt (HTTP 400 / INVALID_ARGUMENT naming it).",
     )
     max_num_seqs: int = setting(
         0,

@@ -8,7 +8,7 @@ Each hook, why it is needed, and what it touches in vLLM:
   configure_vllm_env      environment vLLM reads at import (`vllm/envs.py`):
                           VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine core, hence our
                           proposer, must run in this process to share the draft board),
-                          VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE, and the
+                          VLLM_CPU_OMP_THREADS_BIND (VLLM_CPU_KVCACHE_SPACE removed), and the
                           OMP_NUM_THREADS / NUMBA_NUM_THREADS thread counts. Must run before
                           `import vllm`.
   check_vllm_version      every hook below relies on internals of one vLLM release: start-up
@@ -94,10 +94,12 @@ SUPPORTED_VLLM = "0.32.0"
 VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm")
 # Dotted path vLLM imports the custom_class proposer from (speculative_config["model"]).
 PROPOSER_CLASS = f"{__name__}.ExternalDraftProposer"
-# CPU defaults (settings left at 0 / unset): a context of 2048 tokens and a 1 GiB KV cache fit the
-# small CPU hosts this runs on; vLLM's own defaults (the model's context, a KV cache sized from the
-# free memory) fail there (its utilisation check) or take all of the host's memory.
-CPU_MAX_MODEL_LEN = 2048
+# CPU defaults (settings left at 0 / unset): a 1 GiB KV cache fits the small CPU hosts this runs on
+# (vLLM's own default, a KV cache sized from the free memory, fails there: its utilisation check), and
+# the context is vLLM's auto-fit (max_model_len -1): the model's own context length, reduced to what
+# that KV cache holds for one request (Qwen2.5-Coder-1.5B: its 32,768 tokens at bfloat16, 28 KiB a
+# token). A fixed 2048 here refused a real source file of 2,533 tokens that `vllm serve` accepts.
+CPU_MAX_MODEL_LEN = -1
 CPU_KV_CACHE_GIB = 1.0
 CPU_MAX_NUM_SEQS = 32
 # The CPU's scheduling budget (tokens one engine step computes): `vllm serve`'s CPU default, made
@@ -119,7 +121,9 @@ CPU_FALLBACK_DTYPE = "float32"
 class EngineSettings:
     """What the engine is built with, once "auto" (0 / unset) settings are decided for a device.
 
-    None means vLLM's own default: max_model_len None is the model's context length,
+    None means vLLM's own default: max_model_len None is the model's context length (-1: vLLM's
+    auto-fit, the model's context length reduced to what the KV cache holds; the engine reports the
+    length it chose, build_engine puts it on the board),
     kv_cache_memory_bytes None sizes the KV cache from gpu_memory_utilization, and max_num_seqs
     and max_num_batched_tokens None are what `vllm serve` takes (the engine is built in its usage
     context, `serve`).
@@ -227,11 +231,19 @@ def engine_settings_from_env(device: str, model_path: str | None = None) -> Engi
 
 # ---- environment ----------------------------------------------------------------------
 def configure_vllm_env(cfg: VerifierConfig) -> None:
-    """Environment vLLM reads at import: in-process engine, CPU thread and KV settings."""
+    """Environment vLLM reads at import: in-process engine and CPU thread settings. The KV cache is
+    the engine's kv_cache_memory_bytes (engine_settings), so VLLM_CPU_KVCACHE_SPACE, vLLM's legacy
+    variable, is removed: vLLM's CPU platform lets it override that in whole GiB (a --kv-cache-gib of
+    0.5 or 2.5 ran 1 or 2 GiB while it was set here)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the proposer must share our process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib or CPU_KV_CACHE_GIB))))
+    legacy = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if legacy:
+        log.warning(
+            "VLLM_CPU_KVCACHE_SPACE=%s ignored: the verifier's KV cache is --kv-cache-gib (SPECDEC_KV_CACHE_GIB)",
+            legacy,
+        )
     if cfg.threads:
         os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
 

@@ -29,7 +29,6 @@ from verifier.vllm_hooks import engine_settings_from_env
 
 # Environment for vLLM on these CPU machines (/work/shared/notes/vllm-cpu.md).
 VLLM_CPU_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default utilisation check fails on these VMs
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # bound threads: ~10 tok/s
     "OMP_NUM_THREADS": "1",
     "NUMBA_NUM_THREADS": "1",
@@ -73,6 +72,7 @@ class VllmOpenAIServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        settings = engine_settings_from_env("cpu", str(self.model_dir))
         cmd = [
             sys.executable,
             "-c",
@@ -86,9 +86,10 @@ class VllmOpenAIServer:
             "--port",
             str(self.port),
             "--dtype",
-            engine_settings_from_env("cpu", str(self.model_dir)).dtype,
-            "--max-model-len",
-            "2048",
+            settings.dtype,
+            f"--max-model-len={settings.max_model_len}",  # the verifier's (-1: vLLM's auto-fit)
+            "--kv-cache-memory-bytes",  # the verifier's; vLLM's utilisation check fails on these VMs
+            str(settings.kv_cache_memory_bytes),
             "--enforce-eager",
             "--disable-uvicorn-access-log",
         ]

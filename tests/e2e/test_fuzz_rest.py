@@ -65,11 +65,12 @@ from schemathesis import GenerationMode, HookContext
 from schemathesis.hooks import HookDispatcher, HookScope
 from test_rest import CHAT_TEMPLATE, bridge, serve, tokenizer
 
+from specdec.models.tiny import MAX_POSITIONS
 from specdec.wire import pb, rpc
 
 MODEL = "tiny/target"
 MAX_EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "40"))
-MAX_MODEL_LEN = 2048  # the verifier's default max_model_len (tests/conftest.py sets no other)
+MAX_MODEL_LEN = MAX_POSITIONS  # the tiny target's context, which the verifier's default (vLLM's auto-fit) runs
 MAX_GAMMA = 8  # tests/conftest.py
 MAX_RUN_TOKENS = 4  # what an accepted fuzzed request generates at most
 TIMEOUT_S = 30  # one request; a tiny generation takes well under a second

@@ -24,7 +24,6 @@ def main() -> None:
     os.dup2(2, 1)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
     from verifier.vllm_hooks import engine_settings_from_env, request_cpu_amx
@@ -32,12 +31,13 @@ def main() -> None:
     request_cpu_amx()  # as the verifier does: vLLM's bfloat16 attention would die of SIGILL without it
 
     model = sys.argv[1]
+    settings = engine_settings_from_env("cpu", model)  # the verifier's context and KV cache
     llm = LLM(
         model=model,
-        dtype=sys.argv[2] if len(sys.argv) > 2 else engine_settings_from_env("cpu", model).dtype,
-        max_model_len=2048,
+        dtype=sys.argv[2] if len(sys.argv) > 2 else settings.dtype,
+        max_model_len=settings.max_model_len,
         enforce_eager=True,
-        kv_cache_memory_bytes=1 << 30,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         enable_prefix_caching=False,
     )
     for line in sys.stdin:

@@ -91,11 +91,12 @@ def test_environment_for_an_in_process_engine(monkeypatch: pytest.MonkeyPatch) -
     for name in ("VLLM_CPU_OMP_THREADS_BIND", "NUMBA_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's legacy variable would override 2.5 GiB with 2
     vllm_hooks.configure_vllm_env(VerifierConfig(threads=3, kv_cache_gib=2.5))
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # forced: the proposer shares the process
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert os.environ["NUMBA_NUM_THREADS"] == "1"
-    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # the engine's kv_cache_memory_bytes decides
     assert os.environ["OMP_NUM_THREADS"] == "3"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # the operator's own settings are kept
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
@@ -304,7 +305,7 @@ def test_a_cpu_host_keeps_the_cpu_settings(tmp_path: Path) -> None:
     bf16 = _checkpoint(tmp_path, "bfloat16")
     s = vllm_hooks.engine_settings(VerifierConfig(), "cpu", bf16, computes_bf16=lambda: False)
     assert (s.max_model_len, s.enforce_eager, s.kv_cache_memory_bytes, s.max_num_seqs, s.dtype) == (
-        2048,
+        -1,  # vLLM's auto-fit: the model's context, as far as the 1 GiB KV cache holds it
         True,
         1 << 30,
         32,
