@@ -16,6 +16,9 @@ the same target model and dtype, the same prompts. Workloads (`--workloads`):
             (benchmarks/serve_c8_prompts.jsonl), all at once; its own table, with where the
             mean TTFT goes, and a `serve` section in bench.json (benchmarks/serve.py)
     serve-c1  (not in the default set) the same, one request at a time
+    serve-long  (not in the default set) the same client and servers, 4 long prompts sent
+            together: the openings of Python standard-library modules, about
+            SERVE_LONG_TOKENS tokens each (or what the target's context leaves room for)
 
 Systems:
 
@@ -135,6 +138,8 @@ LONG_PROMPT_SOURCE = "argparse.py"  # a real source file every Python install ha
 C8_REQUESTS = 8
 C8_PROMPT_TOKENS = 250
 C8_SOURCES = ("textwrap.py", "heapq.py", "bisect.py", "fnmatch.py", "shlex.py", "csv.py", "glob.py", "json/decoder.py")
+SERVE_LONG_TOKENS = 3000  # past the 2,048-token context the verifier ran on the CPU before
+SERVE_LONG_SOURCES = ("typing.py", "dataclasses.py", "pathlib.py", "subprocess.py")
 GOALS = {  # performance rounds 2 and 3 (issues 15 and 24); batch 1: the best specdec row at any setting
     "batch1_speedup_vs_target_only": 2.8,
     "batch1_speedup_vs_vllm_draft_model": 1.8,  # vLLM's draft_model on the target's one core
@@ -148,15 +153,18 @@ GOALS = {  # performance rounds 2 and 3 (issues 15 and 24); batch 1: the best sp
 
 
 # ---- the workloads and the plan -----------------------------------------------------------------
-def source_prompt(name: str, tokenizer: Any, n_tokens: int) -> str:
-    """The first whole lines of the stdlib source file `name` that make at least `n_tokens` tokens."""
+def source_prompt(name: str, tokenizer: Any, n_tokens: int, at_most: bool = False) -> str:
+    """The first whole lines of the stdlib source file `name` that make at least `n_tokens` tokens
+    (`at_most`: the most whole lines that make no more than `n_tokens`)."""
     import sysconfig
 
     lines = (Path(sysconfig.get_paths()["stdlib"]) / name).read_text().splitlines(keepends=True)
     text = ""
     for line in lines:
+        if at_most and len(tokenizer(text + line)["input_ids"]) > n_tokens:
+            break
         text += line
-        if len(tokenizer(text)["input_ids"]) >= n_tokens:
+        if not at_most and len(tokenizer(text)["input_ids"]) >= n_tokens:
             break
     return text
 
@@ -195,9 +203,10 @@ def file_prompts(path: Path) -> tuple[list[str], list[str]]:
 
 
 def workload_prompts(
-    name: str, tokenizer: Any, n_code: int, prompts_file: Path | None = None
+    name: str, tokenizer: Any, n_code: int, prompts_file: Path | None = None, room: int = SERVE_LONG_TOKENS
 ) -> tuple[list[str], list[str]]:
-    """(prompt ids, prompt texts) of a workload (see the module docstring)."""
+    """(prompt ids, prompt texts) of a workload (see the module docstring); `room`: the most
+    prompt tokens the target's context leaves beside the output (serve-long's cap)."""
     if name == "code" and prompts_file is not None:
         return file_prompts(prompts_file)
     if name == "code":
@@ -209,6 +218,9 @@ def workload_prompts(
         return [LONG_PROMPT_SOURCE], [source_prompt(LONG_PROMPT_SOURCE, tokenizer, LONG_PROMPT_TOKENS)]
     if name == "c8":
         return list(C8_SOURCES), [source_prompt(f, tokenizer, C8_PROMPT_TOKENS) for f in C8_SOURCES]
+    if name == "serve-long":
+        n = min(SERVE_LONG_TOKENS, room)
+        return list(SERVE_LONG_SOURCES), [source_prompt(f, tokenizer, n, at_most=True) for f in SERVE_LONG_SOURCES]
     if name in SERVE_WORKLOADS:
         from benchmarks.serve import load_prompts as load_serve_prompts
 
@@ -894,7 +906,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--serve-vllm-dtype",
         metavar="DTYPE",
-        help="serve-c8, serve-c1: vLLM's server's dtype (default: --dtype); "
+        help="serve-c8, serve-c1, serve-long: vLLM's server's dtype (default: --dtype); "
         "`auto` is what `vllm serve` takes when not told: bfloat16 on the CPU",
     )
     p.add_argument("--out", default="bench-results", help="folder for bench.json, outputs.json, bench.png, logs/")
@@ -952,8 +964,14 @@ def main(args: argparse.Namespace) -> int:
         args.prompts = args.prompts or 3
         code_ids, code_texts = workload_prompts("code", tokenizer, args.prompts + 1)
         warmup = tokenizer(code_texts[-1])["input_ids"]  # the code prompt after the measured ones
+    from transformers import AutoConfig
+
+    context = int(getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", 0) or SERVE_LONG_TOKENS * 2)
+    room = context - args.max_tokens - 16  # serve-long's prompts fit the target's context, beside the output
     texts = {
-        w: (code_ids[: args.prompts], code_texts[: args.prompts]) if w == "code" else workload_prompts(w, tokenizer, 0)
+        w: (code_ids[: args.prompts], code_texts[: args.prompts])
+        if w == "code"
+        else workload_prompts(w, tokenizer, 0, room=room)
         for w in workloads
     }
     prompts = {w: [tokenizer(t)["input_ids"] for t in ts] for w, (_, ts) in texts.items()}
@@ -1053,7 +1071,7 @@ def main(args: argparse.Namespace) -> int:
             cores=(cpus[0], cpus[-1]),
             out=out,
             verifier_args=QUICK_VERIFIER_ARGS if args.quick else (),
-            prompts=texts[asked[0]],
+            prompts={w: texts[w] for w in asked},
         )
     rows.extend(summarise(run, r) for i, run in enumerate(runs) for r in results_of.get(i, []))
     relate(rows, prompts)

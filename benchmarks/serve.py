@@ -1,10 +1,11 @@
-"""The `serve-c8` and `serve-c1` workloads of `specdec bench`: vLLM's own client against two
-OpenAI servers.
+"""The `serve-c8`, `serve-c1` and `serve-long` workloads of `specdec bench`: vLLM's own client
+against two OpenAI servers.
 
 As a new user would measure it: `vllm bench serve` (vLLM's benchmark client, unmodified;
 backend `openai`, /v1/completions, streaming, greedy, `--ignore-eos`) sends the workload's
 prompts (`serve-c8`: all at once, `--max-concurrency` = the number of prompts, request rate
-inf; `serve-c1`: the same prompts one at a time, `--max-concurrency 1`) to
+inf; `serve-c1`: the same prompts one at a time, `--max-concurrency 1`; `serve-long`: long
+prompts, all at once) to
 
     target-only  vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`,
                  what `vllm serve` runs) on the target alone, pinned to the target's core
@@ -23,8 +24,11 @@ client does. Each server first answers one short warm-up request (the first prom
 streamed: its time to first token is the server's first-request cost, `warmup_ttft_ms`), then
 the measured runs start (vLLM's ready check is skipped: the warm-up did it).
 
-The prompts (PROMPTS_FILE): 8 excerpts of about 260 tokens of real source files (C, JS, Rust,
-Python), each cut mid-file at a line end; their origin is in each line of the file.
+The prompts of serve-c8 and serve-c1 (PROMPTS_FILE): 8 excerpts of about 260 tokens of real
+source files (C, JS, Rust, Python), each cut mid-file at a line end; their origin is in each line
+of the file. serve-long's (benchmarks.bench.SERVE_LONG_SOURCES): the openings of 4 Python
+standard-library modules, about 3,000 tokens each (past the 2,048-token context the verifier ran
+on the CPU before it took the model's), or what the target's context leaves room for.
 
 Figures per system, as vLLM's client computes them (vllm/benchmarks/serve.py):
     TTFT        request sent to the first streamed event with a `choices` entry
@@ -82,7 +86,7 @@ from specdec.errors import exit_status
 
 NAME = "serve-c8"  # the first workload (its name was the module's only one)
 # workload -> vllm bench serve's --max-concurrency (None: every prompt at once)
-WORKLOADS: dict[str, int | None] = {"serve-c8": None, "serve-c1": 1}
+WORKLOADS: dict[str, int | None] = {"serve-c8": None, "serve-c1": 1, "serve-long": None}
 PROMPTS_FILE = Path(__file__).with_name("serve_c8_prompts.jsonl")
 WARMUP_TOKENS = 8
 READY_TIMEOUT_S = 900.0
@@ -168,18 +172,12 @@ def load_prompts(path: Path = PROMPTS_FILE) -> tuple[list[str], list[str]]:
     return ids, texts
 
 
-def sharegpt_dataset(prompts: Sequence[str], path: Path) -> None:
-    """Write `prompts` as a ShareGPT-format file for `vllm bench serve --dataset-name sharegpt`
-    (its `custom` JSONL dataset needs pandas, which vLLM's CPU wheel does not install). The
-    second turn only sets a length, which --sharegpt-output-len overrides."""
-    path.write_text(
-        json.dumps(
-            [
-                {"id": str(i), "conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "pass\n"}]}
-                for i, p in enumerate(prompts)
-            ]
-        )
-    )
+def custom_dataset(prompts: Sequence[str], path: Path) -> None:
+    """Write `prompts` as the JSONL file of `vllm bench serve --dataset-name custom` (one
+    {"prompt": ...} a line; it reads the file with pandas, which `specdec[all]` installs: vLLM's
+    CPU wheel does not). Its ShareGPT reader, used before, drops every prompt over 1,024 tokens
+    (vllm/benchmarks/datasets `is_valid_sequence`), which serve-long's are."""
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
 
 
 # ---- the servers --------------------------------------------------------------------------------
@@ -459,11 +457,12 @@ def bench_serve_command(
         "--tokenizer",
         tokenizer,
         "--dataset-name",
-        "sharegpt",
+        "custom",
         "--dataset-path",
         str(dataset),
-        "--sharegpt-output-len",
+        "--custom-output-len",
         str(output_len),
+        "--skip-chat-template",  # the prompt as it is, to /v1/completions
         "--disable-shuffle",
         "--num-prompts",
         str(n),
@@ -615,17 +614,19 @@ def run_workloads(
     out: Path,
     vllm_dtype: str | None = None,
     verifier_args: Sequence[str] = (),
-    prompts: tuple[list[str], list[str]] | None = None,
+    prompts: dict[str, tuple[list[str], list[str]]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Both systems, one after the other, each running every workload of `names` (WORKLOADS) on
     one server; per workload, the report: rows, ratios, exact, and the command per row.
+    `prompts`: each workload's (ids, texts); a workload without them takes PROMPTS_FILE's.
 
     dtype: the services' and (unless `vllm_dtype`) vLLM's server's; cores: (the target's core,
     the drafter's core, where the client runs too)."""
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown serve workload {unknown[0]!r}; known: {', '.join(WORKLOADS)}")
-    ids, texts = prompts or load_prompts()
+    given = prompts or {}
+    texts_of = {n: given[n] if n in given else load_prompts() for n in names}  # name -> (ids, texts)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -633,13 +634,13 @@ def run_workloads(
     datasets = {}
     for name in names:
         (out / name).mkdir(parents=True, exist_ok=True)
-        datasets[name] = out / name / "prompts.sharegpt.json"
-        sharegpt_dataset(texts, datasets[name])
+        datasets[name] = out / name / "prompts.jsonl"
+        custom_dataset(texts_of[name][1], datasets[name])
     trace_file = logs / "serve-trace.jsonl"
 
     def measure(system: str, url: str) -> None:
         model = served_model(url)
-        warmup_ms = warm_up(url, model, texts[0])
+        warmup_ms = warm_up(url, model, texts_of[names[0]][1][0])
         for name in names:
             before = scrape(url)
             since = time.time_ns()
@@ -648,7 +649,7 @@ def run_workloads(
                 model,
                 tokenizer,
                 datasets[name],
-                len(texts),
+                len(texts_of[name][1]),
                 output_len,
                 out / name,
                 f"{system}.json",
@@ -679,8 +680,8 @@ def run_workloads(
     return {
         name: {
             "workload": name,
-            "prompts": ids,
-            "concurrency": WORKLOADS[name] or len(texts),
+            "prompts": texts_of[name][0],
+            "concurrency": WORKLOADS[name] or len(texts_of[name][1]),
             "output_len": output_len,
             "dtype": {"target-only": vllm_dtype or dtype, "specdec": dtype},
             "cores": {"target": cores[0], "drafter_and_client": cores[1]},

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import bench, serve
+from specdec.models.tiny import MAX_POSITIONS
 
 
 def test_the_prompts_are_mid_file_excerpts_of_real_source_in_four_languages() -> None:
@@ -93,16 +94,17 @@ def test_the_client_sends_every_prompt_at_once_greedy_in_file_order(tmp_path: Pa
     args = serve.bench_serve_command("http://h:1", "m", "tok", tmp_path / "d.json", 8, 64, tmp_path, "r.json")
     flags = dict(zip(args[:-1], args[1:], strict=True))
     assert (flags["--num-prompts"], flags["--max-concurrency"], flags["--request-rate"]) == ("8", "8", "inf")
-    assert (flags["--temperature"], flags["--sharegpt-output-len"]) == ("0", "64")
+    assert (flags["--temperature"], flags["--custom-output-len"], flags["--dataset-name"]) == ("0", "64", "custom")
     assert flags["--endpoint"] == "/v1/completions"
-    assert {"--ignore-eos", "--disable-shuffle", "--save-detailed"} <= set(args)
-    serve.sharegpt_dataset(["p0", "p1"], tmp_path / "d.json")
-    rows = json.loads((tmp_path / "d.json").read_text())
-    assert [r["conversations"][0]["value"] for r in rows] == ["p0", "p1"]
+    assert {"--ignore-eos", "--disable-shuffle", "--save-detailed", "--skip-chat-template"} <= set(args)
+    serve.custom_dataset(["p0", 'a "quoted"\nline'], tmp_path / "d.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert rows == [{"prompt": "p0"}, {"prompt": 'a "quoted"\nline'}]
     one = serve.bench_serve_command("http://h:1", "m", "tok", tmp_path / "d.json", 8, 64, tmp_path, "r.json", 1)
     flags = dict(zip(one[:-1], one[1:], strict=True))
     assert (flags["--num-prompts"], flags["--max-concurrency"]) == ("8", "1")  # serve-c1: one at a time
-    assert serve.WORKLOADS == {"serve-c8": None, "serve-c1": 1} and set(serve.WORKLOADS) == set(bench.SERVE_WORKLOADS)
+    assert serve.WORKLOADS == {"serve-c8": None, "serve-c1": 1, "serve-long": None}
+    assert set(serve.WORKLOADS) == set(bench.SERVE_WORKLOADS)
 
 
 _METRICS = """\
@@ -204,7 +206,7 @@ def test_where_specdecs_ttft_goes_from_its_first_rounds(tmp_path: Path) -> None:
 @pytest.mark.e2e  # vLLM's server, the three services and vLLM's client, on the tiny pair
 def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
     """Both rows, the ratios, exactness and where the TTFT goes, from one `specdec bench --quick
-    --workloads serve-c8,serve-c1` (each server runs both workloads)."""
+    --workloads serve-c8,serve-c1,serve-long` (each server runs every workload)."""
     out = tmp_path / "out"
     proc = subprocess.run(
         [
@@ -214,7 +216,7 @@ def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
             "bench",
             "--quick",
             "--workloads",
-            "serve-c8,serve-c1",
+            "serve-c8,serve-c1,serve-long",
             "--out",
             str(out),
         ],
@@ -224,7 +226,12 @@ def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = json.loads((out / "bench.json").read_text())["serve"]
-    assert list(reports) == ["serve-c8", "serve-c1"]
+    assert list(reports) == ["serve-c8", "serve-c1", "serve-long"]
+    long = reports["serve-long"]  # prompts as long as the tiny target's context leaves room for
+    lengths = json.loads((out / "bench.json").read_text())["meta"]["workloads"]["serve-long"]["prompt_tokens"]
+    assert long["prompts"] == list(bench.SERVE_LONG_SOURCES) and len(lengths) == 4, long["prompts"]
+    assert all(1500 < n <= MAX_POSITIONS - bench.QUICK["max_tokens"] - 16 for n in lengths), lengths
+    assert long["exact"] == 1.0 and [(r["completed"], r["failed"]) for r in long["rows"]] == [(4, 0), (4, 0)]
     one = reports["serve-c1"]
     assert one["concurrency"] == 1 and one["exact"] == 1.0
     assert [(r["completed"], r["failed"]) for r in one["rows"]] == [(8, 0), (8, 0)]
