@@ -136,3 +136,52 @@ def test_an_item_made_after_the_calls_loop_closed_is_dropped_not_raised() -> Non
     loop.close()
     emit(RuntimeError("after close"))  # must not raise
     assert out.qsize() == 1
+
+
+def test_prompts_are_prefilled_one_at_a_time_in_arrival_order() -> None:
+    """Three sessions with long prompts arrive together: the first is prefilled to its end
+    (its `Ready`) before the second starts, as the target's scheduler takes them; the later
+    ones wait (their prefill chunks are not interleaved), and each is prefilled in turn."""
+    model = _tiny_llama()
+    worker = DraftWorker()
+    sessions = [
+        ModelDraftSession(
+            model,
+            [3 + i + j % 50 for j in range(40)],
+            gamma=4,
+            lookahead=0,
+            temperature=0.0,
+            top_k=0,
+            top_p=1.0,
+            seed=i,
+            q_top_k=4,
+            prefill_chunk=8,  # 5 chunks each
+        )
+        for i in range(3)
+    ]
+    cached_at_ready: dict[int, list[int]] = {}
+    ready_order: list[int] = []
+    done = threading.Event()
+
+    def emit_for(i: int) -> Emit:
+        def emit(item: object) -> None:
+            assert not isinstance(item, BaseException), item
+            if isinstance(item, Ready):  # on the worker's thread, between steps
+                cached_at_ready[i] = [s.cached for s in sessions]
+                ready_order.append(i)
+                if len(ready_order) == len(sessions):
+                    done.set()
+
+        return emit
+
+    for i, s in enumerate(sessions):
+        worker.add(s, emit_for(i))  # all three before the worker starts: they arrive together
+    worker.start()
+    try:
+        assert done.wait(30)
+    finally:
+        worker.stop()
+        worker.join(10)
+    assert ready_order == [0, 1, 2]
+    assert cached_at_ready[0][1:] == [0, 0]  # the later prompts untouched until the first is done
+    assert cached_at_ready[1][2] == 0
