@@ -72,7 +72,7 @@ _VOCAB = (
 _BENCH = "the full benchmark takes minutes even on tiny; `specdec bench --quick` runs in tests/benchmarks/test_bench.py"
 _SERVE_C8 = (
     "starts vLLM's OpenAI server and the services on the real pair (minutes); "
-    "tests/benchmarks/test_serve.py runs the serve-c8 and serve-c1 workloads end to end on tiny"
+    "tests/benchmarks/test_serve.py runs the serve-c8, serve-c1 and serve-long workloads end to end on tiny"
 )
 _LINK = (
     "makes network namespaces and runs the benchmark across them (minutes); `specdec bench-link --quick` "
@@ -125,6 +125,10 @@ NOT_RUN = {
     "--out bench-serve-c8-bf16": _SERVE_C8,
     "specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 --dtype auto "
     "--out bench-serve-c8-untold": _SERVE_C8,
+    "specdec bench --models qwen-coder --workloads serve-long --max-tokens 64 --dtype auto "
+    "--out bench-serve-long": _SERVE_C8,
+    "specdec bench --models qwen-coder --workloads serve-long --max-tokens 64 --dtype float32 "
+    "--out bench-serve-long-fp32": _SERVE_C8,
     ".venv/bin/specdec serve drafter --host 0.0.0.0 --port 50052 --model qwen-coder/draft --threads 4": _SERVICE,
     "specdec serve verifier --model qwen-coder/target --port 50053": _SERVICE,
     "specdec serve drafter  --model qwen-coder/draft  --port 50052": _SERVICE,
