@@ -280,6 +280,23 @@ def default_services(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
         s.stop()
 
 
+@contextlib.contextmanager
+def one_setting_stack(log_dir: Path, *verifier_args: str) -> Iterator[Services]:
+    """A module's own stack that isolates verifier settings: one verifier (`--model tiny/target
+    --threads 1` and `verifier_args`, every other setting its default), a drafter of tiny/draft-mid
+    with its defaults, and a gateway (`gateways["mid"]`)."""
+    s = Services(log_dir)
+    s.defaults = True
+    try:
+        s.verifier = s._start("verifier", ["--model", "tiny/target", "--threads", "1", *verifier_args])
+        s.drafters["mid"] = s._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1"])
+        s.gateways["mid"] = s.start_gateway(s.drafters["mid"].address, s.verifier.address)
+        s.ready()
+        yield s
+    finally:
+        s.stop()
+
+
 @pytest.fixture(params=["fixed-gamma", "defaults"])
 def stack(request: pytest.FixtureRequest) -> Services:
     """Each exactness test once per stack: `services` (fixed gamma: the mechanism at every

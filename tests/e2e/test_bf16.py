@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Services, vllm_reference
+from conftest import Services, one_setting_stack, vllm_reference
 from gen import generate_all, prompts, spec
 from transformers import AutoTokenizer
 
@@ -35,16 +35,8 @@ CONCURRENCY = 2  # as the default stacks of the exactness suites (test_greedy_lo
 
 @pytest.fixture(scope="module")
 def bf16_stack(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
-    s = Services(log_dir)
-    s.defaults = True
-    try:
-        s.verifier = s._start("verifier", ["--model", "tiny/target", "--threads", "1", "--dtype", "bfloat16"])
-        s.drafters["mid"] = s._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1"])
-        s.gateways["mid"] = s.start_gateway(s.drafters["mid"].address, s.verifier.address)
-        s.ready()
+    with one_setting_stack(log_dir, "--dtype", "bfloat16") as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_the_verifier_says_it_runs_bf16(bf16_stack: Services) -> None:

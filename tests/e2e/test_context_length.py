@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from conftest import Services, vllm_reference
+from conftest import Services, one_setting_stack, vllm_reference
 from gen import generate_all, spec
 
 from specdec.models.tiny import MAX_POSITIONS
@@ -33,18 +33,8 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def small_cache_stack(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
-    s = Services(log_dir)
-    s.defaults = True
-    try:
-        s.verifier = s._start(
-            "verifier", ["--model", "tiny/target", "--threads", "1", "--kv-cache-gib", str(KV_CACHE_GIB)]
-        )
-        s.drafters["mid"] = s._start("drafter", ["--model", "tiny/draft-mid", "--threads", "1"])
-        s.gateways["mid"] = s.start_gateway(s.drafters["mid"].address, s.verifier.address)
-        s.ready()
+    with one_setting_stack(log_dir, "--kv-cache-gib", str(KV_CACHE_GIB)) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -98,6 +98,17 @@ async def _collect(r: Generation) -> list:
     return [v async for v in r.steps()]
 
 
+async def _two_drafts_accepted(verifier: FakeCall, drafter: FakeCall, run: asyncio.Task) -> None:
+    """After the first commit (the target's token 10 at position 3): the drafter's block of two
+    drafts is relayed, the verifier accepts both and finishes; the generation ends."""
+    drafter.responses.put_nowait(
+        pb.DraftResponse(block=pb.DraftBlock(start_position=4, token_ids=[11, 12], committed_length=4))
+    )
+    await verifier.written_kind("block")
+    verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True, drafted=2, accepted=2))
+    await run
+
+
 def test_a_target_prefill_longer_than_the_deadline_does_not_fall_back() -> None:
     async def scenario() -> Generation:
         verifier, drafter = FakeCall(), FakeCall()
@@ -110,12 +121,7 @@ def test_a_target_prefill_longer_than_the_deadline_does_not_fall_back() -> None:
         verifier.responses.put_nowait(_verdict(3, [10], preview=True))
         verifier.responses.put_nowait(_verdict(3, [10]))
         await drafter.written_kind("commit")  # now it owes an answer, and gives it
-        drafter.responses.put_nowait(
-            pb.DraftResponse(block=pb.DraftBlock(start_position=4, token_ids=[11, 12], committed_length=4))
-        )
-        await verifier.written_kind("block")
-        verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True, drafted=2, accepted=2))
-        await run
+        await _two_drafts_accepted(verifier, drafter, run)
         return r
 
     r = asyncio.run(scenario())
@@ -168,12 +174,7 @@ def test_a_drafter_prefill_longer_than_the_deadline_does_not_fall_back() -> None
         await asyncio.sleep(3 * TIMEOUT_S)  # its prefill outlasts drafter_timeout_s
         assert not r.stats.fallback_reason
         drafter.responses.put_nowait(pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=900.0)))
-        drafter.responses.put_nowait(
-            pb.DraftResponse(block=pb.DraftBlock(start_position=4, token_ids=[11, 12], committed_length=4))
-        )
-        await verifier.written_kind("block")
-        verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True, drafted=2, accepted=2))
-        await run
+        await _two_drafts_accepted(verifier, drafter, run)
         return r
 
     r = asyncio.run(scenario())
