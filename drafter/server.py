@@ -63,12 +63,8 @@ PACE_EWMA = 0.1
 class DraftWorker(threading.Thread):
     """Runs draft steps for every session that wants work; sleeps when none does.
 
-    Order: drafts a verifier is waiting for (urgent) first; then, round-robin, drafting ahead
-    and the prefill chunks of one new session, the oldest: prompts are prefilled in arrival
-    order, as the target's scheduler takes them, so the oldest prompt's drafts are ready when
-    its target's first token comes (round-robin prefills made every prompt of a queue ready
-    late: four prompts of 3,000 tokens on one CPU drafter, `specdec bench --workloads
-    serve-long`). With `batch` (DrafterConfig.batch_drafts),
+    Order: drafts a verifier is waiting for (urgent) first; then, round-robin, prefill
+    chunks of new sessions and drafting ahead. With `batch` (DrafterConfig.batch_drafts),
     each round's draft tokens are made in one batched forward (drafter.batch); without,
     one session at a time. `token_ms` is the running compute cost of one draft token
     (seeded by the servicer's calibration; a batched token costs its share of the
@@ -128,7 +124,6 @@ class DraftWorker(threading.Thread):
                     continue
                 # drafts a verifier is waiting for come before drafting ahead
                 active = [(s, e) for s, e in active if s.urgent()] or active
-                active = oldest_prefill_only(active)
             if not active:  # idle otherwise: one batched step of each session's branches
                 self._branch_steps(branchy)
                 continue
@@ -195,13 +190,6 @@ class DraftWorker(threading.Thread):
             with self._cond:
                 if any(s.wants_work() for s, _ in self._sessions.values()):
                     return  # a commit came in: its drafts first
-
-
-def oldest_prefill_only(active: list[tuple[DraftSession, Emit]]) -> list[tuple[DraftSession, Emit]]:
-    """`active` (in arrival order) without the prefills after the first: prompts are prefilled
-    one at a time, in arrival order (see DraftWorker)."""
-    first = next((s for s, _ in active if not s.ready), None)
-    return [(s, e) for s, e in active if s.ready or s is first]
 
 
 def emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue[BlockOut | Ready | BaseException | None]) -> Emit:

@@ -11,11 +11,7 @@ verifier: the verifier only ever sees valid blocks, at a bounded rate.
 The drafter's deadline measures the drafter alone: it owes an answer from each commit on
 (the first one carries the target's first token), and falls back when it stays silent
 for `drafter_timeout_s` while it owes one. The target's queueing and prefill never count:
-before the first commit the drafter owes nothing (it prefills its own copy meanwhile). A
-drafter that has not spoken yet (no `ready`, no block: still prefilling) gets
-`drafter_prefill_timeout_s` instead: its prefill may outlast the target's (four prompts of
-3,000 tokens queued on one CPU drafter fell back at 10 s, `specdec bench --workloads
-serve-long`), and the target does not wait for it meanwhile (verifier.proposer).
+before the first commit the drafter owes nothing (it prefills its own copy meanwhile).
 
 Hold: while the verifier's verdicts say `hold_drafts` (adaptive gamma verifies none of this
 request's drafts for now), commits tell the drafter to hold, and a held drafter owes nothing.
@@ -111,7 +107,6 @@ class DrafterRelay:
         vocab_size: int | None = None,
         max_idle_commits: int = 0,
         on_unavailable: Callable[[], None] | None = None,
-        prefill_timeout_s: float | None = None,
     ) -> None:
         self.plan = plan
         self.gamma = gamma
@@ -119,8 +114,6 @@ class DrafterRelay:
         self.stub = stub
         self.verifier_stub = verifier_stub
         self.timeout_s = timeout_s
-        # a drafter still prefilling (not spoken yet); None: timeout_s
-        self.prefill_timeout_s = timeout_s if prefill_timeout_s is None else prefill_timeout_s
         self.vocab_size = vocab_size
         self.max_idle_commits = max_idle_commits
         self.on_unavailable = on_unavailable
@@ -298,15 +291,12 @@ class DrafterRelay:
                 if self._owed_since is None:
                     await self._owing.wait()
                 continue
-            limit, name = (
-                (self.timeout_s, "drafter_timeout_s") if self._spoken else (self.prefill_timeout_s, "still prefilling")
-            )
-            left = since + limit - time.monotonic()
+            left = since + self.timeout_s - time.monotonic()
             if left > 0:
-                await asyncio.sleep(min(left, self.timeout_s))  # wakes to see the drafter speak meanwhile
+                await asyncio.sleep(left)
                 continue
             self.fall_back(
-                f"drafter sent nothing for {limit:g} s after the target's tokens at position {self._owed_at} ({name})"
+                f"drafter sent nothing for {self.timeout_s:g} s after the target's tokens at position {self._owed_at}"
             )
             return
 

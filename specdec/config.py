@@ -423,15 +423,7 @@ class GatewayConfig(TransportConfig):
         "Seconds the drafter may stay silent while it owes an answer: from a commit (the target's tokens, the "
         "first one included) to its next message. Past it the request goes on as plain target decoding. The "
         "target's queueing and prefill never count: before the first commit the drafter owes nothing (it is "
-        "prefilling its own copy of the prompt). A drafter still prefilling then has drafter_prefill_timeout_s.",
-    )
-    drafter_prefill_timeout_s: float = setting(
-        300.0,
-        "Seconds a drafter that is still prefilling (no `ready` or block yet) may stay silent after the "
-        "target's first token, instead of drafter_timeout_s: its prefill can outlast the target's (long "
-        "prompts queued on one CPU drafter, a CPU drafter beside a GPU target). Meanwhile the target does not "
-        "wait for it (the verifier waits the margin once, then not until its `ready`) and decodes plainly. "
-        "Past it the request goes on as plain target decoding without it.",
+        "prefilling its own copy of the prompt).",
     )
     metrics_port: int = setting(9091, "Prometheus /metrics port (0: off); the REST bridge serves /metrics too.")
     rest_port: int = setting(

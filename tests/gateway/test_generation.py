@@ -70,19 +70,11 @@ class Stub:
         setattr(self, method, lambda metadata=(): call)
 
 
-def _generation(
-    verifier: FakeCall, drafter: FakeCall, max_tokens: int = 3, prefill_timeout_s: float | None = None
-) -> Generation:
+def _generation(verifier: FakeCall, drafter: FakeCall, max_tokens: int = 3) -> Generation:
     plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=max_tokens), gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
     metrics = telemetry.GatewayMetrics(CollectorRegistry())  # each generation its own, to read back
     return Generation(
-        plan,
-        Stub(verifier, "Verify"),
-        Stub(drafter, "Draft"),
-        TIMEOUT_S,
-        telemetry.SpikeDetector(),
-        metrics,
-        drafter_prefill_timeout_s=prefill_timeout_s,
+        plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector(), metrics
     )
 
 
@@ -98,17 +90,6 @@ async def _collect(r: Generation) -> list:
     return [v async for v in r.steps()]
 
 
-async def _two_drafts_accepted(verifier: FakeCall, drafter: FakeCall, run: asyncio.Task) -> None:
-    """After the first commit (the target's token 10 at position 3): the drafter's block of two
-    drafts is relayed, the verifier accepts both and finishes; the generation ends."""
-    drafter.responses.put_nowait(
-        pb.DraftResponse(block=pb.DraftBlock(start_position=4, token_ids=[11, 12], committed_length=4))
-    )
-    await verifier.written_kind("block")
-    verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True, drafted=2, accepted=2))
-    await run
-
-
 def test_a_target_prefill_longer_than_the_deadline_does_not_fall_back() -> None:
     async def scenario() -> Generation:
         verifier, drafter = FakeCall(), FakeCall()
@@ -121,7 +102,12 @@ def test_a_target_prefill_longer_than_the_deadline_does_not_fall_back() -> None:
         verifier.responses.put_nowait(_verdict(3, [10], preview=True))
         verifier.responses.put_nowait(_verdict(3, [10]))
         await drafter.written_kind("commit")  # now it owes an answer, and gives it
-        await _two_drafts_accepted(verifier, drafter, run)
+        drafter.responses.put_nowait(
+            pb.DraftResponse(block=pb.DraftBlock(start_position=4, token_ids=[11, 12], committed_length=4))
+        )
+        await verifier.written_kind("block")
+        verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True, drafted=2, accepted=2))
+        await run
         return r
 
     r = asyncio.run(scenario())
@@ -157,67 +143,6 @@ def test_a_drafter_silent_after_a_commit_falls_back_and_releases_the_verifier() 
     assert drafter.cancelled
     assert r.stats.completion_tokens == 3  # the generation went on
     assert r.metrics.registry.get_sample_value("specdec:drafter_fallbacks_total") == 1
-
-
-def test_a_drafter_prefill_longer_than_the_deadline_does_not_fall_back() -> None:
-    """The drafter owes an answer from the target's first token, but has not spoken yet: it is
-    still prefilling (long prompts queued on it). drafter_prefill_timeout_s, not
-    drafter_timeout_s, bounds that silence; once ready it speculates."""
-
-    async def scenario() -> Generation:
-        verifier, drafter = FakeCall(), FakeCall()
-        r = _generation(verifier, drafter, prefill_timeout_s=60.0)
-        run = asyncio.create_task(_collect(r))
-        verifier.responses.put_nowait(_verdict(3, [10], preview=True))
-        verifier.responses.put_nowait(_verdict(3, [10]))
-        await drafter.written_kind("commit")  # it owes an answer from here
-        await asyncio.sleep(3 * TIMEOUT_S)  # its prefill outlasts drafter_timeout_s
-        assert not r.stats.fallback_reason
-        drafter.responses.put_nowait(pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=900.0)))
-        await _two_drafts_accepted(verifier, drafter, run)
-        return r
-
-    r = asyncio.run(scenario())
-    assert not r.stats.fallback_reason
-    assert r.stats.num_accepted_tokens == 2 and r.stats.drafter_prefill_ms == 900.0
-
-
-def test_a_drafter_that_never_ends_its_prefill_falls_back_at_the_prefill_deadline() -> None:
-    async def scenario() -> tuple[Generation, float]:
-        verifier, drafter = FakeCall(), FakeCall()
-        r = _generation(verifier, drafter, prefill_timeout_s=3 * TIMEOUT_S)
-        run = asyncio.create_task(_collect(r))
-        t0 = time.monotonic()  # before the verdict that makes the drafter owe an answer
-        verifier.responses.put_nowait(_verdict(3, [10]))
-        end = await verifier.written_kind("end")
-        waited = verifier.written_at[verifier.written.index(end)] - t0
-        verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True))
-        await run
-        return r, waited
-
-    r, waited = asyncio.run(scenario())
-    assert waited >= 3 * TIMEOUT_S  # the prefill deadline, not drafter_timeout_s
-    assert "sent nothing for 0.6 s" in r.stats.fallback_reason and "still prefilling" in r.stats.fallback_reason
-
-
-def test_a_ready_drafter_silent_after_a_commit_has_the_short_deadline() -> None:
-    async def scenario() -> tuple[Generation, float]:
-        verifier, drafter = FakeCall(), FakeCall()
-        r = _generation(verifier, drafter, prefill_timeout_s=60.0)
-        run = asyncio.create_task(_collect(r))
-        drafter.responses.put_nowait(pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=1.0)))
-        await verifier.written_kind("ready")
-        t0 = time.monotonic()
-        verifier.responses.put_nowait(_verdict(3, [10]))
-        end = await verifier.written_kind("end")  # at drafter_timeout_s: the test would take 60 s otherwise
-        waited = verifier.written_at[verifier.written.index(end)] - t0
-        verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True))
-        await run
-        return r, waited
-
-    r, waited = asyncio.run(scenario())
-    assert waited >= TIMEOUT_S
-    assert "(drafter_timeout_s)" in r.stats.fallback_reason
 
 
 def test_a_drafter_stream_error_mid_generation_falls_back_and_verdicts_continue() -> None:
