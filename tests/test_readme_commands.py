@@ -127,8 +127,6 @@ NOT_RUN = {
     "--out bench-serve-c8-untold": _SERVE_C8,
     "specdec bench --models qwen-coder --workloads serve-long --max-tokens 64 --dtype auto "
     "--out bench-serve-long": _SERVE_C8,
-    "specdec bench --models qwen-coder --workloads serve-long --max-tokens 64 --dtype float32 "
-    "--out bench-serve-long-fp32": _SERVE_C8,
     ".venv/bin/specdec serve drafter --host 0.0.0.0 --port 50052 --model qwen-coder/draft --threads 4": _SERVICE,
     "specdec serve verifier --model qwen-coder/target --port 50053": _SERVICE,
     "specdec serve drafter  --model qwen-coder/draft  --port 50052": _SERVICE,
