@@ -3,7 +3,9 @@
 One `Draft` stream per generation. A single worker thread advances all sessions
 round-robin, one token each per step (all of a step's tokens in one batched forward,
 drafter.batch), so concurrent generations share the draft model fairly; blocks go
-out as soon as they are due (see drafter.sessions).
+out as soon as they are due (see drafter.sessions). Prompts are prefilled one at a time,
+in arrival order, and a session waiting for its prefill hears how far the queue ahead of
+it has come (`DraftProgress`), so its gateway tells a slow prefill from a hung drafter.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeAlias
 
@@ -19,7 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from drafter.confidence import ConfidencePolicy, parse_mode
-from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Ready
+from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Progress, Ready
 from specdec import serving, telemetry
 from specdec.config import MAX_GAMMA_LIMIT, DrafterConfig
 from specdec.models import compat
@@ -27,6 +30,7 @@ from specdec.models.device import draft_placement
 from specdec.models.vocab import read as read_draft_vocab
 from specdec.validation import (
     BACKEND_REQUEST_ID_EXTRA,
+    DRAFT_PROGRESS_INTERVAL_S,
     MAX_REQUEST_ID_CHARS,
     InvalidField,
     check_request_id,
@@ -40,7 +44,8 @@ log = logging.getLogger("specdec.drafter")
 METHODS = (pb.DRAFT_METHOD_MODEL, pb.DRAFT_METHOD_NGRAM)
 
 
-Emit = Callable[[BlockOut | Ready | BaseException], None]
+Item = BlockOut | Ready | Progress  # what a session's Draft call writes
+Emit = Callable[[Item | BaseException], None]
 
 # A Draft call's context (a string: the generic is not subscriptable at run time).
 DraftContext: TypeAlias = "grpc.aio.ServicerContext[pb.DraftRequest, pb.DraftResponse]"
@@ -63,8 +68,14 @@ PACE_EWMA = 0.1
 class DraftWorker(threading.Thread):
     """Runs draft steps for every session that wants work; sleeps when none does.
 
-    Order: drafts a verifier is waiting for (urgent) first; then, round-robin, prefill
-    chunks of new sessions and drafting ahead. With `batch` (DrafterConfig.batch_drafts),
+    Order: drafts a verifier is waiting for (urgent) first; then, round-robin, drafting ahead
+    and the prefill chunks of one new session, the oldest: prompts are prefilled in arrival
+    order, as the target's scheduler takes them, so the oldest prompt's drafts are ready when
+    its target's first token comes (round-robin prefills made every prompt of a queue ready
+    late: four prompts of 3,000 tokens on one CPU drafter, `specdec bench --workloads
+    serve-long`). A session still waiting for its `Ready` that asked for them
+    (`report_progress`) gets a `Progress` at most every `progress_interval_s`, whenever the
+    prompt tokens left before it is ready went down. With `batch` (DrafterConfig.batch_drafts),
     each round's draft tokens are made in one batched forward (drafter.batch); without,
     one session at a time. `token_ms` is the running compute cost of one draft token
     (seeded by the servicer's calibration; a batched token costs its share of the
@@ -76,7 +87,11 @@ class DraftWorker(threading.Thread):
     """
 
     def __init__(
-        self, token_ms: float = 0.0, metrics: telemetry.DrafterMetrics | None = None, batch: bool = True
+        self,
+        token_ms: float = 0.0,
+        metrics: telemetry.DrafterMetrics | None = None,
+        batch: bool = True,
+        progress_interval_s: float = DRAFT_PROGRESS_INTERVAL_S,
     ) -> None:
         super().__init__(name="draft-worker", daemon=True)
         self.metrics = metrics
@@ -86,6 +101,7 @@ class DraftWorker(threading.Thread):
         self._sessions: dict[int, tuple[DraftSession, Emit]] = {}
         self._stopped = False
         self.token_ms = token_ms
+        self.progress_interval_s = progress_interval_s  # least seconds between two reports to a session
 
     def pace_ms(self) -> float:
         """Expected wall-clock ms per draft token of one session now (see the class docstring)."""
@@ -124,10 +140,33 @@ class DraftWorker(threading.Thread):
                     continue
                 # drafts a verifier is waiting for come before drafting ahead
                 active = [(s, e) for s, e in active if s.urgent()] or active
+                active = oldest_prefill_only(active)
             if not active:  # idle otherwise: one batched step of each session's branches
                 self._branch_steps(branchy)
                 continue
+            prefilling = any(not s.ready for s, _ in active)
             self.advance(active)
+            if prefilling:
+                self.report_progress()
+
+    def report_progress(self) -> None:
+        """A `Progress` to each session waiting for its `Ready` that asked for reports, when the
+        prompt tokens left before it is ready went down since its latest report and
+        `progress_interval_s` has passed (sessions in arrival order: the prefill order)."""
+        now = time.monotonic()
+        with self._cond:
+            waiting = [(s, e) for s, e in self._sessions.values() if not s.ready and not s.closed]
+        queued = 0
+        for session, emit in waiting:
+            queued += session.prefill_left()
+            if not session.report_progress:
+                continue
+            if session.progress_at is not None and now - session.progress_at < self.progress_interval_s:
+                continue
+            if session.progress_queued is not None and queued >= session.progress_queued:
+                continue
+            session.progress_at, session.progress_queued = now, queued
+            emit(Progress(session.prefilled(), queued))
 
     def advance(self, active: list[tuple[DraftSession, Emit]]) -> None:
         """One step of each session in `active`, in order: with `batch`, the model sessions
@@ -192,12 +231,19 @@ class DraftWorker(threading.Thread):
                     return  # a commit came in: its drafts first
 
 
-def emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue[BlockOut | Ready | BaseException | None]) -> Emit:
+def oldest_prefill_only(active: list[tuple[DraftSession, Emit]]) -> list[tuple[DraftSession, Emit]]:
+    """`active` (in arrival order) without the prefills after the first: prompts are prefilled
+    one at a time, in arrival order (see DraftWorker)."""
+    first = next((s for s, _ in active if not s.ready), None)
+    return [(s, e) for s, e in active if s.ready or s is first]
+
+
+def emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue[Item | BaseException | None]) -> Emit:
     """The worker thread's way into one Draft call: puts each item on `out` in the call's event
     loop. An item made after that loop closed (the server stopped while the worker was mid-step
     on the session) has no reader left and is dropped, instead of raising in the worker thread."""
 
-    def emit(item: BlockOut | Ready | BaseException) -> None:  # on the worker's thread
+    def emit(item: Item | BaseException) -> None:  # on the worker's thread
         try:
             loop.call_soon_threadsafe(out.put_nowait, item)
         except RuntimeError:  # "Event loop is closed": the call and its reader are gone
@@ -231,8 +277,8 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.metrics = metrics
         self.slots = serving.SessionSlots("drafter", cfg.max_sessions)
         self.confidence = parse_mode(cfg.draft_confidence)  # "off", "auto" or a fixed tau (ValueError: bad)
-        # Hook point: called as hook(session) after each draft step of every session, on the
-        # worker thread (DraftSession.step). Empty in production; plugins append to it
+        # Hook point: called as hook(session) after each draft step and each prefill chunk of
+        # every session, on the worker thread (DraftSession.step). Empty in production; plugins append to it
         # (specdec.serving.load_plugins; the tests' fault injection, tests/faultkit.py).
         self.step_hooks: list[Callable[[DraftSession], None]] = []
         self.worker = DraftWorker(token_ms, self.metrics, batch=cfg.batch_drafts)
@@ -263,6 +309,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         session.branches = self.cfg.branches
         session.flush_ms = self.cfg.flush_ms
         session.prefill_chunk = self.cfg.prefill_chunk
+        session.report_progress = req.report_progress
         session.step_hooks = self.step_hooks  # shared: a hook appended later reaches running sessions
         return session
 
@@ -295,7 +342,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
     async def _draft(self, context: DraftContext) -> None:
         opened, session = await serving.open_session(context, self._open, self.cfg.first_message_timeout_s)
         loop = asyncio.get_running_loop()
-        out: asyncio.Queue[BlockOut | Ready | BaseException | None] = asyncio.Queue()
+        out: asyncio.Queue[Item | BaseException | None] = asyncio.Queue()
         span = self.tracer.start_span(
             "specdec.draft_session",
             context=telemetry.extract_context(opened.trace_context or context.invocation_metadata()),
@@ -370,6 +417,12 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                             "specdec.draft_ms_per_token": ready.draft_ms_per_token,
                         },
                     )
+                    continue
+                if isinstance(item, Progress):
+                    progress = pb.DraftProgress(
+                        prefilled_tokens=item.prefilled_tokens, queued_tokens=item.queued_tokens
+                    )
+                    await context.write(pb.DraftResponse(progress=progress))
                     continue
                 sequence += 1
                 await context.write(pb.DraftResponse(block=_block_pb(item, sequence)))

@@ -10,6 +10,9 @@ Terms:
                 tokens, from `open` on: it runs while the target is queued and prefills,
                 so the first draft needs one draft step after the first commit
     ready       the prefill is done; announced once (a `Ready`), before any block
+    progress    until then, on request (`report_progress`), a `Progress` now and then: the
+                drafter's worker prefills prompts in arrival order and reports, to each
+                session still waiting, the prompt tokens left before it is ready
 
     branch      a pre-drafted continuation for a verdict the target has not given yet: the
                 rejection of the draft at position p with correction t (t among the draft
@@ -85,6 +88,14 @@ class Ready:
 
 
 @dataclass
+class Progress:
+    """The session is still prefilling, and closer to ready than at its previous report."""
+
+    prefilled_tokens: int  # this session's prompt tokens in the draft model's cache
+    queued_tokens: int  # prompt tokens to prefill before it is ready: its rest and the sessions' ahead of it
+
+
+@dataclass
 class BlockOut:
     """A block ready to send: drafts starting at `start_position`."""
 
@@ -117,14 +128,18 @@ class DraftSession:
         self.held = False  # the verifier holds this request's drafts (adaptive gamma backed it off)
         self.ready = False  # the prefill is done and announced
         self.prefill_ms = 0.0
+        self.report_progress = False  # the caller reads `Progress` (DraftOpen.report_progress)
+        self.progress_at: float | None = None  # monotonic time of the latest `Progress` sent (None: none yet)
+        self.progress_queued: int | None = None  # ... and its queued_tokens (None: none sent yet)
         self.exhausted = False  # the method has nothing more to propose for this context
         self._pending: list[Draft] = []
         self._pending_since = 0.0
         self._pending_ms = 0.0
         self.steps = 0
         self.last_token_ms = 0.0  # compute time of the token the latest draft step drafted (0: none)
-        # called as hook(self) after each draft step (the servicer's step_hooks list; empty in
-        # production, tests/faultkit.py's fault injection appends to it)
+        # called as hook(self) after each draft step and each prefill chunk (`ready` still False)
+        # (the servicer's step_hooks list; empty in production, tests/faultkit.py's fault
+        # injection appends to it)
         self.step_hooks: list[Callable[[DraftSession], None]] = []
         # pre-drafted branches (see the module's terms); branches = 0: none
         self.branches = 0  # most branches per committed context
@@ -260,6 +275,8 @@ class DraftSession:
             t0 = time.perf_counter()
             if self._needs_warmup():
                 self._warmup(self.prefill_chunk)
+                for hook in self.step_hooks:
+                    hook(self)
             self.prefill_ms += (time.perf_counter() - t0) * 1e3
             if self._needs_warmup():
                 return None
@@ -419,6 +436,15 @@ class DraftSession:
     def _next_token(self) -> Draft | None:
         raise NotImplementedError
 
+    def prefill_left(self) -> int:
+        """Prompt tokens still to feed through the draft model before the session is ready
+        (0: none left; its `Ready` may still be due)."""
+        return 0
+
+    def prefilled(self) -> int:
+        """Prompt tokens in the draft model's cache."""
+        return 0
+
     def _needs_warmup(self) -> bool:
         """Whether there is work to do before the first commit (e.g. the prompt's KV cache)."""
         return False
@@ -497,6 +523,12 @@ class ModelDraftSession(DraftSession):
         self.cached = upto
         self.forward_tokens += len(new)
         return logits[0, -1]
+
+    def prefill_left(self) -> int:
+        return 0 if self.ready else max(0, len(self.context) - 1 - self.cached)
+
+    def prefilled(self) -> int:
+        return self.cached
 
     def _needs_warmup(self) -> bool:
         return self.cached < len(self.context) - 1

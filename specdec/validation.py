@@ -147,6 +147,11 @@ def check_sampling(
 # drafter as failed (it then ends the drafts and the generation goes on as plain decoding).
 MAX_DRAFTER_VIOLATIONS = 3
 
+# A drafter still prefilling reports its progress (DraftProgress) at most this often, each
+# report with fewer queued tokens than the one before (drafter.server); a relay takes a report
+# as the drafter's answer, so its drafter_timeout_s must exceed this plus one prefill chunk.
+DRAFT_PROGRESS_INTERVAL_S = 1.0
+
 # A duration a peer reports (ms) is used only when finite and within [0, this).
 MAX_REPORTED_MS = 3.6e6
 

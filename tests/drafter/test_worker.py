@@ -11,7 +11,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from drafter.server import DraftWorker, Emit, emitter
-from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Ready
+from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Progress, Ready
 from specdec import telemetry
 
 
@@ -136,3 +136,129 @@ def test_an_item_made_after_the_calls_loop_closed_is_dropped_not_raised() -> Non
     loop.close()
     emit(RuntimeError("after close"))  # must not raise
     assert out.qsize() == 1
+
+
+def test_prompts_are_prefilled_one_at_a_time_in_arrival_order() -> None:
+    """Three sessions with long prompts arrive together: the first is prefilled to its end
+    (its `Ready`) before the second starts, as the target's scheduler takes them; the later
+    ones wait (their prefill chunks are not interleaved), and each is prefilled in turn."""
+    model = _tiny_llama()
+    worker = DraftWorker()
+    sessions = [
+        ModelDraftSession(
+            model,
+            [3 + i + j % 50 for j in range(40)],
+            gamma=4,
+            lookahead=0,
+            temperature=0.0,
+            top_k=0,
+            top_p=1.0,
+            seed=i,
+            q_top_k=4,
+            prefill_chunk=8,  # 5 chunks each
+        )
+        for i in range(3)
+    ]
+    cached_at_ready: dict[int, list[int]] = {}
+    ready_order: list[int] = []
+    done = threading.Event()
+
+    def emit_for(i: int) -> Emit:
+        def emit(item: object) -> None:
+            assert not isinstance(item, BaseException), item
+            if isinstance(item, Ready):  # on the worker's thread, between steps
+                cached_at_ready[i] = [s.cached for s in sessions]
+                ready_order.append(i)
+                if len(ready_order) == len(sessions):
+                    done.set()
+
+        return emit
+
+    for i, s in enumerate(sessions):
+        worker.add(s, emit_for(i))  # all three before the worker starts: they arrive together
+    worker.start()
+    try:
+        assert done.wait(30)
+    finally:
+        worker.stop()
+        worker.join(10)
+    assert ready_order == [0, 1, 2]
+    assert cached_at_ready[0][1:] == [0, 0]  # the later prompts untouched until the first is done
+    assert cached_at_ready[1][2] == 0
+
+
+def _queued_sessions(n: int, report: bool = True) -> list[ModelDraftSession]:
+    """`n` sessions of 40-token prompts, prefilled in chunks of 8 (39 tokens: 8, 8, 8, 8, 7)."""
+    model = _tiny_llama()
+    sessions = []
+    for i in range(n):
+        s = ModelDraftSession(
+            model,
+            [3 + i + j % 50 for j in range(40)],
+            gamma=4,
+            lookahead=0,
+            temperature=0.0,
+            top_k=0,
+            top_p=1.0,
+            seed=i,
+            q_top_k=4,
+            prefill_chunk=8,
+        )
+        s.report_progress = report
+        sessions.append(s)
+    return sessions
+
+
+def _prefill_all(worker: DraftWorker, sessions: list[ModelDraftSession]) -> list[list[object]]:
+    """Add the sessions together (before the worker starts), run it until each is ready; what
+    each session's emit got, in order."""
+    got: list[list[object]] = [[] for _ in sessions]
+    done = threading.Event()
+
+    def emit_for(i: int) -> Emit:
+        def emit(item: object) -> None:
+            assert not isinstance(item, BaseException), item
+            got[i].append(item)
+            if all(any(isinstance(x, Ready) for x in g) for g in got):
+                done.set()
+
+        return emit
+
+    for i, s in enumerate(sessions):
+        worker.add(s, emit_for(i))
+    worker.start()
+    try:
+        assert done.wait(30)
+    finally:
+        worker.stop()
+        worker.join(10)
+    return got
+
+
+def test_a_session_waiting_for_its_prefill_hears_the_queue_ahead_go_down() -> None:
+    """Each session waiting for its `Ready` gets a `Progress` whenever the prompt tokens left
+    before it is ready (its own and those of the sessions ahead) went down: one per prefill
+    chunk here (no interval), strictly fewer each time, its own prefilled count, and none
+    after its `Ready`. A hung drafter sends none, so a gateway tells the two apart."""
+    sessions = _queued_sessions(3)
+    got = _prefill_all(DraftWorker(progress_interval_s=0.0), sessions)
+    own = [31, 23, 15, 7]  # 39 tokens to prefill, in chunks of 8; ready after the fifth
+    for i, items in enumerate(got):
+        assert isinstance(items[-1], Ready) and items[-1].prefilled_tokens == 40
+        reports = items[:-1]
+        assert all(isinstance(p, Progress) for p in reports)
+        queued = [p.queued_tokens for p in reports]  # type: ignore[attr-defined]
+        assert queued == sorted(set(queued), reverse=True), f"session {i}: not strictly down: {queued}"
+        assert queued[-len(own) :] == own
+        assert [p.prefilled_tokens for p in reports[-len(own) :]] == [8, 16, 24, 32]  # type: ignore[attr-defined]
+    assert [p.queued_tokens for p in got[1][: -len(own) - 1]] == [70, 62, 54, 46, 39]  # type: ignore[attr-defined]
+    assert [p.queued_tokens for p in got[2][: -len(own) - 1]][:5] == [109, 101, 93, 85, 78]  # type: ignore[attr-defined]
+
+
+def test_progress_goes_only_to_sessions_that_asked_and_at_most_once_an_interval() -> None:
+    sessions = _queued_sessions(2)
+    sessions[0].report_progress = False
+    got = _prefill_all(DraftWorker(progress_interval_s=3600.0), sessions)
+    assert [type(x) for x in got[0]] == [Ready]
+    assert [type(x) for x in got[1]] == [Progress, Ready]  # the first report, then none within the hour
+    assert got[1][0].queued_tokens == 31 + 39  # type: ignore[attr-defined]
