@@ -413,6 +413,7 @@ class GatewayCore:
             vocab_size=vocab,
             stats=stats,
             verdict_timeout_s=self.cfg.verdict_timeout_s,
+            drafter_prefill_timeout_s=self.cfg.drafter_prefill_timeout_s,
             max_idle_commits=self.cfg.max_idle_commits,
             on_drafter_unavailable=(lambda: self.drafters.failed(drafter)) if drafter is not None else None,
             replicas=(verifier, drafter),

@@ -88,6 +88,7 @@ class Generation:
         verdict_timeout_s: float = 0.0,
         max_idle_commits: int = 0,
         replicas: tuple[Any, Any] = (None, None),
+        drafter_prefill_timeout_s: float | None = None,
     ) -> None:
         self.plan = plan
         self.replicas = replicas
@@ -111,6 +112,7 @@ class Generation:
             vocab_size=vocab_size,
             max_idle_commits=max_idle_commits,
             on_unavailable=on_drafter_unavailable,
+            prefill_timeout_s=drafter_prefill_timeout_s,
         )
 
     async def _write_verifier(self, vcall: VerifyCall) -> None:

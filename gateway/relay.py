@@ -13,6 +13,16 @@ The drafter's deadline measures the drafter alone: it owes an answer from each c
 for `drafter_timeout_s` while it owes one. The target's queueing and prefill never count:
 before the first commit the drafter owes nothing (it prefills its own copy meanwhile).
 
+A drafter's prefill can outlast the target's (long prompts queued on one CPU drafter, a CPU
+drafter beside a GPU target): four prompts of 3,000 tokens fell back at 10 s in `specdec bench
+--workloads serve-long` when silence was all a relay could go by. So the relay asks for
+progress reports (DraftOpen.report_progress), and until the drafter has spoken (`ready` or a
+block) a report answers what it owes, if it shows progress: its `queued_tokens` (prompt tokens
+left before the drafter is ready) below the previous report's; one that does not is a
+violation. A hung drafter reports nothing and still falls back at `drafter_timeout_s`; a
+drafter that keeps reporting falls back at `drafter_prefill_timeout_s` after the first commit
+if it is still not ready then. Meanwhile the target does not wait for it (verifier.proposer).
+
 Hold: while the verifier's verdicts say `hold_drafts` (adaptive gamma verifies none of this
 request's drafts for now), commits tell the drafter to hold, and a held drafter owes nothing.
 
@@ -61,6 +71,7 @@ from specdec.wire import pb, rpc
 if TYPE_CHECKING:
     from gateway.transport import DraftCall
     from specdec.v1.common_pb2 import DraftBlock, DraftReady
+    from specdec.v1.drafter_pb2 import DraftProgress
 
 log = logging.getLogger("specdec.gateway")
 
@@ -107,6 +118,7 @@ class DrafterRelay:
         vocab_size: int | None = None,
         max_idle_commits: int = 0,
         on_unavailable: Callable[[], None] | None = None,
+        prefill_timeout_s: float | None = None,
     ) -> None:
         self.plan = plan
         self.gamma = gamma
@@ -114,6 +126,8 @@ class DrafterRelay:
         self.stub = stub
         self.verifier_stub = verifier_stub
         self.timeout_s = timeout_s
+        # how long after the first commit a drafter may still be prefilling; None: timeout_s
+        self.prefill_timeout_s = timeout_s if prefill_timeout_s is None else prefill_timeout_s
         self.vocab_size = vocab_size
         self.max_idle_commits = max_idle_commits
         self.on_unavailable = on_unavailable
@@ -125,6 +139,8 @@ class DrafterRelay:
         # monotonic time of the oldest commit the drafter has not answered yet (None: it owes nothing)
         self._owed_since: float | None = None
         self._owed_at = 0  # ... and the position that commit started at
+        self._first_owed: float | None = None  # monotonic time of the first commit
+        self._queued: int | None = None  # the latest progress report's queued_tokens
         self._owing = asyncio.Event()  # set when the drafter starts to owe an answer
         self._blocks_since_commit = 0  # blocks the drafter sent since the latest commit
         self._ready_seen = False
@@ -157,6 +173,7 @@ class DrafterRelay:
                     gamma=p.gamma,
                     method=p.drafter,
                     trace_context=trace_context,
+                    report_progress=True,
                 )
             )
         )
@@ -242,6 +259,20 @@ class DrafterRelay:
             draft_ms_per_token=reported_ms(ready.draft_ms_per_token),
         )
 
+    def _progress_answers(self, progress: DraftProgress) -> bool:
+        """Whether a progress report is valid (before `ready`, fewer queued tokens than the
+        previous report): then it answers what the drafter owes; else it is a violation."""
+        if self._spoken:
+            self._violation("a progress report after `ready` or a block")
+            return False
+        if self._queued is not None and progress.queued_tokens >= self._queued:
+            self._violation(
+                f"a progress report that shows none (queued_tokens {progress.queued_tokens}, previously {self._queued})"
+            )
+            return False
+        self._queued = progress.queued_tokens
+        return True
+
     async def _relay(self, call: DraftCall) -> None:
         """drafter -> verifier: check `ready` and each block as they arrive, relay the valid ones."""
         if self.vocab_size is None:
@@ -253,13 +284,17 @@ class DrafterRelay:
                     self.fall_back("drafter ended its stream")
                     return
                 resp = cast(pb.DraftResponse, read)  # grpc-stubs type read() as `object | DraftResponse` (EOF's type)
-                self._owed_since = None  # any message answers what the drafter owed
-                if resp.HasField("ready") == resp.HasField("block"):
-                    self._violation(
-                        "a reply with "
-                        + ("both a block and `ready`" if resp.HasField("ready") else "neither a block nor `ready`")
-                    )
+                kinds = [k for k in ("block", "ready", "progress") if resp.HasField(k)]
+                if len(kinds) != 1:
+                    self._owed_since = None  # a reply, if a bad one: the drafter is not hung
+                    what = " and ".join(kinds) if kinds else "no block, `ready` or progress"
+                    self._violation(f"a reply with {what}")
                     continue
+                if kinds == ["progress"]:
+                    if self._progress_answers(resp.progress):
+                        self._owed_since = None  # it is prefilling: what it owed is answered
+                    continue
+                self._owed_since = None  # a block or `ready` answers what the drafter owed
                 self._spoken = True
                 if resp.HasField("ready"):
                     ready = self._checked_ready(resp.ready)
@@ -283,7 +318,8 @@ class DrafterRelay:
             self.fall_back(f"drafter {err.code().name}: {err.details()}")
 
     async def _watch(self) -> None:
-        """Fall back when the drafter stays silent for timeout_s while it owes an answer."""
+        """Fall back when the drafter stays silent for timeout_s while it owes an answer, or is
+        still prefilling prefill_timeout_s after the first commit (see the module docstring)."""
         while not self.stats.fallback_reason and not self._finished:
             since = self._owed_since
             if since is None:
@@ -291,12 +327,26 @@ class DrafterRelay:
                 if self._owed_since is None:
                     await self._owing.wait()
                 continue
-            left = since + self.timeout_s - time.monotonic()
+            now = time.monotonic()
+            # a drafter still prefilling that reports its progress: also the prefill deadline
+            prefill_end = None
+            if not self._spoken and self._queued is not None and self._first_owed is not None:
+                prefill_end = self._first_owed + self.prefill_timeout_s
+            if prefill_end is not None and now >= prefill_end:
+                self.fall_back(
+                    f"drafter still prefilling {self.prefill_timeout_s:g} s after the target's first token "
+                    f"(drafter_prefill_timeout_s; {self._queued} prompt tokens queued at its latest report)"
+                )
+                return
+            left = since + self.timeout_s - now
+            if prefill_end is not None:
+                left = min(left, prefill_end - now)
             if left > 0:
                 await asyncio.sleep(left)
                 continue
             self.fall_back(
                 f"drafter sent nothing for {self.timeout_s:g} s after the target's tokens at position {self._owed_at}"
+                + ("" if self._spoken else " (no `ready` and no progress report)")
             )
             return
 
@@ -324,6 +374,8 @@ class DrafterRelay:
             self._owed_since = None
         elif self._owed_since is None:
             self._owed_since, self._owed_at = time.monotonic(), step.start_position + skip
+            if self._first_owed is None:
+                self._first_owed = self._owed_since
             self._owing.set()
         self._blocks_since_commit = 0
         self._to_drafter.put(

@@ -423,7 +423,17 @@ class GatewayConfig(TransportConfig):
         "Seconds the drafter may stay silent while it owes an answer: from a commit (the target's tokens, the "
         "first one included) to its next message. Past it the request goes on as plain target decoding. The "
         "target's queueing and prefill never count: before the first commit the drafter owes nothing (it is "
-        "prefilling its own copy of the prompt).",
+        "prefilling its own copy of the prompt). A drafter still prefilling answers with its progress, up to "
+        "drafter_prefill_timeout_s.",
+    )
+    drafter_prefill_timeout_s: float = setting(
+        300.0,
+        "Seconds a drafter that is still prefilling (no `ready` or block yet) may go on prefilling after the "
+        "target's first token. Its prefill can outlast the target's (long prompts queued on one CPU drafter, a "
+        "CPU drafter beside a GPU target); meanwhile the target decodes plainly (the verifier waits for such a "
+        "drafter one margin, then not until its `ready`), and the drafter must still report progress "
+        "(DraftProgress) within every drafter_timeout_s: a drafter that reports none is hung and falls back "
+        "then. Past it the request goes on as plain target decoding without it.",
     )
     metrics_port: int = setting(9091, "Prometheus /metrics port (0: off); the REST bridge serves /metrics too.")
     rest_port: int = setting(

@@ -11,6 +11,7 @@ is what the deadline must not count.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -55,6 +56,12 @@ class FakeCall:
         self.cancelled = True
         return True
 
+    async def drained(self) -> None:
+        """Return once the reader has taken every response put so far: a reader handles what it
+        read without awaiting (the relay does), so by then it has handled them all."""
+        while not self.responses.empty():
+            await asyncio.sleep(0)
+
     async def written_kind(self, kind: str, field: str = "kind"):
         """Wait until a message whose oneof `field` is `kind` has been written; return it."""
         while True:
@@ -70,11 +77,19 @@ class Stub:
         setattr(self, method, lambda metadata=(): call)
 
 
-def _generation(verifier: FakeCall, drafter: FakeCall, max_tokens: int = 3) -> Generation:
+def _generation(
+    verifier: FakeCall, drafter: FakeCall, max_tokens: int = 3, prefill_timeout_s: float | None = None
+) -> Generation:
     plan = Plan("r1", list(PROMPT), pb.SamplingParams(max_tokens=max_tokens), gamma=2, drafter=pb.DRAFT_METHOD_MODEL)
     metrics = telemetry.GatewayMetrics(CollectorRegistry())  # each generation its own, to read back
     return Generation(
-        plan, Stub(verifier, "Verify"), Stub(drafter, "Draft"), TIMEOUT_S, telemetry.SpikeDetector(), metrics
+        plan,
+        Stub(verifier, "Verify"),
+        Stub(drafter, "Draft"),
+        TIMEOUT_S,
+        telemetry.SpikeDetector(),
+        metrics,
+        drafter_prefill_timeout_s=prefill_timeout_s,
     )
 
 
@@ -143,6 +158,156 @@ def test_a_drafter_silent_after_a_commit_falls_back_and_releases_the_verifier() 
     assert drafter.cancelled
     assert r.stats.completion_tokens == 3  # the generation went on
     assert r.metrics.registry.get_sample_value("specdec:drafter_fallbacks_total") == 1
+
+
+async def _nth_written(call: FakeCall, kind: str, n: int):
+    """Wait until the `n`-th (1-based) message of `kind` has been written; return it."""
+    while True:
+        found = [m for m in call.written if m.WhichOneof("kind") == kind]
+        if len(found) >= n:
+            return found[n - 1]
+        call.wrote.clear()
+        await call.wrote.wait()
+
+
+def _progress(queued: int, prefilled: int = 0) -> "pb.DraftResponse":
+    return pb.DraftResponse(progress=pb.DraftProgress(prefilled_tokens=prefilled, queued_tokens=queued))
+
+
+def test_a_drafter_reporting_its_prefill_is_not_hung_past_the_deadline() -> None:
+    """The drafter owes an answer from the target's first token, but is still prefilling (long
+    prompts queued on it) for longer than drafter_timeout_s. Each commit it owes is answered
+    with a progress report (fewer tokens queued each time), so it does not fall back; once
+    ready it speculates. The relay asked for the reports in `open`."""
+
+    async def scenario() -> tuple[Generation, FakeCall]:
+        verifier, drafter = FakeCall(), FakeCall()
+        r = _generation(verifier, drafter, max_tokens=4, prefill_timeout_s=60.0)
+        run = asyncio.create_task(_collect(r))
+        verifier.responses.put_nowait(_verdict(3, [10]))
+        await _nth_written(drafter, "commit", 1)  # it owes an answer from here
+        drafter.responses.put_nowait(_progress(900))
+        await asyncio.sleep(3 * TIMEOUT_S)  # its prefill outlasts drafter_timeout_s (the target waits meanwhile)
+        verifier.responses.put_nowait(_verdict(4, [11]))
+        await _nth_written(drafter, "commit", 2)
+        drafter.responses.put_nowait(_progress(400))
+        drafter.responses.put_nowait(pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=900.0)))
+        drafter.responses.put_nowait(
+            pb.DraftResponse(block=pb.DraftBlock(start_position=5, token_ids=[12, 13], committed_length=5))
+        )
+        await verifier.written_kind("block")
+        verifier.responses.put_nowait(_verdict(5, [12, 13], finish=True, drafted=2, accepted=2))
+        await run
+        return r, drafter
+
+    r, drafter = asyncio.run(scenario())
+    assert not r.stats.fallback_reason
+    assert r.stats.num_accepted_tokens == 2 and r.stats.drafter_prefill_ms == 900.0
+    assert drafter.written[0].open.report_progress
+
+
+def test_a_drafter_silent_before_its_ready_is_hung_at_the_short_deadline() -> None:
+    """No `ready` and no progress report: a hung drafter (or one that does not report), not a
+    slow prefill. It falls back at drafter_timeout_s, not drafter_prefill_timeout_s."""
+
+    async def scenario() -> tuple[Generation, float]:
+        verifier, drafter = FakeCall(), FakeCall()
+        r = _generation(verifier, drafter, prefill_timeout_s=60.0)
+        run = asyncio.create_task(_collect(r))
+        t0 = time.monotonic()
+        verifier.responses.put_nowait(_verdict(3, [10]))
+        end = await verifier.written_kind("end")  # at drafter_timeout_s: the test would take 60 s otherwise
+        waited = verifier.written_at[verifier.written.index(end)] - t0
+        verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True))
+        await run
+        return r, waited
+
+    r, waited = asyncio.run(scenario())
+    assert waited >= TIMEOUT_S
+    assert "sent nothing for 0.2 s" in r.stats.fallback_reason
+    assert "no `ready` and no progress report" in r.stats.fallback_reason
+
+
+def test_a_drafter_still_prefilling_at_the_prefill_deadline_falls_back() -> None:
+    async def scenario() -> tuple[Generation, float]:
+        verifier, drafter = FakeCall(), FakeCall()
+        r = _generation(verifier, drafter, max_tokens=4, prefill_timeout_s=3 * TIMEOUT_S)
+        run = asyncio.create_task(_collect(r))
+        t0 = time.monotonic()  # before the first commit
+        verifier.responses.put_nowait(_verdict(3, [10]))
+        await _nth_written(drafter, "commit", 1)
+        drafter.responses.put_nowait(_progress(900))
+        await asyncio.sleep(3 * TIMEOUT_S)  # past the prefill deadline, reporting progress all along
+        verifier.responses.put_nowait(_verdict(4, [11]))
+        end = await verifier.written_kind("end")
+        waited = verifier.written_at[verifier.written.index(end)] - t0
+        verifier.responses.put_nowait(_verdict(5, [12, 13], finish=True))
+        await run
+        return r, waited
+
+    r, waited = asyncio.run(scenario())
+    assert waited >= 3 * TIMEOUT_S
+    assert "still prefilling 0.6 s" in r.stats.fallback_reason
+    assert "drafter_prefill_timeout_s; 900 prompt tokens queued" in r.stats.fallback_reason
+
+
+@pytest.mark.parametrize(
+    ("replies", "what"),
+    [
+        ([_progress(900), _progress(900)], "a progress report that shows none (queued_tokens 900, previously 900)"),
+        (
+            [pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3)), _progress(10)],
+            "a progress report after `ready` or a block",
+        ),
+        ([pb.DraftResponse(progress=pb.DraftProgress(), block=pb.DraftBlock())], "a reply with block and progress"),
+    ],
+)
+def test_a_bad_progress_report_is_a_violation_and_no_answer(
+    replies: list, what: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A report that shows no progress answers nothing: a drafter cannot stall its request's
+    speculation forever by repeating one; it is counted as a violation."""
+
+    async def scenario() -> tuple[Generation, list]:
+        verifier, drafter = FakeCall(), FakeCall()
+        r = _generation(verifier, drafter, prefill_timeout_s=60.0)
+        run = asyncio.create_task(_collect(r))
+        verifier.responses.put_nowait(_verdict(3, [10]))
+        await drafter.written_kind("commit")
+        for reply in replies:
+            drafter.responses.put_nowait(reply)
+        await drafter.drained()  # the replies are handled: then the next commit is owed
+        verifier.responses.put_nowait(_verdict(4, [11]))
+        end = await verifier.written_kind("end")
+        verifier.responses.put_nowait(_verdict(5, [12], finish=True))
+        await run
+        return r, end
+
+    with caplog.at_level(logging.WARNING, logger="specdec.gateway"):
+        r, end = asyncio.run(scenario())
+    assert r.stats.invalid_blocks == 1
+    assert f"invalid reply from the drafter: {what}" in caplog.text
+    assert "sent nothing for 0.2 s" in r.stats.fallback_reason
+
+
+def test_a_ready_drafter_silent_after_a_commit_has_the_short_deadline() -> None:
+    async def scenario() -> tuple[Generation, float]:
+        verifier, drafter = FakeCall(), FakeCall()
+        r = _generation(verifier, drafter, prefill_timeout_s=60.0)
+        run = asyncio.create_task(_collect(r))
+        drafter.responses.put_nowait(pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=1.0)))
+        await verifier.written_kind("ready")
+        t0 = time.monotonic()
+        verifier.responses.put_nowait(_verdict(3, [10]))
+        end = await verifier.written_kind("end")  # at drafter_timeout_s: the test would take 60 s otherwise
+        waited = verifier.written_at[verifier.written.index(end)] - t0
+        verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True))
+        await run
+        return r, waited
+
+    r, waited = asyncio.run(scenario())
+    assert waited >= TIMEOUT_S
+    assert r.stats.fallback_reason == "drafter sent nothing for 0.2 s after the target's tokens at position 3"
 
 
 def test_a_drafter_stream_error_mid_generation_falls_back_and_verdicts_continue() -> None:
@@ -316,7 +481,7 @@ BAD_BLOCKS = {
     "start inside the prompt": (_block(0, [1, 2], committed=0), "lies inside the prompt"),
     "drafted from a context never committed": (_block(40, [1], committed=40), "block.committed_length: 40 is past"),
     "start before its own context": (_block(3, [1], committed=4), "is before the context it was drafted from"),
-    "neither block nor ready": (pb.DraftResponse(), "neither a block nor `ready`"),
+    "no block, ready or progress": (pb.DraftResponse(), "a reply with no block, `ready` or progress"),
 }
 
 
