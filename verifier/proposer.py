@@ -14,7 +14,8 @@ request's row to the board (`preview`, then `propose_batch`), which:
      A row is waited for only while its drafts can be expected: its drafter has not
      ended, and the wait stays within the drafts' expected arrival (missing tokens x the
      drafter's pace x (1 + slack), plus a margin; a drafter that has not announced `ready`
-     yet, i.e. is still prefilling or is stalled, gets the margin alone); the whole step
+     yet, i.e. is still prefilling or is stalled, gets the margin alone, once: after that
+     wait expired it is `late` and not waited for until its `ready`); the whole step
      waits at most `wait_s`, and with `adaptive` only while the missing drafts are worth
      the wait. One request never holds the others up: once any row of the batch has its
      drafts (or needs none), the rows still missing theirs are waited for at most the
@@ -161,6 +162,7 @@ class DraftBoard:
             e = self._entries.get(req_id)
             if e is not None:
                 e.ready = True
+                e.late = False  # its drafts can come now: worth waiting for
                 e.pace_ms = e.pace_ms or reported_ms(pace_ms)
             self._cond.notify_all()
 
@@ -327,8 +329,8 @@ class DraftBoard:
         e = self._entries.get(req_id)
         if e is None or missing <= 0:
             return 0.0
-        if not e.ready:  # still prefilling (or stalled): its pace is unknown, the margin only
-            return min(self.wait_s, self.wait_margin_s)
+        if not e.ready:  # still prefilling (or stalled): its pace is unknown, the margin only, once
+            return 0.0 if e.late else min(self.wait_s, self.wait_margin_s)
         return min(self.wait_s, missing * e.pace_ms / 1e3 * (1.0 + self.wait_slack) + self.wait_margin_s)
 
     def preview(self, req_id: str, start: int, tokens: list[int]) -> None:

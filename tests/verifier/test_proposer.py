@@ -130,6 +130,24 @@ def test_a_drafter_still_prefilling_is_waited_for_the_margin_only() -> None:
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[4, 4, 4]]
 
 
+def test_a_drafter_still_prefilling_costs_one_margin_then_none_until_its_ready() -> None:
+    """A long prompt's prefill can outlast many target steps (a queue on a CPU drafter): after
+    one expired margin the row is late, and steps do not wait for it, even at batch 1, until
+    the drafter says `ready`; then it is waited for again."""
+    b = DraftBoard(wait_s=5.0, wait_margin_s=0.05)
+    b.register("r", gamma=3, prompt_len=2, max_tokens=100)
+    waits = during_wait(b)  # nothing arrives: one real wait, the margin
+    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
+    assert waits and all(0 < w <= 0.05 for w in waits)
+    never_waits(b)
+    for ctx in ([1, 2, 5, 6], [1, 2, 5, 6, 7]):  # the next steps, the drafter still prefilling
+        assert b.propose_batch([("r", np.array(ctx))], 8) == [[]]
+    b.ready("r", 10.0)
+    waits = during_wait(b, lambda: b.offer("r", 5, [4, 4, 4]))  # ready: waited for, and its block comes
+    assert b.propose_batch([("r", np.array([1, 2, 5, 6, 7]))], 8) == [[4, 4, 4]]
+    assert len(waits) == 1
+
+
 def test_the_wait_is_capped_by_the_drafters_pace() -> None:
     """3 missing drafts at 20 ms each: the step waits 3 x 20 x 1.5 + 50 = 140 ms, not wait_s (5 s)."""
     b = _board(wait_s=5.0, pace_ms=20.0)
