@@ -7,7 +7,7 @@ specdec.serving.load_plugins then calls `install(service, servicer)`, which hook
 
     verifier  TargetEngine.step_hooks (a slow step, a slow prefill), and wraps
               TargetEngine.abort (the "abort disabled" fault)
-    drafter   DrafterServicer.step_hooks (a slow draft step)
+    drafter   DrafterServicer.step_hooks (a slow draft step, a slow prefill chunk)
 
 Faults (all off by default; see `Faults`), set three ways:
     - at start: `SPECDEC_FAULTS` holds a JSON object of Faults fields (a whole stack, e.g. to
@@ -57,6 +57,8 @@ class Faults:
                                 deadline) does not abort its engine request, which runs on
     draft_delay_ms, draft_every drafter: sleep draft_delay_ms in every draft_every-th draft
                                 step of each session (0: never)
+    draft_prefill_delay_ms      drafter: sleep this long after every prefill chunk (a drafter
+                                slower to prefill than its target: a long prompt, a queue)
     trace_file                  verifier: also export its spans to this JSON-lines file ("": no)
     """
 
@@ -67,6 +69,7 @@ class Faults:
     abort_disabled: bool = False
     draft_delay_ms: float = 0.0
     draft_every: int = 0
+    draft_prefill_delay_ms: float = 0.0
     trace_file: str = ""
 
     @classmethod
@@ -114,8 +117,12 @@ class Injector:
             time.sleep(f.token_delay_ms * scheduled.total_tokens / 1e3)
 
     def draft_step(self, session: Any) -> None:
-        """DrafterServicer.step_hooks: the slow draft step."""
+        """DrafterServicer.step_hooks: the slow prefill chunk (`ready` not yet), the slow draft step."""
         f = self.faults
+        if not session.ready:
+            if f.draft_prefill_delay_ms:
+                time.sleep(f.draft_prefill_delay_ms / 1e3)
+            return
         if f.draft_every and f.draft_delay_ms and session.steps % f.draft_every == 0:
             time.sleep(f.draft_delay_ms / 1e3)
 

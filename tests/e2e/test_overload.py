@@ -11,6 +11,9 @@ gateways and a drafter of this module's own.
 - A client deadline reaches the engine: a request past its deadline is aborted there (vLLM's
   scheduler holds no request afterwards, and ran few steps before it did).
 - A drafter that hangs (SIGSTOP: alive, silent) makes its requests fall back, exact.
+- A drafter whose prefill outlasts --drafter-timeout-s after the target's first token (slow
+  prefill chunks, faultkit's draft_prefill_delay_ms) is not taken for a hung one: it reports
+  its progress, the request does not fall back, and it drafts once ready; exact.
 
 The engine checks read specdec:verifier_engine_running / _waiting, which the verifier reads
 from vLLM's scheduler itself (Scheduler.get_request_counts), not from its gRPC sessions: a
@@ -32,7 +35,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from conftest import vllm_reference, wait_drafters_seen
+from conftest import injected, vllm_reference, wait_drafters_seen
 from gen import prompts, scrape, spec, wait_for
 from transformers import AutoTokenizer
 
@@ -235,3 +238,34 @@ def test_a_hung_drafter_falls_back(own, cases) -> None:
         drafter.proc.send_signal(signal.SIGCONT)
     assert list(r.token_ids) == ref[2]
     assert r.stats.drafter_fallback and r.stats.fallback_reason
+
+
+# A prompt the drafter prefills in 5 chunks of 128 (DrafterConfig.prefill_chunk), each made
+# PREFILL_CHUNK_DELAY_MS slow: 5 s of prefill after the target's first token, 2.5x the gateway's
+# --drafter-timeout-s (2), with a progress report after each chunk (1 s apart, under it).
+SLOW_PREFILL_TOKENS = 600
+PREFILL_CHUNK_DELAY_MS = 1000
+# The target made slow too (every step, faultkit's step_delay_ms), so that its plain decoding of
+# SLOW_PREFILL_MAX_TOKENS lasts at least 12 s: longer than the drafter's prefill, on any machine.
+TARGET_STEP_DELAY_MS = 20
+SLOW_PREFILL_MAX_TOKENS = 600
+
+
+def test_a_drafter_slower_to_prefill_than_its_deadline_is_not_hung(services, own, tiny_target: Path) -> None:
+    rng = random.Random(5)
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    prompt = [rng.randrange(1, tok.vocab_size) for _ in range(SLOW_PREFILL_TOKENS)]
+    ref = vllm_reference(
+        tiny_target, [{"prompt_token_ids": prompt, "max_tokens": SLOW_PREFILL_MAX_TOKENS, "ignore_eos": True}]
+    )[0]
+    with (
+        injected(own["drafter"], draft_prefill_delay_ms=PREFILL_CHUNK_DELAY_MS),
+        injected(services.verifier, step_delay_ms=TARGET_STEP_DELAY_MS, step_every=1),
+        GatewayClient(own["gateway"].address, timeout_s=300) as client,
+    ):
+        r = client.generate(spec(prompt, SLOW_PREFILL_MAX_TOKENS, gamma=4, ignore_eos=True))
+    assert list(r.token_ids) == ref
+    assert not r.stats.drafter_fallback, r.stats.fallback_reason
+    # the drafter's prefill took its 5 slow chunks, and it drafted once ready
+    assert r.stats.drafter_prefill_ms >= 5 * PREFILL_CHUNK_DELAY_MS
+    assert r.stats.drafted_tokens > 0
