@@ -491,14 +491,14 @@ class ModelDraftSession(DraftSession):
         allowed_token_ids: Sequence[int] = (),
     ) -> None:
         super().__init__(prompt, gamma, lookahead, prefill_chunk=prefill_chunk)
-        from transformers import DynamicCache
+        from drafter.kvcache import GrowingCache  # imports transformers: only a model session needs it
 
         self.model = model
         self.device = getattr(model, "device", torch.device("cpu"))
         self.vocab_limit = vocab_limit
         self.allowed_token_ids = list(allowed_token_ids)
         self._disallowed: torch.Tensor | None = None  # [vocab] True where a token may not be drafted
-        self.cache = DynamicCache()
+        self.cache = GrowingCache()  # a DynamicCache that appends in place (drafter.kvcache)
         self.cached = 0
         self.temperature = temperature
         self.top_k = top_k

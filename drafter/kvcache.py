@@ -1,0 +1,79 @@
+"""A draft session's KV cache that appends in place.
+
+transformers' DynamicCache appends a step's keys/values with `torch.cat`, which copies the whole
+cache of every layer at every step: at ~3,000 cached tokens that is ~75 MB per session and step
+for Qwen2.5-0.5B (24 layers x keys and values x 2 KV heads x 64 dims x 4 bytes x 3,000), the
+cost of a long prompt's every draft token, and each prefill chunk copies all the chunks before
+it. `GrowingCache` keeps each layer's keys/values in a buffer with room to spare and writes a
+step's new ones into it; `keys` and `values` are views of the buffer's first `length` slots.
+
+Terms:
+    length      cached tokens of the layer (keys.shape[-2])
+    capacity    slots of the buffer (buffer.shape[-2]); when a step would pass it, a new
+                buffer of length + GROW_SLOTS + length / 2 slots takes the cache over (one
+                copy, amortised over the steps that fill the spare slots)
+
+Everything else is DynamicLayer's: `crop` (a rollback) narrows the views, so the next step
+writes over the dropped slots; `batch_repeat_interleave` and `batch_select_indices` (branch
+batches) make new tensors, which the next append moves into a buffer of their own. The values
+read are the ones DynamicCache would hold, so drafts are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+# Least spare slots a new buffer gets past the tokens it holds (a prefill chunk's worth).
+GROW_SLOTS = 256
+
+
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose appends write into a buffer with spare room (module docstring)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_buffer: torch.Tensor | None = None  # [B, kv heads, capacity, dim]
+        self._value_buffer: torch.Tensor | None = None
+
+    def _in_buffer(self, batch: int, length: int, adding: int) -> bool:
+        """Whether keys/values are still views of the buffers, at their start, and the buffers
+        fit `batch` rows and `adding` more slots."""
+        kb, vb, keys, values = self._key_buffer, self._value_buffer, self.keys, self.values
+        if kb is None or vb is None or kb.shape[0] != batch or length + adding > kb.shape[-2]:
+            return False
+        if length == 0:
+            return True
+        assert keys is not None and values is not None
+        return keys.data_ptr() == kb.data_ptr() and values.data_ptr() == vb.data_ptr()
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [B, kv heads, T, dim] -> the layer's [B, kv heads, length + T, dim]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, adding = self.get_seq_length(), key_states.shape[-2]
+        kb, vb = self._key_buffer, self._value_buffer
+        if kb is None or vb is None or not self._in_buffer(key_states.shape[0], length, adding):
+            b, heads, _, dim = key_states.shape
+            capacity = length + adding + GROW_SLOTS + (length + adding) // 2
+            kb = key_states.new_empty(b, heads, capacity, dim)
+            vb = value_states.new_empty(b, heads, capacity, dim)
+            if length:
+                assert self.keys is not None and self.values is not None
+                kb[:, :, :length] = self.keys
+                vb[:, :, :length] = self.values
+            self._key_buffer, self._value_buffer = kb, vb
+        kb[:, :, length : length + adding] = key_states
+        vb[:, :, length : length + adding] = value_states
+        keys, values = kb[:, :, : length + adding], vb[:, :, : length + adding]
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+class GrowingCache(DynamicCache):
+    """A DynamicCache of GrowingLayers (made lazily, one per layer the model updates)."""
+
+    def __init__(self) -> None:
+        Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
