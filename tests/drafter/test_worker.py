@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -77,6 +78,13 @@ def _rows(metrics: telemetry.DrafterMetrics) -> dict[int, float]:
     return {n: c - cumulative.get(n - 1, 0.0) for n, c in cumulative.items() if c - cumulative.get(n - 1, 0.0)}
 
 
+def _greedy(model: torch.nn.Module, prompt: list[int], seed: int, lookahead: int, **kw: Any) -> ModelDraftSession:
+    """A greedy model session at gamma 4."""
+    return ModelDraftSession(
+        model, prompt, 4, lookahead, temperature=0.0, top_k=0, top_p=1.0, seed=seed, q_top_k=4, **kw
+    )
+
+
 @pytest.mark.parametrize("batched", [True, False])
 def test_each_draft_forward_is_observed_with_its_rows(batched: bool) -> None:
     """Three model sessions of different prompt lengths (and an n-gram one, which makes no
@@ -86,18 +94,7 @@ def test_each_draft_forward_is_observed_with_its_rows(batched: bool) -> None:
     metrics = telemetry.DrafterMetrics(CollectorRegistry())
     worker = DraftWorker(metrics=metrics, batch=batched)
     sessions: list[DraftSession] = [
-        ModelDraftSession(
-            model,
-            [3 + i + j for j in range(5 + 7 * i)],
-            gamma=4,
-            lookahead=100,
-            temperature=0.0,
-            top_k=0,
-            top_p=1.0,
-            seed=i,
-            q_top_k=4,
-        )
-        for i in range(3)
+        _greedy(model, [3 + i + j for j in range(5 + 7 * i)], seed=i, lookahead=100) for i in range(3)
     ]
     ngram = NgramDraftSession([1, 2, 3, 4, 1, 2], gamma=3, lookahead=100, ngram_max=3, ngram_min=1)
     ngram.commit(6, [3])
@@ -138,87 +135,32 @@ def test_an_item_made_after_the_calls_loop_closed_is_dropped_not_raised() -> Non
     assert out.qsize() == 1
 
 
-def test_prompts_are_prefilled_one_at_a_time_in_arrival_order() -> None:
-    """Three sessions with long prompts arrive together: the first is prefilled to its end
-    (its `Ready`) before the second starts, as the target's scheduler takes them; the later
-    ones wait (their prefill chunks are not interleaved), and each is prefilled in turn."""
-    model = _tiny_llama()
-    worker = DraftWorker()
-    sessions = [
-        ModelDraftSession(
-            model,
-            [3 + i + j % 50 for j in range(40)],
-            gamma=4,
-            lookahead=0,
-            temperature=0.0,
-            top_k=0,
-            top_p=1.0,
-            seed=i,
-            q_top_k=4,
-            prefill_chunk=8,  # 5 chunks each
-        )
-        for i in range(3)
-    ]
-    cached_at_ready: dict[int, list[int]] = {}
-    ready_order: list[int] = []
-    done = threading.Event()
-
-    def emit_for(i: int) -> Emit:
-        def emit(item: object) -> None:
-            assert not isinstance(item, BaseException), item
-            if isinstance(item, Ready):  # on the worker's thread, between steps
-                cached_at_ready[i] = [s.cached for s in sessions]
-                ready_order.append(i)
-                if len(ready_order) == len(sessions):
-                    done.set()
-
-        return emit
-
-    for i, s in enumerate(sessions):
-        worker.add(s, emit_for(i))  # all three before the worker starts: they arrive together
-    worker.start()
-    try:
-        assert done.wait(30)
-    finally:
-        worker.stop()
-        worker.join(10)
-    assert ready_order == [0, 1, 2]
-    assert cached_at_ready[0][1:] == [0, 0]  # the later prompts untouched until the first is done
-    assert cached_at_ready[1][2] == 0
-
-
 def _queued_sessions(n: int, report: bool = True) -> list[ModelDraftSession]:
     """`n` sessions of 40-token prompts, prefilled in chunks of 8 (39 tokens: 8, 8, 8, 8, 7)."""
     model = _tiny_llama()
     sessions = []
     for i in range(n):
-        s = ModelDraftSession(
-            model,
-            [3 + i + j % 50 for j in range(40)],
-            gamma=4,
-            lookahead=0,
-            temperature=0.0,
-            top_k=0,
-            top_p=1.0,
-            seed=i,
-            q_top_k=4,
-            prefill_chunk=8,
-        )
+        s = _greedy(model, [3 + i + j % 50 for j in range(40)], seed=i, lookahead=0, prefill_chunk=8)
         s.report_progress = report
         sessions.append(s)
     return sessions
 
 
-def _prefill_all(worker: DraftWorker, sessions: list[ModelDraftSession]) -> list[list[object]]:
+def _prefill_all(
+    worker: DraftWorker, sessions: list[ModelDraftSession], readies: list[tuple[int, list[int]]] | None = None
+) -> list[list[object]]:
     """Add the sessions together (before the worker starts), run it until each is ready; what
-    each session's emit got, in order."""
+    each session's emit got, in order. `readies` gets (session, every session's `cached`) at
+    each `Ready`, in the order they came."""
     got: list[list[object]] = [[] for _ in sessions]
     done = threading.Event()
 
     def emit_for(i: int) -> Emit:
-        def emit(item: object) -> None:
+        def emit(item: object) -> None:  # on the worker's thread, between steps
             assert not isinstance(item, BaseException), item
             got[i].append(item)
+            if isinstance(item, Ready) and readies is not None:
+                readies.append((i, [s.cached for s in sessions]))
             if all(any(isinstance(x, Ready) for x in g) for g in got):
                 done.set()
 
@@ -262,3 +204,14 @@ def test_progress_goes_only_to_sessions_that_asked_and_at_most_once_an_interval(
     assert [type(x) for x in got[0]] == [Ready]
     assert [type(x) for x in got[1]] == [Progress, Ready]  # the first report, then none within the hour
     assert got[1][0].queued_tokens == 31 + 39  # type: ignore[attr-defined]
+
+
+def test_prompts_are_prefilled_one_at_a_time_in_arrival_order() -> None:
+    """Three sessions with long prompts arrive together: the first is prefilled to its end
+    (its `Ready`) before the second starts, as the target's scheduler takes them; the later
+    ones wait (their prefill chunks are not interleaved), and each is prefilled in turn."""
+    readies: list[tuple[int, list[int]]] = []
+    _prefill_all(DraftWorker(), _queued_sessions(3, report=False), readies)
+    assert [i for i, _ in readies] == [0, 1, 2]
+    assert readies[0][1][1:] == [0, 0]  # the later prompts untouched until the first is done
+    assert readies[1][1][2] == 0
