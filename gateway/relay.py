@@ -346,7 +346,13 @@ class DrafterRelay:
                 continue
             self.fall_back(
                 f"drafter sent nothing for {self.timeout_s:g} s after the target's tokens at position {self._owed_at}"
-                + ("" if self._spoken else " (no `ready` and no progress report)")
+                + (
+                    ""
+                    if self._spoken
+                    else " (no `ready` and no progress report)"
+                    if self._queued is None
+                    else " (no `ready`; its progress reports stopped)"
+                )
             )
             return
 
