@@ -34,6 +34,7 @@ import faultkit
 import grpc
 import pytest
 
+from specdec.errors import exit_status
 from specdec.models import resolve
 from specdec_cli.launch import Service, free_port, start_service, stop_all
 
@@ -104,6 +105,63 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             "(tests/conftest.py E2E_MODULES, or @pytest.mark.e2e)",
             file=sys.stderr,
         )
+
+
+# The session-scoped stacks' own services (`services`, `default_services`: their verifier, drafters
+# and gateways, not the ones a module adds to them and stops): none is ever stopped before the
+# session ends, so one that exits has crashed. Where it did, for every later test that needs it:
+SESSION_SERVICES: list[Service] = []
+_CRASHES: dict[int, tuple[Service, str]] = {}  # a crashed session service's pid -> it, the test it exited during
+SESSION_FIXTURES = frozenset({"services", "default_services", "stack", "gateway_address"})
+LOG_TAIL_LINES = 40
+
+
+def _log_tail(svc: Service, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of `svc`'s log (where a crash says why)."""
+    if svc.log_path is None or not svc.log_path.exists():
+        return "(no log)"
+    with open(svc.log_path, "rb") as log:
+        log.seek(max(0, log.seek(0, os.SEEK_END) - 64 * 1024))
+        return "\n".join(log.read().decode(errors="replace").splitlines()[-lines:])
+
+
+def _crashed() -> list[Service]:
+    """The session stacks' own services that have exited."""
+    return [svc for svc in SESSION_SERVICES if svc.proc.poll() is not None]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Record the test during which a session service exited: the test that crashed it, or ran
+    when it crashed. Every later test only finds it gone (`_session_services_alive`)."""
+    yield
+    for svc in _crashed():
+        _CRASHES.setdefault(svc.proc.pid, (svc, item.nodeid))
+
+
+@pytest.fixture(autouse=True)
+def _session_services_alive(request: pytest.FixtureRequest) -> None:
+    """A test that needs a session stack whose service has crashed fails at once, naming the
+    service, the test it exited during and its log's last lines: not by timing out against a
+    closed port (a CI run whose verifier crashed failed 43 tests with `Connection refused` and
+    not a word of why)."""
+    if not SESSION_FIXTURES & set(request.fixturenames):
+        return
+    for svc in _crashed():
+        during = _CRASHES.get(svc.proc.pid, (svc, "an earlier test's setup or teardown"))[1]
+        pytest.fail(
+            f"the session's {svc.kind} {svc.address} exited with {exit_status(svc.proc.returncode)} "
+            f"during {during}; the last lines of its log {svc.log_path}:\n{_log_tail(svc)}",
+            pytrace=False,
+        )
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Each session service that crashed, once, with its log's last lines (the failures above
+    only name it)."""
+    for svc, during in _CRASHES.values():
+        terminalreporter.section(f"the session's {svc.kind} crashed during {during}", sep="-")
+        terminalreporter.line(f"{exit_status(svc.proc.returncode)}; {svc.log_path}:\n{_log_tail(svc)}")
 
 
 @pytest.fixture(scope="session")
@@ -216,6 +274,10 @@ class Services:
             if wanted and gateway.proc.poll() is None:
                 wait_drafters_seen(gateway, len(wanted), timeout_s)
 
+    def own(self) -> list[Service]:
+        """The stack's verifier, drafters and gateways (not the services a module added to it)."""
+        return [svc for svc in (self.verifier, *self.drafters.values(), *self.gateways.values()) if svc is not None]
+
     def stop(self) -> None:
         stop_all(reversed(self.started))  # together: the session's dozen services exit in parallel
 
@@ -248,6 +310,13 @@ def injected(svc: Service, **faults: Any) -> Iterator[dict[str, Any]]:
         faultkit.switch(port, **before)
 
 
+def _forget_session_services(stack: Services) -> None:
+    """`stack` is stopping: its services' exits are no crash."""
+    for svc in stack.own():
+        if svc in SESSION_SERVICES:
+            SESSION_SERVICES.remove(svc)
+
+
 @pytest.fixture(scope="session")
 def services(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
     s = Services(log_dir)
@@ -256,8 +325,10 @@ def services(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
         for name, draft in DRAFTS.items():
             s.drafters[name], s.gateways[name] = s.start_pair(draft, s.verifier)
         s.ready()
+        SESSION_SERVICES.extend(s.own())
         yield s
     finally:
+        _forget_session_services(s)
         s.stop()
 
 
@@ -275,8 +346,10 @@ def default_services(tiny_target: Path, log_dir: Path) -> Iterator[Services]:
             s.drafters[name] = s._start("drafter", ["--model", draft, "--threads", "1"])
             s.gateways[name] = s.start_gateway(s.drafters[name].address, s.verifier.address)
         s.ready()
+        SESSION_SERVICES.extend(s.own())
         yield s
     finally:
+        _forget_session_services(s)
         s.stop()
 
 
