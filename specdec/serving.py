@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import importlib
 import logging
 import os
 import signal
 import socket
-import sys
 import threading
-import traceback
 from collections.abc import AsyncIterator, Callable, Coroutine
 from types import FrameType
 from typing import Any, NoReturn, Protocol, TypeVar
@@ -191,31 +190,36 @@ class Servicer(Protocol):
 S = TypeVar("S", bound=Servicer)
 
 
-def dump_stacks(fd: int = 2) -> None:
-    """Write every thread's Python stack to file descriptor `fd` (stderr: the service's log), in
-    faulthandler's layout, the main thread last (a reader knows the dump is whole when the main
-    thread's outermost frame is in).
+# The last line of a stack dump (dump_stacks): a reader of the log knows the dump is whole.
+DUMP_END = "End of the stack dump."
 
-    Runs holding the interpreter lock, so no thread's frames change while they are read. That is
-    why this is not `faulthandler.register(..., all_threads=True)`: faulthandler walks the other
-    threads' frames from the C signal handler without the lock, and a verifier whose engine
-    thread was running segfaulted inside that walk (tests/e2e/test_stacks.py, 2026-12-03). It
-    writes with os.write, not sys.stderr: a signal that lands while the main thread is inside a
-    buffered write to stderr (a log line) would make a second buffered write fail as reentrant.
+
+def dump_stacks(fd: int = 2) -> None:
+    """Write every thread's Python stack to file descriptor `fd` (stderr: the service's log):
+    a line naming each thread by its id, faulthandler's dump of every thread (innermost frame
+    first; `Current thread` is the one writing), then DUMP_END.
+
+    The frames are walked by `faulthandler.dump_traceback` called from Python, i.e. in C with
+    the interpreter lock held for the whole walk: no other thread runs Python code, so none
+    changes its frames, while they are read. Two other ways crash:
+    - `faulthandler.register(SIGUSR1, all_threads=True)` walks them inside the C signal handler,
+      without the lock: a verifier whose engine thread was running segfaulted inside that walk
+      (tests/e2e/test_stacks.py, 2026-12-03);
+    - a walk in Python (`sys._current_frames()`, then each frame's `f_back`) lets the lock go
+      between bytecodes, every switch interval; a thread that runs meanwhile pops the frames
+      being read, and reading `f_back` of such a frame crashes CPython 3.11
+      (python/cpython#99110, and reports on 3.11.5 since).
+    It writes with os.write, not sys.stderr: a signal that lands while the main thread is inside
+    a buffered write to stderr (a log line) would make a second buffered write fail as reentrant.
     """
-    frames = sys._current_frames()
-    names = {thread.ident: thread.name for thread in threading.enumerate()}
-    main = threading.main_thread().ident
-    parts = ["\n"]
-    for ident in sorted(frames, key=lambda ident: ident == main):  # the main thread last
-        parts.append(f"Thread {ident:#018x} [{names.get(ident, '?')}] (most recent call first):\n")
-        # innermost first; names and line numbers only: no source file is read inside the handler
-        stack = traceback.StackSummary.extract(traceback.walk_stack(frames[ident]), lookup_lines=False)
-        parts.extend(f'  File "{f.filename}", line {f.lineno} in {f.name}\n' for f in stack)
-        parts.append("\n")
-    data = "".join(parts).encode(errors="replace")
-    while data:
-        data = data[os.write(fd, data) :]
+    names = ", ".join(f"{t.ident:#018x} {t.name!r}" for t in threading.enumerate() if t.ident is not None)
+    head = f"\nStack dump of every thread ({names}):\n".encode(errors="replace")
+    while head:
+        head = head[os.write(fd, head) :]
+    faulthandler.dump_traceback(fd, all_threads=True)
+    tail = f"{DUMP_END}\n".encode()
+    while tail:
+        tail = tail[os.write(fd, tail) :]
 
 
 def _on_sigusr1(signum: int, frame: FrameType | None) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.client import AsyncGatewayClient, generation_spec
+from specdec.serving import DUMP_END
 from specdec.wire import pb
 from specdec_cli.launch import Service
 
@@ -103,9 +104,6 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
         time.sleep(0.1)
 
 
-DUMP_END = "in _run_module_as_main"  # the last frame of a stack dump (serving.dump_stacks) of a `python -m` process
-
-
 def stall_report(svc: Service) -> str:
     """What `svc`, a service that answers nothing, is doing, for a failure message: its
     specdec:*_sessions / engine gauges (when it serves /metrics) and every thread's stack, which
@@ -128,8 +126,7 @@ def stall_report(svc: Service) -> str:
             log.seek(start)
             return log.read().decode(errors="replace")
 
-    # the dump is whole once the main thread's outermost frame is in: dump_stacks lists the
-    # main thread last, and services run as `python -m`
+    # the dump is whole once its last line is in (serving.dump_stacks)
     try:
         wait_for(lambda: DUMP_END in since_signal(), 30, f"{svc.kind}'s stack dump in its log")
     except AssertionError as err:

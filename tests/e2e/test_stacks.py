@@ -1,9 +1,9 @@
 """SIGUSR1 makes a running service write every thread's stack to its log, and it goes on serving
 (specdec.serving.serve; docs/observability.md "A service that stalls"). The tests' stall reports
 (gen.stall_report, used when a request gets no answer) rely on it. The verifier is also dumped
-again and again while it generates: faulthandler's dump, which read the engine thread's frames
-without the interpreter lock, crashed it that way once in a full run (specdec.serving.dump_stacks).
-The crash is rare: these 20 dumps did not bring it back with faulthandler in place."""
+again and again while it generates: a dump that reads the engine thread's frames while that
+thread runs Python crashes it (faulthandler's dump from the signal handler did, once, in a full
+run; specdec.serving.dump_stacks says why its walk cannot)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from specdec import serving
-from specdec.serving import SessionSlots, dump_stacks, open_session
+from specdec.serving import DUMP_END, SessionSlots, dump_stacks, open_session
 from specdec.wire import pb
 
 
@@ -130,7 +130,7 @@ def _parked_thread() -> tuple[threading.Thread, threading.Event]:
     return thread, release
 
 
-def test_dump_stacks_writes_every_thread_the_main_thread_last(tmp_path) -> None:
+def test_dump_stacks_names_every_thread_and_ends_with_its_marker(tmp_path) -> None:
     thread, release = _parked_thread()
     try:
         with open(tmp_path / "log", "w+b") as log:
@@ -140,13 +140,16 @@ def test_dump_stacks_writes_every_thread_the_main_thread_last(tmp_path) -> None:
     finally:
         release.set()
         thread.join()
-    headers = re.findall(r"^Thread (0x[0-9a-f]+) \[(.*)\] \(most recent call first\):$", text, re.M)
-    assert [name for _, name in headers].count("parked") == 1, text
-    assert headers[-1] == (f"{threading.main_thread().ident:#018x}", "MainThread"), text
-    parked = text.split("[parked]")[1].split("\nThread ")[0]
+    names = dict(re.findall(r"(0x[0-9a-f]{16}) '([^']*)'", text.split("\n", 2)[1]))  # the head line
+    assert names[f"{thread.ident:#018x}"] == "parked", text
+    assert names[f"{threading.main_thread().ident:#018x}"] == "MainThread", text
+    headers = re.findall(r"^(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):$", text, re.M)
+    assert set(headers) == set(names), text  # every thread's stack, each once
+    assert len(headers) == len(set(headers)), text
+    parked = text.split(f"Thread {thread.ident:#018x} (most recent call first):\n")[1].split("\n\n")[0]
     assert " in _park\n" in parked and " in wait\n" in parked, parked  # its own frames, innermost first
     assert parked.index(" in wait\n") < parked.index(" in _park\n"), parked
-    assert " in test_dump_stacks_writes_every_thread_the_main_thread_last\n" in text.split("[MainThread]")[1]
+    assert text.rstrip("\n").endswith(DUMP_END), text
 
 
 def test_sigusr1_dumps_the_stacks_to_stderr_and_returns(capfd) -> None:
@@ -160,5 +163,7 @@ def test_sigusr1_dumps_the_stacks_to_stderr_and_returns(capfd) -> None:
         signal.signal(signal.SIGUSR1, before)
         release.set()
         thread.join()
-    assert "[parked] (most recent call first):" in err and " in _park\n" in err, err
-    assert " in _on_sigusr1\n" in err.split("[MainThread]")[1], err
+    parked = err.split(f"Thread {thread.ident:#018x} (most recent call first):\n")[1].split("\n\n")[0]
+    assert " in _park\n" in parked, err
+    main = err.split(f"Current thread {threading.main_thread().ident:#018x} (most recent call first):\n")[1]
+    assert " in _on_sigusr1\n" in main.split("\n\n")[0] and DUMP_END in main, err
