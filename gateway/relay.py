@@ -344,15 +344,14 @@ class DrafterRelay:
             if left > 0:
                 await asyncio.sleep(left)
                 continue
+            why = ""  # a drafter that has spoken owes blocks; one that has not, its `ready`
+            if not self._spoken and self._queued is None:
+                why = " (no `ready` and no progress report)"
+            elif not self._spoken:
+                why = " (no `ready`; its progress reports stopped)"
             self.fall_back(
-                f"drafter sent nothing for {self.timeout_s:g} s after the target's tokens at position {self._owed_at}"
-                + (
-                    ""
-                    if self._spoken
-                    else " (no `ready` and no progress report)"
-                    if self._queued is None
-                    else " (no `ready`; its progress reports stopped)"
-                )
+                f"drafter sent nothing for {self.timeout_s:g} s after the target's tokens "
+                f"at position {self._owed_at}{why}"
             )
             return
 

@@ -207,19 +207,21 @@ def dump_stacks(fd: int = 2) -> None:
       (tests/e2e/test_stacks.py, 2026-12-03);
     - a walk in Python (`sys._current_frames()`, then each frame's `f_back`) lets the lock go
       between bytecodes, every switch interval; a thread that runs meanwhile pops the frames
-      being read, and reading `f_back` of such a frame crashes CPython 3.11
+      being read, and reading `f_back` of such a frame has crashed CPython 3.11
       (python/cpython#99110, and reports on 3.11.5 since).
     It writes with os.write, not sys.stderr: a signal that lands while the main thread is inside
     a buffered write to stderr (a log line) would make a second buffered write fail as reentrant.
     """
     names = ", ".join(f"{t.ident:#018x} {t.name!r}" for t in threading.enumerate() if t.ident is not None)
-    head = f"\nStack dump of every thread ({names}):\n".encode(errors="replace")
-    while head:
-        head = head[os.write(fd, head) :]
+    _write_all(fd, f"\nStack dump of every thread ({names}):\n".encode(errors="replace"))
     faulthandler.dump_traceback(fd, all_threads=True)
-    tail = f"{DUMP_END}\n".encode()
-    while tail:
-        tail = tail[os.write(fd, tail) :]
+    _write_all(fd, f"{DUMP_END}\n".encode())
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until all of `data` is written (a write to a pipe may take part of it)."""
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 def _on_sigusr1(signum: int, frame: FrameType | None) -> None:

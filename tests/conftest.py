@@ -148,7 +148,7 @@ def _session_services_alive(request: pytest.FixtureRequest) -> None:
     if not SESSION_FIXTURES & set(request.fixturenames):
         return
     for svc in _crashed():
-        during = _CRASHES.get(svc.proc.pid, (svc, "an earlier test's setup or teardown"))[1]
+        during = _CRASHES[svc.proc.pid][1] if svc.proc.pid in _CRASHES else "an earlier test's setup or teardown"
         pytest.fail(
             f"the session's {svc.kind} {svc.address} exited with {exit_status(svc.proc.returncode)} "
             f"during {during}; the last lines of its log {svc.log_path}:\n{_log_tail(svc)}",
