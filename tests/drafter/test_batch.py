@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from drafter import batch
-from drafter.server import DraftWorker
+from drafter.server import DraftWorker, work_order
 from drafter.sessions import BlockOut, ModelDraftSession, Ready
 from specdec.models import resolve
 from specdec.models.lean import LeanDecoder
@@ -101,7 +101,7 @@ def _run(model: torch.nn.Module, batched: bool, temperature: float, steps: int =
             s.commit(s.committed, tokens, hold=hold)
         live = [(s, e) for s, e in worker._sessions.values()]
         active = [(s, e) for s, e in live if s.wants_work()]
-        active = [(s, e) for s, e in active if s.urgent()] or active
+        active = work_order(active, batched=True)  # the batched worker's order, for both runs
         if active:
             worker.advance(active)
             batch_sizes.append(worker.last_batch)

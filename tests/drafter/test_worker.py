@@ -11,7 +11,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from drafter.server import DraftWorker, Emit, emitter
+from drafter.server import DraftWorker, Emit, emitter, work_order
 from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Progress, Ready
 from specdec import telemetry
 
@@ -118,6 +118,39 @@ def test_each_draft_forward_is_observed_with_its_rows(batched: bool) -> None:
 
 def _no_error(item: object) -> None:
     assert not isinstance(item, BaseException), item
+
+
+def _session(ready: bool, started: bool, drafted: int) -> DraftSession:
+    """A session at gamma 4 (window 9) with `drafted` drafts past its committed context."""
+    s = DraftSession(list(range(8)), gamma=4, lookahead=5)
+    s.ready, s.started = ready, started
+    s.context += list(range(drafted))
+    return s
+
+
+def test_rows_drafting_ahead_join_the_urgent_rows_forward_and_prefills_wait() -> None:
+    """While a verifier waits for some sessions' drafts (urgent), the batched worker steps them
+    and, in the same forward, every session drafting ahead (a row costs little beside the
+    weights a forward reads); a prefill waits for a step with nothing urgent. One session at a
+    time, only the urgent ones. Of the prefills, only the oldest."""
+    urgent = _session(ready=True, started=True, drafted=1)  # fewer than gamma drafts
+    ahead = _session(ready=True, started=True, drafted=4)  # gamma drafts: it drafts its lookahead
+    first, second = _session(ready=False, started=False, drafted=0), _session(ready=False, started=False, drafted=0)
+    assert urgent.urgent() and ahead.wants_work() and not ahead.urgent() and not first.urgent()
+    active = [(s, _no_error) for s in (first, urgent, second, ahead)]
+
+    def order(sessions: list[DraftSession], batched: bool) -> list[DraftSession]:
+        return [s for s, _ in work_order([(s, _no_error) for s in sessions], batched)]
+
+    assert [s for s, _ in work_order(active, batched=True)] == [urgent, ahead]
+    assert [s for s, _ in work_order(active, batched=False)] == [urgent]
+    for batched in (True, False):  # nothing urgent: drafting ahead, and the oldest prefill
+        assert order([first, second, ahead], batched) == [first, ahead]
+    # the target's first token came before this session's prefill ended: urgent, prefilled now
+    late = _session(ready=False, started=True, drafted=0)
+    assert late.urgent()
+    assert order([first, late, ahead], batched=True) == [late, ahead]
+    assert order([first, late, ahead], batched=False) == [late]
 
 
 def test_an_item_made_after_the_calls_loop_closed_is_dropped_not_raised() -> None:
