@@ -137,13 +137,12 @@ def test_rows_drafting_ahead_join_the_urgent_rows_forward_and_prefills_wait() ->
     ahead = _session(ready=True, started=True, drafted=4)  # gamma drafts: it drafts its lookahead
     first, second = _session(ready=False, started=False, drafted=0), _session(ready=False, started=False, drafted=0)
     assert urgent.urgent() and ahead.wants_work() and not ahead.urgent() and not first.urgent()
-    active = [(s, _no_error) for s in (first, urgent, second, ahead)]
 
     def order(sessions: list[DraftSession], batched: bool) -> list[DraftSession]:
         return [s for s, _ in work_order([(s, _no_error) for s in sessions], batched)]
 
-    assert [s for s, _ in work_order(active, batched=True)] == [urgent, ahead]
-    assert [s for s, _ in work_order(active, batched=False)] == [urgent]
+    assert order([first, urgent, second, ahead], batched=True) == [urgent, ahead]
+    assert order([first, urgent, second, ahead], batched=False) == [urgent]
     for batched in (True, False):  # nothing urgent: drafting ahead, and the oldest prefill
         assert order([first, second, ahead], batched) == [first, ahead]
     # the target's first token came before this session's prefill ended: urgent, prefilled now
