@@ -233,14 +233,13 @@ class TargetEngine:
         self._decode_step = not step.new_requests and all(
             n == 1 + step.spec_tokens.get(rid, 0) for rid, n in step.num_scheduled_tokens.items()
         )
-        chunked = 0  # requests prefilled in chunks with one still to come: the next step carries it
+        # requests whose prefill is not done: not scheduled yet, or a chunk in the next step
+        self.board.queued = step.waiting + step.prefill_chunks
         for rid, n in step.num_scheduled_tokens.items():
             live = self._by_engine_id.get(rid)
             if live is not None:
                 live.computed += n
                 live.first_scheduled = live.first_scheduled or now
-                chunked += live.generated == 0 and live.computed < len(live.req.prompt_token_ids)
-        self.board.queued = step.waiting + chunked
 
     # ---- called from any thread -------------------------------------------------
     def submit(self, req: GenerationRequest, on_verdict: Callable[[Verdict | EngineFailed], None]) -> None:

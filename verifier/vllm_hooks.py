@@ -471,6 +471,7 @@ class ScheduledStep:
     total_tokens: int  # all tokens scheduled this step
     new_requests: int  # requests scheduled for the first time (their prefill starts)
     waiting: int  # requests still waiting to be scheduled
+    prefill_chunks: int = 0  # scheduled requests whose prompt has a chunk still to come (is_prefill_chunk)
 
 
 def install_schedule_hook(
@@ -492,6 +493,12 @@ def install_schedule_hook(
                 total_tokens=int(out.total_num_scheduled_tokens),
                 new_requests=len(out.scheduled_new_reqs),
                 waiting=len(scheduler.waiting),
+                # vLLM advanced each request's computed tokens in schedule(): a prompt prefilled in
+                # chunks is still `is_prefill_chunk` while a chunk is to come (prefix-cache hits counted)
+                prefill_chunks=sum(
+                    bool(getattr(scheduler.requests.get(rid), "is_prefill_chunk", False))
+                    for rid in out.num_scheduled_tokens
+                ),
             )
         )
         return out

@@ -79,29 +79,14 @@ def test_drafts_ready_and_end_before_the_request_is_added_are_kept_bounded_and_a
 
 
 def test_a_prompt_with_a_chunk_still_to_prefill_counts_as_queued() -> None:
-    """A step waits for drafts only while no prefill is held up by it: the board's `queued`
-    counts the requests not scheduled yet and those prefilled in chunks with one still to
-    come (their next chunk rides in the next step), not the ones decoding."""
-    from types import SimpleNamespace
-
-    from verifier.engine import GenerationRequest, _Live
+    """A step waits for drafts only while no prefill waits behind it: the board's `queued`
+    counts the requests not scheduled yet and those prefilled in chunks with one still to come
+    (their next chunk rides in the next step; vllm_hooks.ScheduledStep.prefill_chunks)."""
     from verifier.vllm_hooks import ScheduledStep
 
     eng = _bare_engine()
-    params = SimpleNamespace(max_tokens=10, stop_token_ids=None, logprobs=None)
-    long, short, decoding = (
-        _Live(GenerationRequest(rid, list(range(n)), gamma=2, params=params), lambda v: None, engine_id=f"{rid}-e")
-        for rid, n in (("long", 1000), ("short", 100), ("decoding", 50))
-    )
-    decoding.generated = 3  # its prompt is done: it computes its token and drafts
-    for live in (long, short, decoding):
-        eng._by_engine_id[live.engine_id] = live
-
-    def schedule(tokens: dict[str, int], waiting: int) -> int:
-        eng._on_schedule(ScheduledStep(tokens, {}, sum(tokens.values()), 0, waiting))
-        return eng.board.queued
-
-    # a 512-token budget: the long prompt's first chunk, the short one whole, a decode of 1 + 2 drafts
-    assert schedule({"long-e": 409, "short-e": 100, "decoding-e": 3}, waiting=2) == 2 + 1
-    assert schedule({"long-e": 509, "decoding-e": 3}, waiting=2) == 2 + 1  # 918 of 1,000 computed
-    assert schedule({"long-e": 82, "decoding-e": 3}, waiting=0) == 0  # its last chunk: none to come
+    # a 512-token budget: a long prompt's first chunk, a short prompt whole, a decode of 1 + 2 drafts
+    eng._on_schedule(ScheduledStep({"long": 409, "short": 100, "dec": 3}, {"dec": 2}, 512, 2, 2, prefill_chunks=1))
+    assert eng.board.queued == 2 + 1
+    eng._on_schedule(ScheduledStep({"long": 91, "dec": 3}, {"dec": 2}, 94, 0, 0, prefill_chunks=0))  # its last chunk
+    assert eng.board.queued == 0

