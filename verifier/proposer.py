@@ -10,27 +10,27 @@ request's row to the board (`preview`, then `propose_batch`), which:
      number of drafts that raises the step's expected tokens per ms under the measured
      step cost and the request's recent acceptance (verifier.budget: this is adaptive
      gamma, and the back-off to plain decoding when the verifier is saturated);
-  3. waits for a block that continues that context, and returns its first budget tokens. A
-     row is waited for only while its drafts can be expected: its drafter has not ended, and
-     the wait stays within the drafts' expected arrival (missing tokens x the drafter's pace
-     x (1 + slack), plus a margin; a drafter that has not announced `ready` yet, i.e. is
-     still prefilling or is stalled, gets the margin alone, once: after that wait expired it
-     is `late` and not waited for until its `ready`); the whole step waits at most `wait_s`,
-     and with `adaptive` only while the missing drafts are worth the wait and no prefill
-     waits behind the step (`queued`: requests not scheduled yet, or prefilled in chunks
-     with one still to come; a request arrived since). One request never holds the others
-     up: once any row of the batch has its drafts (or needs none), the rows still missing
-     theirs are waited for at most the margin from the step's start, and in a batch of more
-     than one a row whose drafter let a wait expire with nothing usable (`late`, until a
-     block with drafts arrives) is not waited for at all. So a drafter that answers politely
-     with nothing (empty or stale blocks) costs the other requests of its batch at most one
-     margin, once. A request with no block in time gets [] and decodes plainly this step. A
-     request adaptive gamma gives no drafts at all is `held`: its verdicts say so
-     (VerifyResponse.hold_drafts) and its drafter stops drafting until the budget comes back
-     (as its acceptance history fades, verifier.budget.DECAY). A wait that expires with none
-     of a ready drafter's drafts counts against its acceptance
-     (verifier.budget.Acceptance.miss), so a drafter too slow to keep up is held too, rather
-     than drafting blocks that arrive stale.
+  3. waits for a block that continues that context, and returns its first budget tokens.
+     A row is waited for only while its drafts can be expected: its drafter has not
+     ended, and the wait stays within the drafts' expected arrival (missing tokens x the
+     drafter's pace x (1 + slack), plus a margin; a drafter that has not announced `ready`
+     yet, i.e. is still prefilling or is stalled, gets the margin alone, once: after that
+     wait expired it is `late` and not waited for until its `ready`); the whole step
+     waits at most `wait_s`, and with `adaptive` only while the missing drafts are worth
+     the wait and no prefill waits behind the step (`queued`: requests not scheduled yet,
+     or prefilled in chunks with one still to come; a request arrived since). One request
+     never holds the others up: once any row of the batch has its
+     drafts (or needs none), the rows still missing theirs are waited for at most the
+     margin from the step's start, and in a batch of more than one a row whose drafter let
+     a wait expire with nothing usable (`late`, until a block with drafts arrives) is not
+     waited for at all. So a drafter that answers politely with nothing (empty or stale
+     blocks) costs the other requests of its batch at most one margin, once. A request
+     with no block in time gets [] and decodes plainly this step. A request adaptive gamma
+     gives no drafts at all is `held`: its verdicts say so (VerifyResponse.hold_drafts) and
+     its drafter stops drafting until the budget comes back (as its acceptance history
+     fades, verifier.budget.DECAY). A wait that expires with none of a ready drafter's
+     drafts counts against its acceptance (verifier.budget.Acceptance.miss), so a drafter
+     too slow to keep up is held too, rather than drafting blocks that arrive stale.
 vLLM then verifies the drafts in its next step with its own scheduler, KV cache (no
 recompute of verified tokens) and rejection sampler (one-hot q, which is exact).
 
