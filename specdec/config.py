@@ -303,8 +303,9 @@ class VerifierConfig(TransportConfig):
     max_num_batched_tokens: int = setting(
         0,
         "Engine scheduling budget: tokens one step computes (prefill chunks, each request's token and "
-        "drafts); 0: `vllm serve`'s (on CUDA by GPU memory; 2048 on the CPU). A burst of prompts is prefilled "
-        "in one step while it fits; a larger budget holds a larger burst (docs/performance.md).",
+        "drafts); 0: `vllm serve`'s on CUDA (by GPU memory), 512 on the CPU (a CPU prefills a burst faster in "
+        "steps of 512 than of 2048: docs/performance.md). Keep it at least max_num_seqs x (max_gamma + 1), "
+        "or vLLM's scheduler cuts verify blocks.",
     )
     max_sessions: int = setting(
         512,
@@ -337,6 +338,14 @@ class VerifierConfig(TransportConfig):
         None,
         "vLLM's enforce_eager: run the model eagerly, without CUDA graphs or torch.compile. Unset (auto): "
         "off on CUDA (CUDA graphs, as `vllm serve`), on on the CPU.",
+    )
+    warmup: bool | None = setting(
+        None,
+        "Before serving, prefill one dummy prompt as long as the scheduling budget (max_num_batched_tokens, "
+        "within the context) and drop it: the engine's first step past its largest yet costs ~30 % more than "
+        "later ones (torch and oneDNN growing their buffers; 0.5 s at 512 tokens, 2.4 s at 2,048 for "
+        "qwen-coder at bfloat16 on one core), which would fall on the first burst of requests. Unset (auto): "
+        "on on the CPU; off on CUDA, where vLLM's own profile run at start-up does it.",
     )
     prefix_caching: bool = setting(
         True, "vLLM's prefix cache (benchmarks turn it off so repeated prompts cost the same each time)."

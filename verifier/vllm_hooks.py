@@ -27,7 +27,7 @@ Each hook, why it is needed, and what it touches in vLLM:
                           says cuda or cpu): on CUDA `vllm serve`'s defaults (KV cache from
                           gpu_memory_utilization, CUDA graphs, the model's max_model_len, the
                           checkpoint's dtype), on the CPU the settings measured there (1 GiB KV
-                          cache, eager, 2048; a bfloat16 checkpoint at bfloat16 where the CPU
+                          cache, eager, a budget of 512; a bfloat16 checkpoint at bfloat16 where the CPU
                           has bfloat16 instructions, float32 otherwise).
   build_engine            `vllm.v1.engine.llm_engine.LLMEngine.from_engine_args` with the
                           experimental `custom_class` speculative method
@@ -36,6 +36,10 @@ Each hook, why it is needed, and what it touches in vLLM:
                           naming ExternalDraftProposer below; hands the draft board to it
                           through the one process-wide handle (see `_board_for_proposer`).
                           vLLM's own stats stay on (`disable_log_stats=False`).
+  warm_up                 one dummy prompt as long as the scheduling budget
+                          (`engine.vllm_config.scheduler_config.max_num_batched_tokens`), prefilled
+                          through the public request API before the engine serves (build_engine,
+                          on the CPU): the first step that large costs ~30 % more than later ones.
   spec_stats_logger       a stat logger (`vllm/v1/metrics/loggers.py: StatLoggerBase`, passed as
                           `stat_loggers`) reading each step's `SchedulerStats.spec_decoding_stats`
                           (`vllm/v1/spec_decode/metrics.py: SpecDecodingStats`) into the
@@ -68,6 +72,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,13 +107,15 @@ PROPOSER_CLASS = f"{__name__}.ExternalDraftProposer"
 CPU_MAX_MODEL_LEN = -1
 CPU_KV_CACHE_GIB = 1.0
 CPU_MAX_NUM_SEQS = 32
-# The CPU's scheduling budget (tokens one engine step computes): `vllm serve`'s CPU default, made
-# explicit (vLLM's table has no entry for the usage context the verifier builds in, and its generic
-# default is the same 2048). A burst of prompts over it is prefilled in two steps, the second beside
-# the first requests' decodes (a stall for them); 4096 (vLLM's CPU default for its LLM class) removes
-# that for bursts up to 4096 tokens but made steady decode steps ~6 % slower at batch 16 here
-# (docs/performance.md, "The scheduling budget and the spill-over step"): a setting, not the default.
-CPU_MAX_NUM_BATCHED_TOKENS = 2048
+# The CPU's scheduling budget (tokens one engine step computes): 512, not `vllm serve`'s 2048 (its
+# generic default; vLLM's table has no CPU entry for the usage context the verifier builds in). On
+# the CPU a step's cost per prompt token grows with the step: a burst prefilled in steps of 512 took
+# 25-37 % less time than in steps of 2,048 at bfloat16 on an AMX CPU (~7 % at float32), and a
+# decode step beside a burst's prefill waits ~1.8 s instead of ~8 s (docs/performance.md, "Prefill
+# chunks of 512 tokens at bfloat16"). Decodes do not feel it: a step's running requests need at
+# most max_num_seqs x (max_gamma + 1) = 32 x 9 = 288 tokens at the defaults (under that vLLM's
+# scheduler would cut verify blocks: still exact, fewer drafts verified).
+CPU_MAX_NUM_BATCHED_TOKENS = 512
 # The CPU's dtype when left to "auto": a bfloat16 checkpoint runs bfloat16 where the CPU has bfloat16
 # instructions (AVX512-BF16 or AMX: ~3x faster than float32 there, docs/performance.md, serve-c8, as
 # `vllm serve` untold), and float32 everywhere else: on a CPU without them vLLM's bfloat16 is far
@@ -137,6 +144,7 @@ class EngineSettings:
     enforce_eager: bool
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
+    warmup: bool = False  # prefill one budget-long dummy prompt before serving (warm_up)
 
 
 def vllm_device() -> str:
@@ -209,6 +217,7 @@ def engine_settings(
             enforce_eager=True if cfg.enforce_eager is None else cfg.enforce_eager,
             kv_cache_memory_bytes=int((gib or CPU_KV_CACHE_GIB) * (1 << 30)),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
+            warmup=True if cfg.warmup is None else cfg.warmup,
         )
     return EngineSettings(
         device=device,
@@ -219,6 +228,7 @@ def engine_settings(
         enforce_eager=False if cfg.enforce_eager is None else cfg.enforce_eager,
         kv_cache_memory_bytes=int(gib * (1 << 30)) if gib > 0 else None,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
+        warmup=bool(cfg.warmup),  # unset: off, vLLM's profile run prefills a budget's worth at start-up
     )
 
 
@@ -411,7 +421,41 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device
         settings.device,
         board.max_model_len,
     )
+    if settings.warmup:
+        tokens, seconds = warm_up(engine)
+        log.info("warm-up: a dummy prompt of %d tokens prefilled in %.2f s before serving", tokens, seconds)
     return engine
+
+
+WARMUP_REQUEST_ID = "specdec-warmup"
+
+
+def warm_up(engine: Any) -> tuple[int, float]:
+    """Prefill one dummy prompt as long as the engine's scheduling budget (its
+    `scheduler_config.max_num_batched_tokens`, within its context), one token out, before any
+    request: (its prompt tokens, seconds taken). The first engine step that computes more tokens
+    than any before it costs ~30 % more than the same step later (measured on vLLM 0.32's CPU
+    backend: 2.29 against 1.76 s for 512 tokens, 10.9 against 8.4 s for 2,048, qwen-coder at
+    bfloat16 on one core; a step of 1,300 tokens after one of 2,048 is warm: the cost follows the
+    largest step so far, not each shape), so unwarmed it falls on the first burst of prompts.
+    vLLM's own warm-up of that size, the profile run, runs at every GPU engine's start
+    (`vllm/v1/worker/gpu_worker.py: determine_available_memory`) but on the CPU only where the
+    model is compiled (`vllm/v1/worker/cpu_model_runner.py: warming_up_model` returns at
+    CompilationMode.NONE, i.e. enforce_eager). The engine holds no other request: the draft
+    board knows nothing of this one and proposes it no drafts."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    budget = int(engine.vllm_config.scheduler_config.max_num_batched_tokens)
+    n = max(1, min(budget, int(engine.model_config.max_model_len) - 1))
+    vocab = int(engine.model_config.get_vocab_size())
+    # any ids: a prefill costs the same whatever its tokens
+    prompt = TokensPrompt(prompt_token_ids=[(7 * i + 1) % vocab for i in range(n)])
+    t0 = time.perf_counter()
+    engine.add_request(WARMUP_REQUEST_ID, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return n, time.perf_counter() - t0
 
 
 def spec_stats_logger(metrics: Any) -> Callable[[Any, int], Any]:

@@ -297,6 +297,7 @@ def test_a_cuda_host_gets_vllm_serves_defaults() -> None:
     )
     assert s.max_num_seqs is None  # vllm serve's: 256, or 1024 on a GPU of 70 GiB or more
     assert s.max_num_batched_tokens is None  # vllm serve's: 2048, 8192 or 16384 by GPU memory
+    assert not s.warmup  # vLLM's profile run prefills a budget's worth at start-up
     from vllm.config import CacheConfig
 
     assert s.gpu_memory_utilization == CacheConfig.gpu_memory_utilization  # vLLM's own default
@@ -317,7 +318,9 @@ def test_a_cpu_host_keeps_the_cpu_settings(tmp_path: Path) -> None:
         32,
         "float32",
     )
-    assert s.max_num_batched_tokens == 2048  # vllm serve's on the CPU, explicit
+    assert s.max_num_batched_tokens == 512  # cheaper per prompt token than vllm serve's 2048 on the CPU
+    assert s.max_num_batched_tokens >= s.max_num_seqs * (VerifierConfig().max_gamma + 1)  # no verify block cut
+    assert s.warmup  # an eager CPU engine has no warm-up of its own (vllm_hooks.warm_up)
 
 
 def test_a_bf16_checkpoint_on_a_cpu_with_bf16_instructions_runs_bf16(tmp_path: Path) -> None:
@@ -377,7 +380,7 @@ def test_the_bench_baselines_get_the_verifiers_settings_from_the_environment(mon
     s = vllm_hooks.engine_settings_from_env("cpu")
     assert (s.max_num_batched_tokens, s.max_num_seqs) == (4096, 32)
     monkeypatch.delenv("SPECDEC_MAX_NUM_BATCHED_TOKENS")
-    assert vllm_hooks.engine_settings_from_env("cpu").max_num_batched_tokens == 2048
+    assert vllm_hooks.engine_settings_from_env("cpu").max_num_batched_tokens == 512
 
 
 def test_settings_given_win_on_either_device() -> None:
@@ -413,6 +416,8 @@ def test_settings_given_win_on_either_device() -> None:
         "bfloat16",
         1024,
     )
+    assert vllm_hooks.engine_settings(VerifierConfig(warmup=True), "cuda").warmup
+    assert not vllm_hooks.engine_settings(VerifierConfig(warmup=False), "cpu").warmup
 
 
 @pytest.mark.e2e  # it asks vLLM's platform (imports vLLM)
@@ -463,3 +468,62 @@ def test_the_hook_counts_a_prompt_prefilled_in_chunks_until_its_last_chunk() -> 
     scheduled = json.loads(done.stdout.strip().splitlines()[-1])  # [[tokens, prefill_chunks], ...] per step
     assert scheduled[:3] == [[64, 1], [64, 1], [22, 0]]
     assert all(chunks == 0 for _, chunks in scheduled[3:])
+
+
+_WARMUP_SCRIPT = """
+import json, sys
+from vllm import EngineArgs, SamplingParams
+from vllm.v1.engine.llm_engine import LLMEngine
+from verifier import vllm_hooks
+
+def engine(context):
+    return LLMEngine.from_engine_args(
+        EngineArgs(
+            model=sys.argv[1], dtype="float32", max_model_len=context, max_num_seqs=4, max_num_batched_tokens=64,
+            enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20,
+        )
+    )
+
+def generate(e):
+    e.add_request("real", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=8, temperature=0))
+    out = []
+    while e.has_unfinished_requests():
+        out += [o.outputs[0].token_ids for o in e.step() if o.finished]
+    return list(out[0])
+
+warm = engine(512)
+steps = []
+vllm_hooks.install_schedule_hook(warm, steps.append)
+tokens, seconds = vllm_hooks.warm_up(warm)
+scheduled = [sum(s.num_scheduled_tokens.values()) for s in steps if s.num_scheduled_tokens]
+idle = not warm.has_unfinished_requests()
+short = engine(48)
+print(json.dumps({
+    "tokens": tokens, "scheduled": scheduled, "idle": idle, "warm": generate(warm),
+    "short_context": vllm_hooks.warm_up(short)[0], "cold": generate(engine(512)),
+}))
+"""
+
+
+@pytest.mark.e2e  # real vLLM engines (the tiny target), in a process of their own
+def test_the_warm_up_prefills_one_budget_long_prompt_and_changes_no_output() -> None:
+    """warm_up prefills one dummy prompt as long as the scheduling budget (64 here) in one step,
+    within the context (a context of 48 gets 47 tokens), leaves the engine idle, and a request
+    after it decodes what the same request decodes on an engine never warmed."""
+    import subprocess
+
+    from specdec.models import resolve
+
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    done = subprocess.run(
+        [sys.executable, "-c", _WARMUP_SCRIPT, resolve("tiny/target")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == 64 and got["scheduled"] == [64] and got["idle"]
+    assert got["short_context"] == 47
+    assert len(got["warm"]) == 8 and got["warm"] == got["cold"]
