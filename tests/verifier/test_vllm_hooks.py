@@ -13,6 +13,7 @@ import sys
 import tomllib
 import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -426,6 +427,25 @@ def test_this_host_is_a_cpu_host() -> None:
     assert vllm_hooks.vllm_device() == "cpu"
 
 
+def _run_on_tiny_engine(script: str) -> Any:
+    """The JSON `script` prints last, run in a Python process of its own with the tiny target's
+    folder as its argument (vLLM in-process there, as in the verifier)."""
+    import subprocess
+
+    from specdec.models import resolve
+
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, resolve("tiny/target")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 _CHUNKS_SCRIPT = """
 import json, sys
 from vllm import EngineArgs, SamplingParams
@@ -452,20 +472,7 @@ def test_the_hook_counts_a_prompt_prefilled_in_chunks_until_its_last_chunk() -> 
     """With a 64-token budget a 150-token prompt is prefilled in three steps: the first two
     leave a chunk to come (`prefill_chunks` 1, vLLM's is_prefill_chunk), the last and the
     decodes none."""
-    import subprocess
-
-    from specdec.models import resolve
-
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    done = subprocess.run(
-        [sys.executable, "-c", _CHUNKS_SCRIPT, resolve("tiny/target")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    scheduled = json.loads(done.stdout.strip().splitlines()[-1])  # [[tokens, prefill_chunks], ...] per step
+    scheduled = _run_on_tiny_engine(_CHUNKS_SCRIPT)  # [[tokens, prefill_chunks], ...] per step
     assert scheduled[:3] == [[64, 1], [64, 1], [22, 0]]
     assert all(chunks == 0 for _, chunks in scheduled[3:])
 
@@ -510,20 +517,7 @@ def test_the_warm_up_prefills_one_budget_long_prompt_and_changes_no_output() -> 
     """warm_up prefills one dummy prompt as long as the scheduling budget (64 here) in one step,
     within the context (a context of 48 gets 47 tokens), leaves the engine idle, and a request
     after it decodes what the same request decodes on an engine never warmed."""
-    import subprocess
-
-    from specdec.models import resolve
-
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    done = subprocess.run(
-        [sys.executable, "-c", _WARMUP_SCRIPT, resolve("tiny/target")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = _run_on_tiny_engine(_WARMUP_SCRIPT)
     assert got["tokens"] == 64 and got["scheduled"] == [64] and got["idle"]
     assert got["short_context"] == 47
     assert len(got["warm"]) == 8 and got["warm"] == got["cold"]
