@@ -343,8 +343,8 @@ class VerifierConfig(TransportConfig):
         None,
         "Before serving, prefill one dummy prompt as long as the scheduling budget (max_num_batched_tokens, "
         "within the context) and drop it: the engine's first step past its largest yet costs ~30 % more than "
-        "later ones (torch and oneDNN growing their buffers; 0.5 s at 512 tokens, 2.4 s at 2,048 for "
-        "qwen-coder at bfloat16 on one core), which would fall on the first burst of requests. Unset (auto): "
+        "later ones (0.55 s more at 512 tokens, 2.5 s at 2,048 for qwen-coder at bfloat16 on one "
+        "core), which would fall on the first burst of requests. Unset (auto): "
         "on on the CPU; off on CUDA, where vLLM's own profile run at start-up does it.",
     )
     prefix_caching: bool = setting(

@@ -435,7 +435,7 @@ def warm_up(engine: Any) -> tuple[int, float]:
     `scheduler_config.max_num_batched_tokens`, within its context), one token out, before any
     request: (its prompt tokens, seconds taken). The first engine step that computes more tokens
     than any before it costs ~30 % more than the same step later (measured on vLLM 0.32's CPU
-    backend: 2.29 against 1.76 s for 512 tokens, 10.9 against 8.4 s for 2,048, qwen-coder at
+    backend: 2.30 against 1.72-1.77 s for 512 tokens, 11.0 against 8.5 s for 2,048, qwen-coder at
     bfloat16 on one core; a step of 1,300 tokens after one of 2,048 is warm: the cost follows the
     largest step so far, not each shape), so unwarmed it falls on the first burst of prompts.
     vLLM's own warm-up of that size, the profile run, runs at every GPU engine's start
