@@ -250,9 +250,9 @@ class TargetEngine:
                 return
             with self._early_lock:
                 self._early[req.request_id] = _Early(max_blocks_per_commit(req.gamma))
+            self.board.arrival()  # before the engine thread can take it (`added`)
             self._commands.put(("add", (req, on_verdict)))
         self._wake.set()
-        self.board.arrival()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -325,6 +325,8 @@ class TargetEngine:
                 except Exception as exc:  # noqa: BLE001 (vLLM refused this request: fail it alone)
                     log.warning("request %s refused by the engine: %s", req.request_id, exc)
                     cb(Verdict(len(req.prompt_token_ids), [], 0, 0, "abort", 0, 0, 0.0))
+                finally:
+                    self.board.added()
             elif kind == "abort":
                 live = self._live.pop(arg, None)
                 if live is not None:

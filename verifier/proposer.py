@@ -18,7 +18,8 @@ request's row to the board (`preview`, then `propose_batch`), which:
      wait expired it is `late` and not waited for until its `ready`); the whole step
      waits at most `wait_s`, and with `adaptive` only while the missing drafts are worth
      the wait and no prefill waits behind the step (`queued`: requests not scheduled yet,
-     or prefilled in chunks with one still to come; a request arrived since). One request
+     or prefilled in chunks with one still to come; or submitted and not yet added to the
+     engine, `arrival`). One request
      never holds the others up: once any row of the batch has its
      drafts (or needs none), the rows still missing theirs are waited for at most the
      margin from the step's start, and in a batch of more than one a row whose drafter let
@@ -145,7 +146,7 @@ class DraftBoard:
         self.cost = StepCost()  # the engine's measured step cost (fed by the engine thread)
         # requests whose prefill is not done: not scheduled yet, or a chunk still to come (the engine sets it each step)
         self.queued = 0
-        self._arrivals = 0  # requests submitted so far (a new one ends an adaptive wait)
+        self._unadded = 0  # requests submitted and not yet added to the engine (one ends an adaptive wait)
 
     def register(
         self, req_id: str, gamma: int, prompt_len: int, max_tokens: int, on_preview: PreviewCallback | None = None
@@ -349,11 +350,17 @@ class DraftBoard:
             callback(start, tokens)
 
     def arrival(self) -> None:
-        """A request was submitted: a step waiting for drafts stops (adaptive), so it is not kept
-        from its prefill."""
+        """A request was submitted: until the engine has added it (`added`), no step waits for
+        drafts (adaptive), so its prefill is not held up. A request that arrives while a step
+        runs is added after it; the step's own wait, at its end, must not hold it either."""
         with self._cond:
-            self._arrivals += 1
+            self._unadded += 1
             self._cond.notify_all()
+
+    def added(self) -> None:
+        """The engine has taken a submitted request (added it, or refused it)."""
+        with self._cond:
+            self._unadded -= 1
 
     def record(self, req_id: str, drafted: int, accepted: int) -> None:
         """A verdict for the request: `accepted` of its `drafted` drafts (feeds its alpha)."""
@@ -376,7 +383,6 @@ class DraftBoard:
         `wait_s` (adaptive: and only while worth it) for missing ones."""
         t0 = time.monotonic()
         with self._cond:
-            arrivals = self._arrivals
             drafts = [self._peek(rid, ctx, k_max) for rid, ctx in rows]
             want, alphas = self._budgets(rows, k_max)
             # each row is waited for until its missing drafts are expected (plus slack and margin);
@@ -404,7 +410,7 @@ class DraftBoard:
                 if left <= 0:
                     break
                 if self.adaptive:
-                    if self.queued or self._arrivals != arrivals:
+                    if self.queued or self._unadded > 0:
                         break  # requests are waiting for their prefill: do not hold the step
                     have = [min(len(d), w) for d, w in zip(drafts, want)]
                     wanted = [w if i in missing else h for i, (h, w) in enumerate(zip(have, want))]

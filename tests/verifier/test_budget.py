@@ -166,9 +166,17 @@ def test_a_new_request_ends_the_wait_for_drafts() -> None:
     waits = during_wait(b, b.arrival)
     assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
     assert len(waits) == 1  # the arrival ended the wait
+    # ... and until the engine has added it, no step waits: it arrived during a step, whose
+    # own wait (at the step's end) would hold its prefill back
+    never_waits(b)
+    assert b.propose_batch([("r", np.array([1, 2, 5, 6]))], 8) == [[]]
+    b.added()
+    waits = during_wait(b, lambda: b.offer("r", 5, [7, 7]))
+    assert b.propose_batch([("r", np.array([1, 2, 5, 6, 7]))], 8) == [[7, 7]]
+    assert len(waits) == 1  # added: the next step waits for its drafts again
     b.queued = 1  # one waiting for its prefill: no wait at all
     never_waits(b)
-    assert b.propose_batch([("r", np.array([1, 2, 5]))], 8) == [[]]
+    assert b.propose_batch([("r", np.array([1, 2, 5, 6, 7, 7, 7]))], 8) == [[]]  # past the chain
 
 
 def _adaptive_board(base_ms: float, per_token_ms: float, sizes: tuple[int, ...]) -> DraftBoard:
