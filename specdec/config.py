@@ -372,9 +372,11 @@ class VerifierConfig(TransportConfig):
     )
     batch_window_ms: float = setting(
         20.0,
-        "When the engine is idle and a request arrives, wait until no other arrives for this long (ms; at "
-        "most 10 times it) so a burst is prefilled in one step instead of one request ahead of the rest, "
-        "whose prefill would then stall the first one's decoding.",
+        "When the engine is idle and a request arrives whose prefill is cheap (its prompt tokens at the "
+        "warm-up's measured cost per prompt token, plus twice this window, under a step's fixed cost), wait "
+        "until no other arrives for this long (ms; at most 10 times it) so a burst of short prompts is "
+        "prefilled in one step, not one request ahead of the rest. A longer prompt, or costs not measured "
+        "yet (no warm-up, as on CUDA; no decode step yet), starts at once, as on vLLM's server. 0: never wait.",
     )
     metrics_port: int = setting(9093, "Prometheus /metrics port (0: off).")
     first_message_timeout_s: float = setting(

@@ -423,6 +423,7 @@ def build_engine(cfg: VerifierConfig, model_path: str, board: DraftBoard, device
     )
     if settings.warmup:
         tokens, seconds = warm_up(engine)
+        board.cost.prefill_ms_per_token = seconds * 1e3 / tokens
         log.info("warm-up: a dummy prompt of %d tokens prefilled in %.2f s before serving", tokens, seconds)
     return engine
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
+
+from specdec.config import VerifierConfig
 from verifier.engine import _logprobs
 
 
@@ -33,18 +37,91 @@ def test_logprobs_follow_the_tokens_kept() -> None:
     assert _logprobs(positions, [1, 2], 0)[1].top_token_ids == []
 
 
-def _bare_engine():
+def _bare_engine(cfg: VerifierConfig | None = None):
     """A TargetEngine, not started, over no vLLM engine: the session-facing calls and the draft board."""
     from prometheus_client import CollectorRegistry
 
     from specdec import telemetry
-    from specdec.config import VerifierConfig
     from verifier.engine import TargetEngine
     from verifier.proposer import DraftBoard
     from verifier.vllm_hooks import ModelFacts
 
     metrics = telemetry.VerifierMetrics(CollectorRegistry())
-    return TargetEngine(VerifierConfig(), None, DraftBoard(metrics=metrics), metrics, ModelFacts(100, [0], {0}))
+    cfg = cfg or VerifierConfig()
+    return TargetEngine(cfg, None, DraftBoard(metrics=metrics), metrics, ModelFacts(100, [0], {0}))
+
+
+class _Clock:
+    """verifier.engine's `time` for one test: sleep advances a fake clock and runs `on_sleep`
+    (arrivals during that wait) instead of waiting."""
+
+    def __init__(self, on_sleep: Callable[[], None]) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+        self.on_sleep = on_sleep
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+        self.on_sleep()
+
+
+def _with_prompts(eng, *lengths: int) -> None:
+    """Requests of these prompt lengths just added to the engine (as _add records them)."""
+    from types import SimpleNamespace
+
+    from verifier.engine import GenerationRequest, _Live
+
+    params = SimpleNamespace(max_tokens=10, stop_token_ids=None, logprobs=None)  # vllm.SamplingParams's fields
+    for i, n in enumerate(lengths):
+        req = GenerationRequest(f"r{i}", [1] * n, gamma=4, params=params)
+        eng._live[req.request_id] = _Live(req, lambda v: None, engine_id=f"r{i}-e")
+
+
+def test_an_idle_engine_gathers_a_burst_only_when_its_prompts_are_cheaper_than_a_step() -> None:
+    """c p + 2 w < base: short prompts wait for the rest of their burst, a long one starts at
+    once (as on vLLM's server), and nothing waits before the costs are measured."""
+    eng = _bare_engine()  # batch_window_ms 20
+    _with_prompts(eng, 31)
+    assert not eng._gathering_pays()  # no decode step measured yet
+    for n in (1, 5, 9) * 4:  # decode steps of qwen-coder at bf16 on one core: ~300 ms, mostly fixed
+        eng.board.cost.observe(n, 300.0 + 0.6 * n)
+    assert not eng._gathering_pays()  # no warm-up: the prefill cost is not known (as on CUDA)
+    eng.board.cost.prefill_ms_per_token = 3.5  # the warm-up's 512 tokens in 1.8 s
+    assert eng._gathering_pays()  # 31 x 3.5 + 40 = 148.5 < ~300
+    _with_prompts(eng, 266)
+    assert not eng._gathering_pays()  # mean 148.5 tokens: 560 ms > ~300
+    eng._live.clear()
+    _with_prompts(eng, 266)
+    assert not eng._gathering_pays()
+    off = _bare_engine(VerifierConfig(batch_window_ms=0))
+    off.board.cost = eng.board.cost
+    _with_prompts(off, 1)
+    assert not off._gathering_pays()
+
+
+def test_a_batch_window_gathers_a_burst_until_a_quiet_window_and_at_most_ten(monkeypatch: pytest.MonkeyPatch) -> None:
+    import verifier.engine
+
+    eng = _bare_engine(VerifierConfig(batch_window_ms=62.5))  # 1/16 s: the fake clock adds it exactly
+    arrivals = iter([2, 1, 0])  # requests arriving during each window: the third is quiet
+
+    def arrive() -> None:
+        for _ in range(next(arrivals, 1)):
+            eng._commands.put(("add", None))
+
+    clock = _Clock(arrive)
+    monkeypatch.setattr(verifier.engine, "time", clock)
+    eng._collect_burst()
+    assert clock.sleeps == [0.0625] * 3
+
+    arrivals = iter([])  # arrivals never stop: the wait ends after 10 windows
+    clock.sleeps.clear()
+    eng._collect_burst()
+    assert clock.sleeps == [0.0625] * 10
 
 
 def test_drafts_ready_and_end_before_the_request_is_added_are_kept_bounded_and_applied() -> None:
