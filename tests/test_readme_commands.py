@@ -129,6 +129,12 @@ NOT_RUN = {
     "--out bench-serve-long": _SERVE_C8,
     "SPECDEC_MAX_NUM_BATCHED_TOKENS=512 specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 "
     "--dtype auto --out bench-serve-c8-512": _SERVE_C8,
+    "specdec bench --models qwen-coder --workloads serve-c8 --max-tokens 64 --dtype auto "
+    "--out bench-serve-c8": _SERVE_C8,
+    "specdec bench --models qwen-coder --workloads serve-c1 --max-tokens 64 --dtype auto "
+    "--out bench-serve-c1": _SERVE_C8,
+    "specdec bench --models qwen-coder --systems target-only,specdec --workloads code --gammas 4 --concurrency 4,16 "
+    "--dtype auto --out bench-load": _BENCH,
     "SPECDEC_MAX_NUM_BATCHED_TOKENS=512 specdec bench --models qwen-coder --workloads serve-long --max-tokens 64 "
     "--dtype auto --out bench-serve-long-512": _SERVE_C8,
     "SPECDEC_MAX_NUM_BATCHED_TOKENS=512 specdec bench --models qwen-coder --systems target-only,specdec "
