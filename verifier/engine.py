@@ -244,13 +244,13 @@ class TargetEngine:
     # ---- called from any thread -------------------------------------------------
     def submit(self, req: GenerationRequest, on_verdict: Callable[[Verdict | EngineFailed], None]) -> None:
         """Queue a request; its verdicts (or one EngineFailed) go to `on_verdict`, on the engine thread."""
+        self.board.arrival()  # before the engine thread can take it (`added`), and outside _fail_lock
         with self._fail_lock:
             if self.failed:  # the thread is gone: nobody would ever answer
                 on_verdict(EngineFailed(self.failed))
                 return
             with self._early_lock:
                 self._early[req.request_id] = _Early(max_blocks_per_commit(req.gamma))
-            self.board.arrival()  # before the engine thread can take it (`added`)
             self._commands.put(("add", (req, on_verdict)))
         self._wake.set()
 
