@@ -76,7 +76,7 @@ class StepCost:
         # a prompt token's share of a full-budget prefill step, measured by the verifier's
         # warm-up (vllm_hooks.warm_up; 0: not measured). Not from the fit: at batch sizes the
         # fit sees, a step reads the weights once for a few tokens (~0.6 ms a token on the CPU),
-        # where a prefill chunk computes hundreds (~3 ms a token there).
+        # where a prefill chunk computes hundreds (~3.5 ms a token there).
         self.prefill_ms_per_token = 0.0
         self._observed = 0  # steps observed in all
 

@@ -76,9 +76,10 @@ def _with_prompts(eng, *lengths: int) -> None:
     from verifier.engine import GenerationRequest, _Live
 
     params = SimpleNamespace(max_tokens=10, stop_token_ids=None, logprobs=None)  # vllm.SamplingParams's fields
-    for i, n in enumerate(lengths):
-        req = GenerationRequest(f"r{i}", [1] * n, gamma=4, params=params)
-        eng._live[req.request_id] = _Live(req, lambda v: None, engine_id=f"r{i}-e")
+    for n in lengths:
+        rid = f"r{len(eng._live)}"  # after those already there
+        req = GenerationRequest(rid, [1] * n, gamma=4, params=params)
+        eng._live[rid] = _Live(req, lambda v: None, engine_id=f"{rid}-e")
 
 
 def test_an_idle_engine_gathers_a_burst_only_when_its_prompts_are_cheaper_than_a_step() -> None:
