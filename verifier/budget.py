@@ -8,7 +8,9 @@ Terms:
                 steps asked for: a step that waited for the row's drafts and got none counts as
                 one rejected draft (`Acceptance.miss`), since drafts that come after their step
                 yield nothing. So a drafter too slow for its target (a loaded drafter host, a
-                queue of sessions) is backed off like an unrelated one, and held.
+                queue of sessions) is backed off like an unrelated one, and held. Only a drafter
+                that has drafted since its request started or was released from a hold is
+                counted so (verifier.proposer: before that it had no draft to send late).
     gain        verifying request i's j-th draft adds alpha_i^j expected tokens: it counts
                 only when drafts 1..j are all accepted.
     k_i         request i's budget: the number of its drafts the step verifies (<= gamma_i).

@@ -31,7 +31,11 @@ request's row to the board (`preview`, then `propose_batch`), which:
      its drafter stops drafting until the budget comes back (as its acceptance history
      fades, verifier.budget.DECAY). A wait that expires with none of a ready drafter's
      drafts counts against its acceptance (verifier.budget.Acceptance.miss), so a drafter
-     too slow to keep up is held too, rather than drafting blocks that arrive stale.
+     too slow to keep up is held too, rather than drafting blocks that arrive stale; but
+     only once that drafter has sent drafts since the request started or was last released
+     from a hold (`delivering`): until then it has had none to send late (it prefills, or
+     catches up on the tokens it was held through), and counting those steps held it again
+     before it could draft.
 vLLM then verifies the drafts in its next step with its own scheduler, KV cache (no
 recompute of verified tokens) and rejection sampler (one-hot q, which is exact).
 
@@ -116,6 +120,9 @@ class _Entry:
     broken: tuple[int, list[int]] = (0, [])  # the chain the target last broke (start, tokens)
     held: bool = False  # adaptive gamma backed it off: its drafter is told to stop (see `holding`)
     late: bool = False  # a wait for its drafts expired with nothing usable (see the module docstring)
+    # its drafter has sent drafts since the request started or was last released from a hold:
+    # until then a step that finds none counts no miss (see the module docstring)
+    delivering: bool = False
 
 
 class DraftBoard:
@@ -221,6 +228,7 @@ class DraftBoard:
                 e.draft_ms_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
             if tokens:
                 e.late = False  # drafts again: worth waiting for
+                e.delivering = True
                 now = time.monotonic()
                 if e.clock:
                     observed = (now - e.clock) * 1e3 / len(tokens)
@@ -425,7 +433,7 @@ class DraftBoard:
                 e = self._entries.get(rid)
                 if e is not None and self._wants_more(rid, len(ctx), len(drafts[i]), want[i]):
                     e.late = True
-                    if self.adaptive and e.ready and not drafts[i]:
+                    if self.adaptive and e.ready and e.delivering and not drafts[i]:
                         e.acceptance.miss()  # asked for, none in time: adaptive gamma counts it
             withheld = sum(max(0, len(d) - w) for d, w in zip(drafts, want))
             drafts = [d[:w] for d, w in zip(drafts, want)]
@@ -463,7 +471,10 @@ class DraftBoard:
                 continue
             before.append(e.held)
             cap = min(k_max, self._budget(e, len(ctx)))
-            e.held = self.adaptive and e.drafting and cap > 0 and w == 0
+            held = self.adaptive and e.drafting and cap > 0 and w == 0
+            if e.held and not held:
+                e.delivering = False  # released: its drafter catches up before it can draft again
+            e.held = held
         return before
 
     def holding(self, req_id: str) -> bool:
