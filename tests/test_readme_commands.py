@@ -176,6 +176,8 @@ NOT_RUN = {
     "--seconds 3 --out forward-ab-qwen": _DRAFTER,
     "specdec bench --models qwen-coder --systems target-only,vllm-draft,specdec --workloads code --gammas 4,8 "
     "--concurrency 1 --dtype auto --out bench-batch1-auto": _BENCH,
+    "specdec bench --models qwen-coder --systems target-only,vllm-draft,specdec --workloads code --gammas 4 "
+    "--concurrency 1 --dtype auto --out bench-batch1-epyc": _BENCH,
     "specdec bench --models qwen-coder --systems target-only,specdec --workloads code --gammas 4 --concurrency 4,16 "
     "--dtype auto --draft-vocab qwen-vocab-64k.json --out vocab-load": _BENCH,
     "specdec bench-drafter --model qwen-coder/draft --quantize int8 --draft-vocab-ab qwen-vocab-64k.json "
