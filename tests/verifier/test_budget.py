@@ -256,7 +256,7 @@ def test_a_drafter_that_has_not_drafted_yet_counts_no_miss() -> None:
     assert b._entries["r"].acceptance.tried == 0 and not b.holding("r")
     b.offer("r", len(ctx), [4, 4], committed=len(ctx))  # its first block, in time
     assert b.propose_batch([("r", np.array(ctx))], 8) == [[4, 4]]
-    b.record("r", *(2, 2))
+    b.record("r", 2, 2)
     ctx += [4, 4, 9]
     tried = b._entries["r"].acceptance.tried
     assert b.propose_batch([("r", np.array(ctx))], 8) == [[]]  # none for this context: a miss now
