@@ -21,7 +21,6 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from drafter.branch_gate import BranchGate
 from drafter.confidence import ConfidencePolicy, parse_mode
 from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Progress, Ready
 from specdec import serving, telemetry
@@ -323,7 +322,6 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             if self.confidence != "off":
                 session.confidence = ConfidencePolicy(self.confidence)
         session.branches = self.cfg.branches
-        session.branch_gate = BranchGate()
         session.flush_ms = self.cfg.flush_ms
         session.prefill_chunk = self.cfg.prefill_chunk
         session.report_progress = req.report_progress

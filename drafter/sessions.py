@@ -25,10 +25,7 @@ Terms:
                 bonus token after them); the candidates not drafted yet are drafted
                 together, as one batch through the model, whatever their positions
                 (rows of different positions share the cache up to the earliest one and
-                are left-padded there; see ModelDraftSession._begin_branch_rows). A batch
-                starts only when it can end before the next commit (`branch_gate`, a
-                drafter.branch_gate.BranchGate; None: always): one the commit cuts short
-                drafted nothing usable and held that commit up by its step in flight.
+                are left-padded there; see ModelDraftSession._begin_branch_rows).
     conf        the draft model's probability of its own token at a position (its
                 estimate that the target agrees)
     reach       prod conf over the drafts past the committed context: the draft model's
@@ -59,7 +56,6 @@ from typing import Final, Literal
 
 import torch
 
-from drafter.branch_gate import BranchGate
 from drafter.confidence import ConfidencePolicy
 from specdec.acceptance import sparse_q, target_distribution
 
@@ -155,7 +151,6 @@ class DraftSession:
         self.branches_drafted = 0
         self.branches_adopted = 0
         self.branch_ms = 0.0  # compute spent on branches
-        self.branch_gate: BranchGate | None = None  # whether a branch batch fits before the next commit
         self.breaks = 0  # commits that broke the drafts' chain (a rejection or a wrong bonus guess)
         # drafts sized by confidence (see the module's terms); None: off
         self.confidence: ConfidencePolicy | None = None
@@ -201,11 +196,7 @@ class DraftSession:
     def commit(self, start: int, tokens: list[int], gamma: int = 0, hold: bool = False) -> None:
         """Apply a target verdict: context[:start] + tokens is now verified. `hold`: the
         verifier backed this request off (DraftCommit.hold): draft nothing until a commit without."""
-        gate = self.branch_gate
-        arrived = gate.clock() if gate is not None else 0.0  # before the lock: a step in flight holds it
         with self.lock:
-            if gate is not None:
-                gate.on_commit(arrived)
             self.started = True
             self.held = hold
             if gamma:
@@ -382,12 +373,9 @@ class DraftSession:
 
     def _next_branches(self) -> list[tuple[int, int]] | None:
         """The candidates not drafted yet, best first, as (position, correction): drafted
-        together, one batch (None: none is left, or the batch would not end before the next
-        commit: see `branch_gate`)."""
+        together, one batch (None: none is left)."""
         todo = [(p, t) for _, p, t in self.branch_candidates() if (p, t) not in self._branches]
-        if not todo or (self.branch_gate is not None and not self.branch_gate.fits(self.gamma)):
-            return None
-        return todo
+        return todo or None
 
     def wants_branch(self) -> bool:
         """Whether the session has branch work: it is idle otherwise (its window is full) and
@@ -416,10 +404,7 @@ class DraftSession:
                     return []
                 self._branch_job = self._begin_branch_rows(nxt)
             done = self._advance_branches()
-            step_ms = (time.perf_counter() - t0) * 1e3
-            self.branch_ms += step_ms
-            if self.branch_gate is not None:
-                self.branch_gate.on_step(step_ms)
+            self.branch_ms += (time.perf_counter() - t0) * 1e3
             if done is None:
                 return []
             self._branch_job = None

@@ -210,8 +210,7 @@ class DrafterConfig(TransportConfig):
         "Pre-drafted branches per round (0: off). With its window full, the drafter drafts continuations "
         "for the likeliest rejections (position p, correction t among the draft's top alternatives), best "
         "first; the verifier picks the one that matches its verdict inside the step (no round trip). "
-        "The candidates are drafted as one batch, started only when it can end before the next commit "
-        "(measured per session).",
+        "Branches at one position are drafted as one batch.",
     )
     prefill_chunk: int = setting(
         128,

@@ -6,7 +6,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from drafter.branch_gate import BranchGate
 from drafter.sessions import BlockOut, ModelDraftSession, NgramDraftSession, Ready
 from specdec.models import resolve
 
@@ -14,16 +13,6 @@ from specdec.models import resolve
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(resolve("tiny/draft-mid")).eval()
-
-
-class FakeClock:
-    """A settable clock (seconds), for a session's branch gate."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _greedy(model: torch.nn.Module, context: list[int], n: int) -> list[int]:
@@ -314,33 +303,3 @@ def test_a_branch_past_the_cache_is_drafted_from_its_whole_context(model) -> Non
         s._branch_job = None
         for (p, token), cont in zip(*done[:2], strict=True):
             assert [d.token_id for d in cont] == _greedy(model, context[:p] + [token], s.gamma), (p, batch)
-
-
-def test_a_session_starts_no_branch_batch_the_next_commit_would_cut_short(model) -> None:
-    clock = FakeClock()
-    prompt = [3, 14, 15, 92, 65]
-    s = ModelDraftSession(model, prompt, 4, 5, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8)
-    s.branches = 6
-    s.branch_gate = BranchGate(clock)
-    s.commit(len(prompt), [35])
-    _drain(s)
-    assert s.wants_branch()  # nothing measured yet: the first batch measures the step
-    while s.wants_branch():
-        s.branch_step()
-    assert s.branches_drafted > 0 and s.branch_gate.step_ms > 0
-    clock.now = 0.2  # the next commit: round 200 ms (it accepts the first draft)
-    s.commit(s.committed, [s.context[s.committed]])
-    _drain(s)
-    assert s.branch_candidates()  # there is branch work ...
-    s.branch_gate.step_ms = 30.0  # (a known step: 4 steps are 120 ms)
-    clock.now = 0.2 + 0.081  # ... but 81 + 4 x 30 > 200 ms: the commit would cut it short
-    drafted, fed = s.branches_drafted, s.forward_tokens
-    assert not s.wants_branch()
-    assert s.branch_step() == [] and s.forward_tokens == fed and s.branches_drafted == drafted
-    clock.now = 0.2 + 0.079  # 79 + 120 <= 200: it fits
-    assert s.wants_branch()
-    blocks = []
-    while s.wants_branch():  # a job under way goes on, whatever the clock says
-        blocks.extend(s.branch_step())
-        clock.now += 1.0
-    assert blocks and all(b.branch for b in blocks) and s.branches_drafted > drafted
