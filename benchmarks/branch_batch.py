@@ -4,7 +4,7 @@ a position as one batch).
 
     python -m benchmarks.branch_batch [--models qwen-coder] [--context 300] [--gamma 4]
 
-For B = 1..4 it times gamma batched draft steps from a copy of a `--context`-token cache (the
+For B = 1..4 it times gamma batched draft steps after a `--context`-token cache (the
 drafter's `_begin_branches` and `_advance_branches`, with the drafter's own quantisation),
 median of `--repeats`, pinned to one core with one thread as the drafter runs, and prints ms
 per branch and the batch's cost against B single branches.

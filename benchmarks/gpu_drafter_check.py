@@ -117,10 +117,10 @@ def drive(
             r0 = _now(draft)
             if batched:
                 results = batch.draft_step([sessions[i] for i in todo])
-                for _, exc in results:
+                for _, exc, _ in results:
                     if exc is not None:
                         raise exc
-                outs = [out for out, _ in results]
+                outs = [out for out, _, _ in results]
             else:
                 outs = [sessions[i].step() for i in todo]
             round_ms = (_now(draft) - r0) * 1e3

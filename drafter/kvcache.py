@@ -14,8 +14,9 @@ Terms:
                 copy, amortised over the steps that fill the spare slots)
 
 Everything else is DynamicLayer's: `crop` (a rollback) narrows the views, so the next step
-writes over the dropped slots; `batch_repeat_interleave` and `batch_select_indices` (branch
-batches) make new tensors, which the next append moves into a buffer of their own. The values
+writes over the dropped slots; `batch_repeat_interleave` and `batch_select_indices` (DynamicCache's
+batch operations; the drafter's branch rows no longer use them) make new tensors, which the next
+append moves into a buffer of their own. The values
 read are the ones DynamicCache would hold, so drafts are unchanged.
 """
 

@@ -93,10 +93,12 @@ class DraftWorker(threading.Thread):
         metrics: telemetry.DrafterMetrics | None = None,
         batch: bool = True,
         progress_interval_s: float = DRAFT_PROGRESS_INTERVAL_S,
+        ride_branches: int = 0,
     ) -> None:
         super().__init__(name="draft-worker", daemon=True)
         self.metrics = metrics
         self.batch = batch  # one forward for every model session that drafts a token (drafter.batch)
+        self.ride_branches = ride_branches  # with batch: branch rows a batch that ride in a session's forward (0: off)
         self.last_batch = 0  # tokens the latest step drafted (the batch size, when batched)
         self._cond = threading.Condition()
         self._sessions: dict[int, tuple[DraftSession, Emit]] = {}
@@ -175,11 +177,11 @@ class DraftWorker(threading.Thread):
             from drafter import batch  # imports transformers: only a batching worker needs it
 
             on_forward = None if self.metrics is None else self.metrics.batch_rows.observe
-            results = batch.draft_step([session for session, _ in active], on_forward)
+            results = batch.draft_step([session for session, _ in active], on_forward, self.ride_branches)
         else:
             results = [self._serial_step(session) for session, _ in active]
         drafted = 0
-        for (session, emit), before, (out, exc) in zip(active, steps, results, strict=True):
+        for (session, emit), before, (out, exc, branches) in zip(active, steps, results, strict=True):
             if exc is not None:
                 log.error("draft step failed", exc_info=exc)
                 self.remove(session)
@@ -196,14 +198,18 @@ class DraftWorker(threading.Thread):
                         self.metrics.batch_rows.observe(1)  # its own forward (batched: draft_step observes)
             if out is not None:
                 emit(out)
+            for block in branches:  # a branch batch that rode in the forward finished
+                emit(block)
+            if self.metrics is not None and branches:
+                self.metrics.branches.inc(len(branches))
         self.last_batch = drafted
 
     @staticmethod
-    def _serial_step(session: DraftSession) -> tuple[BlockOut | Ready | None, BaseException | None]:
+    def _serial_step(session: DraftSession) -> tuple[BlockOut | Ready | None, BaseException | None, list[BlockOut]]:
         try:
-            return session.step(), None
+            return session.step(), None, []
         except Exception as exc:  # noqa: BLE001 - handed back: the worker removes the session
-            return None, exc
+            return None, exc, []
 
     def _guarded(self, session: DraftSession, emit: Emit, work: Callable[[], object]) -> tuple[bool, object]:
         """(failed, result) of one unit of a session's work; a failing session is removed and
@@ -296,7 +302,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         # every session, on the worker thread (DraftSession.step). Empty in production; plugins append to it
         # (specdec.serving.load_plugins; the tests' fault injection, tests/faultkit.py).
         self.step_hooks: list[Callable[[DraftSession], None]] = []
-        self.worker = DraftWorker(token_ms, self.metrics, batch=cfg.batch_drafts)
+        self.worker = DraftWorker(token_ms, self.metrics, batch=cfg.batch_drafts, ride_branches=cfg.ride_branches)
         self.worker.start()
 
     def _open(self, req: "pb.DraftOpen") -> DraftSession:

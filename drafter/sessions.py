@@ -23,9 +23,17 @@ Terms:
                 P(p, t) = prod_{j<p} conf(j) * q_p(t), over the positions the step being
                 verified decides (committed .. committed + gamma: its drafts, then the
                 bonus token after them); the candidates not drafted yet are drafted
-                together, as one batch through the model, whatever their positions
-                (rows of different positions share the cache up to the earliest one and
-                are left-padded there; see ModelDraftSession._begin_branch_rows).
+                together, as one batch of rows through the model, whatever their
+                positions: each row reads the session's own cache up to its position and
+                keeps its own keys/values after it (nothing is copied; see
+                ModelDraftSession._begin_branch_rows and drafter.rows)
+    ride        (DrafterConfig.ride_branches: rows a batch, 0: off) branch rows join the
+                forward that drafts the session's own token ahead (the block being
+                verified is drafted, so its candidates are known), ride_branches of the
+                best candidates a batch: they read the weights that forward reads anyway,
+                so a batch can finish before the verdict comes, where the window fills
+                about when it does; a batch unfinished when the window is full goes on in
+                idle time, and the next best candidates then ride in the next batch
     conf        the draft model's probability of its own token at a position (its
                 estimate that the target agrees)
     reach       prod conf over the drafts past the committed context: the draft model's
@@ -51,13 +59,18 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Final, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final, Literal
 
 import torch
 
 from drafter.confidence import ConfidencePolicy
 from specdec.acceptance import sparse_q, target_distribution
+
+if TYPE_CHECKING:  # drafter.rows and transformers load with a model session only
+    from transformers.cache_utils import Cache
+
+    from drafter.rows import Row
 
 
 # `DraftSession.step_begin_locked`'s answer when the step drafts a token.
@@ -405,18 +418,38 @@ class DraftSession:
                 self._branch_job = self._begin_branch_rows(nxt)
             done = self._advance_branches()
             self.branch_ms += (time.perf_counter() - t0) * 1e3
-            if done is None:
-                return []
-            self._branch_job = None
-            rows, conts, draft_ms = done
-            blocks = []
-            for (p, t), cont in zip(rows, conts):
-                self._branches[(p, t)] = cont
-                self.branches_drafted += 1
-                blocks.append(
-                    BlockOut(p, [Draft(t, 1.0, None), *cont], draft_ms / len(rows), False, self.committed, branch=True)
-                )
-            return blocks
+            return self._branches_done(done)
+
+    def _branches_done(self, done: tuple[list[tuple[int, int]], list[list[Draft]], float] | None) -> list[BlockOut]:
+        """The branch blocks of a finished batch (`_advance_branches`' answer; none when None),
+        kept for the commit that may adopt one."""
+        if done is None:
+            return []
+        self._branch_job = None
+        rows, conts, draft_ms = done
+        blocks = []
+        for (p, t), cont in zip(rows, conts):
+            self._branches[(p, t)] = cont
+            self.branches_drafted += 1
+            blocks.append(
+                BlockOut(p, [Draft(t, 1.0, None), *cont], draft_ms / len(rows), False, self.committed, branch=True)
+            )
+        return blocks
+
+    def rides(self) -> bool:
+        """Whether the session's branch rows ride in the forward drafting its next token (see the
+        module's terms, `ride`): branches are on, the token drafts ahead (the block being verified,
+        committed .. committed + gamma - 1, is drafted: its candidates are known), and a candidate
+        branch is not drafted yet. Called with the lock held."""
+        return (
+            self.branches > 0
+            and self.started
+            and not self.closed
+            and not self.held
+            and not self._resend
+            and len(self.context) - self.committed >= self.gamma
+            and (self._branch_job is not None or self._next_branches() is not None)
+        )
 
     def _begin_branches(self, position: int, corrections: list[int]) -> object:
         """Start drafting branches at `position`, one per correction (subclass state)."""
@@ -457,6 +490,30 @@ class DraftSession:
 
     def close(self) -> None:
         self.closed = True
+
+
+@dataclass
+class _BranchRow:
+    """One branch of a batch under way: the draft model's continuation of context[:p] + [t].
+    It reads the session's cache for context[:base] and keeps its own keys/values after it
+    (positions base ..), so starting a batch copies nothing."""
+
+    p: int
+    t: int
+    base: int  # context tokens read from the session's cache (min(p, its cached length))
+    cache: Cache  # the row's own keys/values, from position base on
+    feed: list[int]  # the next forward's input: context[base:p] + [t], then the latest draft
+    drafts: list[Draft] = field(default_factory=list)  # drafted after t
+    reach: float = 1.0  # drafts sized by confidence: prod conf over `drafts`
+    end: int = -1  # ... and how many of them the row keeps (-1: not cut yet)
+
+
+@dataclass
+class _BranchJob:
+    """A branch batch under way: its rows, and the compute spent on it (ms)."""
+
+    rows: list[_BranchRow]
+    ms: float = 0.0
 
 
 class ModelDraftSession(DraftSession):
@@ -581,88 +638,88 @@ class ModelDraftSession(DraftSession):
             self._disallowed = mask if inside else torch.zeros_like(mask)
         return self._disallowed
 
-    @torch.inference_mode()
     def _begin_branch_rows(self, rows: list[tuple[int, int]]) -> object:
-        """The batch's state: a copy of the cache up to `base` (the earliest row's position, or
-        the cache's end where that is earlier), one copy per row ([B, heads, base, dim]), and
-        each row's first input, context[base:p] + [t], left-padded to the longest (T) after the
-        shared prefix ([B, T]).
+        """The batch's state (`_BranchJob`): one `_BranchRow` per (position, correction), none of
+        them fed yet. Nothing is copied: each row reads this session's cache up to its position."""
+        from drafter.kvcache import GrowingCache
 
-        Rows at one position need no padding: the batch is fed as a plain one. Otherwise a
-        2D attention mask [B, keys] hides each row's padding slots (from every later query,
-        for the whole batch) and explicit position ids [B, T] give each row its own positions."""
-        import copy
+        out = []
+        for p, t in rows:
+            # the row reads context[:base] from the session's cache; tokens before p that are not
+            # cached yet (the last draft, a commit's new tokens) are fed with the row
+            base = min(p, self.cached)
+            out.append(_BranchRow(p, t, base, GrowingCache(), self.context[base:p] + [t]))
+        return _BranchJob(out)
 
-        # the rows share the cache up to `base`: the earliest row's position, or the cache's end
-        # where tokens before it are not cached yet (the last draft, a commit's new tokens): those
-        # are fed with every row, so each row's continuation is drafted from its whole context
-        base = min(min(p for p, _ in rows), self.cached)
-        cache = copy.deepcopy(self.cache)
-        if self.cached > base:
-            cache.crop(base - self.cached)
-        if len(rows) > 1:
-            cache.batch_repeat_interleave(len(rows))
-        news = [self.context[base:p] + [t] for p, t in rows]
-        t_max = max(len(n) for n in news)
-        ids = torch.zeros(len(rows), t_max, dtype=torch.long)  # [B, T]
-        positions = torch.zeros(len(rows), t_max, dtype=torch.long)  # [B, T]
-        keep = torch.ones(len(rows), base + t_max, dtype=torch.long)  # [B, base + T]: 1 = a real key
-        for i, new in enumerate(news):
-            pad = t_max - len(new)
-            ids[i, pad:] = torch.tensor(new, dtype=torch.long)
-            positions[i, pad:] = torch.arange(base, base + len(new))
-            positions[i, :pad] = base  # padding queries: any position (their outputs are dropped)
-            keep[i, base : base + pad] = 0
-        ragged = t_max > 1
-        return {
-            "rows": rows,
-            "cache": cache,
-            "ms": 0.0,
-            "next": ids.to(self.device),
-            "mask": keep.to(self.device) if ragged else None,
-            "positions": positions.to(self.device),
-            "conts": [[] for _ in rows],
-            "fed": sum(len(n) for n in news),
-            # drafts sized by confidence: each row's reach over its drafts after the correction, and
-            # where it was cut (-1: not yet)
-            "reach": [1.0] * len(rows),
-            "ends": [-1] * len(rows),
-        }
+    def branch_rows_locked(self, most: int = 0) -> list[Row]:
+        """The rows (drafter.rows.Row) of the branch batch under way, started here if none is
+        (with the `most` best candidates not drafted yet; 0: all of them): each row's next input
+        after its cached keys/values. Called with the lock held; the forward's logits for them
+        go to `branch_picked_locked`, in this order."""
+        from drafter.rows import Row, layer_kv
+
+        if self._branch_job is None:
+            nxt = self._next_branches()
+            if nxt is None:
+                return []
+            self._branch_job = self._begin_branch_rows(nxt[:most] if most > 0 else nxt)
+        job = self._branch_job
+        assert isinstance(job, _BranchJob)
+
+        def row(r: _BranchRow) -> Row:
+            return Row(
+                r.feed,
+                r.base + r.cache.get_seq_length(),
+                lambda layer: layer_kv(self.cache, layer, r.base) + layer_kv(r.cache, layer),
+                r.cache,
+            )
+
+        return [row(r) for r in job.rows]
+
+    def branch_picked_locked(self, logits: torch.Tensor, ms: float) -> list[BlockOut]:
+        """Advance the branch batch under way by one token a row, from the logits [rows, vocab]
+        of a forward of `branch_rows_locked`'s rows (`ms`: its compute, or the rows' share of a
+        forward they rode in); the branch blocks, when that finished the batch."""
+        job = self._branch_job
+        assert isinstance(job, _BranchJob)
+        self.branch_ms += ms
+        return self._branches_done(self._picked(job, logits, ms))
 
     @torch.inference_mode()
     def _advance_branches(self) -> tuple[list[tuple[int, int]], list[list[Draft]], float] | None:
+        from drafter.rows import forward
+
         job = self._branch_job
-        assert isinstance(job, dict)
+        assert isinstance(job, _BranchJob)
         t0 = time.perf_counter()
-        mask = job["mask"]
-        ragged = {} if mask is None else {"attention_mask": mask, "position_ids": job["positions"]}
-        # [B, T] -> logits [B, 1, vocab] (T = 1 after the first step)
-        out = self.model(
-            input_ids=job["next"], past_key_values=job["cache"], use_cache=True, logits_to_keep=1, **ragged
-        )
-        self.forward_tokens += job["fed"]
+        # [rows, T] -> logits [rows, vocab] (T = 1 after the first step, and in it for a row at a cached position)
+        logits = forward(self.model, self.branch_rows_locked())
+        return self._picked(job, logits, (time.perf_counter() - t0) * 1e3)
+
+    def _picked(
+        self, job: _BranchJob, logits: torch.Tensor, ms: float
+    ) -> tuple[list[tuple[int, int]], list[list[Draft]], float] | None:
+        """One draft a row from its logits [rows, vocab]: `_advance_branches`' answer."""
+        t0 = time.perf_counter()
         # with confidence on, each pick's conf (an adopted branch's drafts count in the reach)
-        picks = [self._pick(out.logits[b, -1], with_alts=self.confidence is not None) for b in range(len(job["rows"]))]
-        for cont, d in zip(job["conts"], picks):
-            cont.append(d)
-        job["next"] = torch.tensor([[d.token_id] for d in picks], dtype=torch.long, device=self.device)  # [B, 1]
-        job["fed"] = len(picks)
-        if mask is not None:  # the new slot is real in every row; each row's next position follows its last
-            job["mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            job["positions"] = job["positions"][:, -1:] + 1
-        job["ms"] += (time.perf_counter() - t0) * 1e3
+        picks = [self._pick(logits[b], with_alts=self.confidence is not None) for b in range(len(job.rows))]
+        for r, d in zip(job.rows, picks):
+            self.forward_tokens += len(r.feed)
+            r.drafts.append(d)
+            r.feed = [d.token_id]
+        job.ms += ms + (time.perf_counter() - t0) * 1e3
         if (
             self.confidence is not None
         ):  # a branch is sized by confidence too: a row ends where its reach fell below tau
-            for i, d in enumerate(picks):
-                if job["ends"][i] < 0:
-                    job["reach"][i] *= d.conf
-                    if job["reach"][i] < self.confidence.tau:
-                        job["ends"][i] = len(job["conts"][i])
-        if len(job["conts"][0]) < self.gamma and not all(end >= 0 for end in job["ends"]):
+            for r, d in zip(job.rows, picks):
+                if r.end < 0:
+                    r.reach *= d.conf
+                    if r.reach < self.confidence.tau:
+                        r.end = len(r.drafts)
+        if len(job.rows[0].drafts) < self.gamma and not all(r.end >= 0 for r in job.rows):
             return None
-        conts = [cont[:end] if end >= 0 else cont for cont, end in zip(job["conts"], job["ends"])]
-        return job["rows"], conts, job["ms"]
+        conts = [r.drafts[: r.end] if r.end >= 0 else r.drafts for r in job.rows]
+        return [(r.p, r.t) for r in job.rows], conts, job.ms
 
     def _rollback(self, keep: int) -> None:
         if self.cached > keep:

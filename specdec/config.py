@@ -212,6 +212,14 @@ class DrafterConfig(TransportConfig):
         "first; the verifier picks the one that matches its verdict inside the step (no round trip). "
         "Branches at one position are drafted as one batch.",
     )
+    ride_branches: int = setting(
+        2,
+        "With batch_drafts: branch rows that ride in the forward drafting a session's tokens ahead, a batch (the "
+        "best candidates first; 0: off, branches only when the window is full, in a forward of their own). Once "
+        "the block being verified is drafted, its likeliest rejections are drafted beside the lookahead, a row "
+        'costing a few ms of a forward that reads the weights anyway (docs/performance.md, "Branch rows '
+        'riding in the drafting forward").',
+    )
     prefill_chunk: int = setting(
         128,
         "Prompt tokens per prefill step of the draft model. A session prefills its prompt from `open` on, "

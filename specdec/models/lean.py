@@ -9,7 +9,7 @@ per-layer Python and small ops a forward (Qwen2.5-Coder-0.5B int8, 24 layers, on
     - q/k/v in one Linear and gate/up in one Linear (one int8 GEMM instead of three and two:
       the activations are quantised once, the weights read in one pass);
     - attention as plain matrix products with the query heads grouped by their KV head (no
-      repeated keys), softmax in float32 (`grouped_attention`, drafter.batch's batched attention too);
+      repeated keys), softmax in float32 (`grouped_attention`, drafter.rows' batched attention too);
     - transformers' own rotary embedding module (its RoPE scaling, whatever the config says).
 
 It takes the call the drafter makes of a transformers causal LM and returns what it reads:
@@ -20,10 +20,10 @@ where S = the cache's length before the call + T. Without `attention_mask` every
 visible and the new tokens see each other causally; without `position_ids` row positions
 continue the cache (its get_seq_length()). The cache is any transformers Cache: each layer's
 new keys/values go through `cache.update(keys, values, layer)`, which returns the layer's whole
-keys/values (drafter.batch's gathered batch cache works unchanged).
+keys/values (drafter.rows' gathered batch cache works unchanged).
 
 Supported (`supports`): llama, qwen2 and mistral configs whose layers all attend fully (no
-sliding window) with a SiLU-gated MLP: the model types drafter.batch runs its own attention
+sliding window) with a SiLU-gated MLP: the model types drafter.rows runs its own attention
 for. Others keep transformers' forward (specdec.models.load_causal_lm decides).
 
 Numerics: float32 logits equal transformers' up to summation order (the test checks 1e-4).
@@ -43,7 +43,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # model types whose attention is plain scaled dot-product (no soft-capping, sinks or per-layer
-# windows): the lean forward runs them, and drafter.batch runs its own batched attention for them
+# windows): the lean forward runs them, and drafter.rows runs its own batched attention for them
 PLAIN_ATTENTION_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 

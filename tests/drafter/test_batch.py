@@ -176,3 +176,93 @@ def test_a_batched_row_equals_a_single_forward(model: torch.nn.Module, kind: str
         for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
             torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(la.values, lb.values, rtol=1e-4, atol=1e-4)
+
+
+def _continuation(model: torch.nn.Module, context: list[int], n: int) -> list[int]:
+    """The draft model's greedy continuation of `context`, n tokens, drafted by a session of its own."""
+    s = ModelDraftSession(model, context[:-1], n, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8)
+    s.commit(len(context) - 1, context[-1:])
+    drafts: list[int] = []
+    while s.wants_work():
+        out = s.step()
+        if isinstance(out, BlockOut):
+            drafts += [d.token_id for d in out.drafts]
+    return drafts
+
+
+@pytest.mark.parametrize("ride", [2, 4])
+def test_branch_rows_ride_in_the_forward_that_drafts_ahead(model: torch.nn.Module, ride: int) -> None:
+    """With ride_branches (`ride` rows a batch), each session's branch rows are drafted in the
+    forwards that draft its lookahead (its row, its branch rows and the other session's row in
+    one forward): branches finish while the window fills, with no forward of their own; every
+    branch (those finished in idle time after it included) is the draft's greedy continuation
+    of context[:p] + [t]; and the sessions' own drafts are a worker's without riding."""
+    gamma = 3
+    prompts = [[(7 * j + 3) % VOCAB for j in range(11)], [(5 * j + 1) % VOCAB for j in range(4)]]
+
+    def run(ride: int) -> tuple[list[ModelDraftSession], list[list[BlockOut]], list[int]]:
+        worker = DraftWorker(batch=True, ride_branches=ride)
+        sessions, out, rows = [], [], []
+        for prompt in prompts:
+            s = ModelDraftSession(model, prompt, gamma, gamma + 1, 0.0, 0, 1.0, 0, 8)
+            s.branches, s.flush_ms = 4, 1e9
+            emitted: list[BlockOut] = []
+
+            def emit(item: object, emitted: list[BlockOut] = emitted) -> None:
+                assert not isinstance(item, BaseException), item
+                if isinstance(item, BlockOut):
+                    emitted.append(item)
+
+            worker.add(s, emit)
+            s.commit(len(prompt), [35])
+            sessions.append(s)
+            out.append(emitted)
+        while active := [(s, e) for s, e in worker._sessions.values() if s.wants_work()]:
+            worker.advance(active)
+            rows.append(worker.last_batch)
+        rows.append(-1)  # the window is full: then the branches left, in idle time
+        rows.append(sum(b.branch for blocks in out for b in blocks))  # ... after those that rode
+        while branchy := [(s, e) for s, e in worker._sessions.values() if s.wants_branch()]:
+            worker._branch_steps(branchy)
+        return sessions, out, rows
+
+    plain, plain_out, plain_rows = run(0)
+    rode, rode_out, rode_rows = run(ride)
+    assert rode_rows[:-1] == plain_rows[:-1]  # the same forwards: the branch rows added none
+    assert plain_rows[-1] == 0 and rode_rows[-1] >= 2 * ride  # branches finished in the forwards they rode in
+    for s, t, blocks, plain_blocks in zip(rode, plain, rode_out, plain_out, strict=True):
+        assert s.context == t.context
+        assert [(b.start_position, [d.token_id for d in b.drafts]) for b in blocks if not b.branch] == [
+            (b.start_position, [d.token_id for d in b.drafts]) for b in plain_blocks if not b.branch
+        ]
+        branches = [b for b in blocks if b.branch]
+        candidates = {(p, c) for _, p, c in s.branch_candidates()}
+        drafted = {(b.start_position, b.drafts[0].token_id) for b in branches}
+        assert len(candidates) == 4 and candidates <= drafted and len(drafted) == len(branches) == s.branches_drafted
+        assert not s.wants_branch()  # nothing is left
+        for b in branches:
+            p, c = b.start_position, b.drafts[0].token_id
+            assert [d.token_id for d in b.drafts[1:]] == _continuation(model, s.context[:p] + [c], gamma), (p, c)
+
+
+def test_branch_rows_ride_only_where_no_verifier_waits(model: torch.nn.Module) -> None:
+    """A forward with an urgent row (a verifier waits for its drafts) carries no branch rows, even
+    for a session drafting ahead that has candidates; the next forward without one does."""
+    gamma = 3
+    ahead = ModelDraftSession(model, [(7 * j + 3) % VOCAB for j in range(9)], gamma, gamma + 1, 0.0, 0, 1.0, 0, 8)
+    urgent = ModelDraftSession(model, [(5 * j + 1) % VOCAB for j in range(6)], gamma, gamma + 1, 0.0, 0, 1.0, 0, 8)
+    ahead.branches = urgent.branches = 4
+    for s in (ahead, urgent):
+        while not isinstance(s.step(), Ready):
+            pass
+    ahead.commit(9, [35])
+    while len(ahead.context) - ahead.committed < gamma:  # the block being verified is drafted
+        ahead.step()
+    urgent.commit(6, [36])
+    assert ahead.rides() and not ahead.urgent() and urgent.urgent()
+    rows: list[int] = []
+    for _, exc, blocks in batch.draft_step([ahead, urgent], rows.append, ride=2):
+        assert exc is None and not blocks
+    assert rows == [2] and ahead._branch_job is None  # no branch rows joined
+    batch.draft_step([ahead], rows.append, ride=2)
+    assert rows == [2, 3] and ahead._branch_job is not None  # alone, drafting ahead: its 2 best ride
