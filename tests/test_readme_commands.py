@@ -182,6 +182,10 @@ NOT_RUN = {
     "--gammas 4 --concurrency 1 --dtype auto --out bench-batch1-trace": _BENCH,
     "specdec bench --models qwen-coder --systems specdec --workloads code --gammas 4 --concurrency 1 "
     "--dtype auto --out bench-batch1-gate": _BENCH,
+    "specdec bench --models qwen-coder --systems specdec --workloads code --gammas 4 --concurrency 1 "
+    "--dtype auto --out bench-batch1-ride": _BENCH,
+    "SPECDEC_RIDE_BRANCHES=0 specdec bench --models qwen-coder --systems specdec --workloads code --gammas 4 "
+    "--concurrency 1 --dtype auto --out bench-batch1-ride": _BENCH,
     "specdec bench --models qwen-coder --systems target-only,specdec --workloads code --gammas 4 --concurrency 4,16 "
     "--dtype auto --draft-vocab qwen-vocab-64k.json --out vocab-load": _BENCH,
     "specdec bench-drafter --model qwen-coder/draft --quantize int8 --draft-vocab-ab qwen-vocab-64k.json "
