@@ -41,11 +41,14 @@ def session_row(session: ModelDraftSession) -> Row:
     )
 
 
-def forward_rows(model: torch.nn.Module, sessions: Sequence[ModelDraftSession]) -> torch.Tensor:
-    """Feed each session's context[cached:] through `model` in one forward (`forward`); each
-    session's `cached` becomes len(context). Returns the logits of each row's last token
-    [B, vocab]. The caller holds every session's lock."""
-    logits = forward(model, [session_row(s) for s in sessions])
+def forward_rows(
+    model: torch.nn.Module, sessions: Sequence[ModelDraftSession], extra: Sequence[Row] = ()
+) -> torch.Tensor:
+    """Feed each session's context[cached:] through `model` in one forward (`forward`), then
+    the `extra` rows (branch rows riding in it); each session's `cached` becomes len(context).
+    Returns the logits of each row's last token [sessions + extra, vocab]. The caller holds
+    every session's lock."""
+    logits = forward(model, [session_row(s) for s in sessions] + list(extra))
     for s in sessions:
         s.forward_tokens += len(s.context) - s.cached
         s.cached = len(s.context)
@@ -101,9 +104,8 @@ def draft_step(
             # branch rows ride only where no verifier waits for this forward (no row is urgent)
             ride_here = ride > 0 and not any(s.urgent() for s in batch)
             riders = {i: s.branch_rows_locked(ride) if ride_here and s.rides() else [] for i, s in zip(members, batch)}
-            if (
-                len(members) == 1 and not riders[members[0]]
-            ):  # a batch of one: the serial step itself (no mask, no gather)
+            # a batch of one: the serial step itself (no mask, no gather)
+            if len(members) == 1 and not riders[members[0]]:
                 i = members[0]
                 try:
                     results[i] = (sessions[i].step_draft_locked(time.perf_counter()), None, [])
@@ -117,13 +119,8 @@ def draft_step(
             done: set[int] = set()
             try:
                 branch_rows = [r for i in members for r in riders[i]]
-                logits = forward(
-                    batch[0].model, [session_row(s) for s in batch] + branch_rows
-                )  # [B + branch rows, vocab]
+                logits = forward_rows(batch[0].model, batch, branch_rows)  # [B + branch rows, vocab]
                 share_ms = (time.perf_counter() - t0) * 1e3 / (len(batch) + len(branch_rows))  # each row's share
-                for s in batch:
-                    s.forward_tokens += len(s.context) - s.cached
-                    s.cached = len(s.context)
                 if on_forward is not None:
                     on_forward(len(batch) + len(branch_rows))
                 at = len(batch)  # the first branch row's logits

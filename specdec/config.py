@@ -210,7 +210,7 @@ class DrafterConfig(TransportConfig):
         "Pre-drafted branches per round (0: off). With its window full, the drafter drafts continuations "
         "for the likeliest rejections (position p, correction t among the draft's top alternatives), best "
         "first; the verifier picks the one that matches its verdict inside the step (no round trip). "
-        "Branches at one position are drafted as one batch.",
+        "The candidates not drafted yet are drafted as one batch of rows (with ride_branches, beside the lookahead).",
     )
     ride_branches: int = setting(
         2,
