@@ -20,7 +20,11 @@ where S = the cache's length before the call + T. Without `attention_mask` every
 visible and the new tokens see each other causally; without `position_ids` row positions
 continue the cache (its get_seq_length()). The cache is any transformers Cache: each layer's
 new keys/values go through `cache.update(keys, values, layer)`, which returns the layer's whole
-keys/values (drafter.rows' gathered batch cache works unchanged).
+keys/values (drafter.rows' gathered batch cache works unchanged). A cache with an
+`attend(layer, query, keys, values, scale)` method (drafter.rows' batch cache) is given the
+layer's query after RoPE and the step's new keys/values instead, and returns the attention
+[B, heads, T, dim] itself: it reads cached keys where they lie, without gathering them into one
+tensor; `attention_mask` is then its business (pass None).
 
 Supported (`supports`): llama, qwen2 and mistral configs whose layers all attend fully (no
 sliding window) with a SiLU-gated MLP: the model types drafter.rows runs its own attention
@@ -205,6 +209,7 @@ class LeanDecoder(torch.nn.Module):
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, dim]
         nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         mask: torch.Tensor | None = None
+        attend = getattr(cache, "attend", None)  # a cache that attends itself (see the module docstring)
         layers: Sequence[_Layer] = self.layers  # type: ignore[assignment]  # a ModuleList of _Layer
         for index, layer in enumerate(layers):
             x = self._rms(h, layer.norm_in)
@@ -213,10 +218,13 @@ class LeanDecoder(torch.nn.Module):
             k = qkv[..., nq : nq + nkv].view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, dim]
             v = qkv[..., nq + nkv :].view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            keys, values = cache.update(k, v, index)  # [B, kv, S, dim]
-            if index == 0:
-                mask = self._mask(attention_mask, t, keys.shape[-2])
-            out = grouped_attention(q, keys, values, mask, self.scale)  # [B, heads, T, dim]
+            if attend is not None:
+                out = attend(index, q, k, v, self.scale)  # [B, heads, T, dim]
+            else:
+                keys, values = cache.update(k, v, index)  # [B, kv, S, dim]
+                if index == 0:
+                    mask = self._mask(attention_mask, t, keys.shape[-2])
+                out = grouped_attention(q, keys, values, mask, self.scale)  # [B, heads, T, dim]
             h = h + layer.o(out.transpose(1, 2).reshape(b, t, nq))
             gate_up = layer.gate_up(self._rms(h, layer.norm_post))  # [B, T, 2 x intermediate]
             gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]

@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from drafter import batch
+from drafter import batch, rows
+from drafter.kvcache import GrowingCache
 from drafter.server import DraftWorker, work_order
 from drafter.sessions import BlockOut, ModelDraftSession, Ready
 from specdec.models import resolve
@@ -176,6 +177,68 @@ def test_a_batched_row_equals_a_single_forward(model: torch.nn.Module, kind: str
         for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
             torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(la.values, lb.values, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("share_min", [0, rows.SHARE_MIN, None], ids=["shared", "default", "gathered"])
+def test_rows_reading_one_cache_equal_their_own_forwards(
+    model: torch.nn.Module, share_min: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows that read one session's cache up to different positions (branch rows: the cache's
+    prefix, then keys of their own; a row reading all of it; the session's own row) beside a row
+    with a cache of its own, ragged new tokens: each row's logits are its own serial forward's,
+    whether the shared prefix is attended where it lies or gathered per row; and the lean forward
+    reads it in one part for the rows that share it, at the default only from SHARE_MIN tokens."""
+    assert rows.SHARE_MIN > 40  # this test's prefix: the default gathers it
+    context = [(7 * j + 3) % VOCAB for j in range(40)]
+    other = [(5 * j + 1) % VOCAB for j in range(12)]
+
+    def cache_of(tokens: list[int]) -> GrowingCache:
+        cache = GrowingCache()
+        rows.forward(model, [rows.Row(tokens, 0, lambda layer: [], cache)])
+        return cache
+
+    session, own, mine = cache_of(context[:30]), cache_of(other[:9]), GrowingCache()
+    # a branch at 12 with 3 keys of its own: context[:12] + branch[:3] cached, branch[3:] new
+    branch = [(11 * j + 5) % VOCAB for j in range(4)]
+    branch_cache = GrowingCache()
+    rows.forward(model, [rows.Row(branch[:3], 12, lambda layer: rows.layer_kv(session, layer, 12), branch_cache)])
+    batch_rows = [
+        rows.Row(context[30:32], 30, lambda layer: rows.layer_kv(session, layer), session),  # the session's own
+        rows.Row(
+            branch[3:],
+            15,
+            lambda layer: rows.layer_kv(session, layer, 12) + rows.layer_kv(branch_cache, layer),
+            branch_cache,
+        ),
+        rows.Row([17, 18], 30, lambda layer: rows.layer_kv(session, layer, 30), mine),  # all of it, nothing of its own
+        rows.Row([19, 20, 21, 22], 5, lambda layer: rows.layer_kv(session, layer, 5), GrowingCache()),
+        rows.Row(other[9:], 9, lambda layer: rows.layer_kv(own, layer), own),  # a cache no other row reads
+    ]
+    wants = [
+        context[:32],
+        context[:12] + branch,
+        context[:30] + [17, 18],
+        context[:5] + [19, 20, 21, 22],
+        other,
+    ]
+    parts: list[int] = []
+    partial = rows._partial_attention
+
+    def counted(query: torch.Tensor, keys: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        parts.append(query.shape[0] if keys.shape[0] == 1 else 0)  # rows reading one row's keys; 0: the gathered rest
+        return partial(query, keys, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rows, "_partial_attention", counted)
+    logits = rows.forward(model, batch_rows, share_min)  # [5, vocab]
+    for i, want in enumerate(wants):
+        reference = ModelDraftSession(model, want, 4, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8)
+        torch.testing.assert_close(logits[i], reference._forward(len(want)), rtol=1e-4, atol=1e-4)
+    assert [len(r.cache.layers[0].keys[0, 0]) for r in batch_rows] == [32, 4, 2, 4, 12]  # the new keys appended
+    layers = int(model.config.num_hidden_layers)
+    if isinstance(model, LeanDecoder) and share_min == 0:
+        assert parts == [0, 4] * layers  # per layer: the gathered rest, then the 4 rows reading the session's cache
+    else:
+        assert parts == []  # gathered whole (transformers' forward: always; the default: a prefix this short)
 
 
 def _continuation(model: torch.nn.Module, context: list[int], n: int) -> list[int]:
