@@ -24,8 +24,8 @@ a part of its own, attended where it lies, one matrix product for every row that
 only the rest (a branch row's own keys/values, the caches no other row reads) is gathered. The
 parts' softmaxes are merged by their log-sums (as flash-decoding merges the splits of a key
 range). Gathering copied the session's cache once per row, every step and layer, and read it
-once per row: a session's row with 2 branch rows riding cost ~1.9x its serial step at 3,000
-cached tokens (`python -m benchmarks.branch_batch --ride 2`, docs/batched-drafting.md). A
+once per row: a session's row with 2 branch rows riding cost 1.7-2.3x its serial step at 3,000
+cached tokens (shared: 1.3x) (`python -m benchmarks.branch_batch --ride 2`, docs/batched-drafting.md). A
 prefix under SHARE_MIN tokens, and a cache only one row reads, are still gathered: there the
 copy costs less than a second softmax and the merge.
 
@@ -50,9 +50,9 @@ from specdec.models.lean import PLAIN_ATTENTION_MODEL_TYPES, LeanDecoder, groupe
 Segment = tuple[torch.Tensor, torch.Tensor]  # (keys, values) [1, heads, n, dim] each: n cached positions in order
 
 # The shortest shared prefix attended where it lies (drafter.rows, "Shared prefixes"): below it the
-# copy costs less than the parts' merge, ~1.5 ms a forward of the qwen-coder draft over its 24
-# layers (the two were even at ~700 cached tokens: `python -m benchmarks.branch_batch --ride 2
-# --contexts 150,300,600,900`, docs/batched-drafting.md).
+# copy costs less than the parts' merge, ~1.5-3 ms a forward of the qwen-coder draft over its 24
+# layers (the two were even between 600 and 900 cached tokens: `python -m benchmarks.branch_batch
+# --ride 2 --contexts 150,300,600,900`, docs/batched-drafting.md).
 SHARE_MIN = 768
 
 

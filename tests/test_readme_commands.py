@@ -186,6 +186,11 @@ NOT_RUN = {
     "--dtype auto --out bench-batch1-ride": _BENCH,
     "SPECDEC_RIDE_BRANCHES=0 specdec bench --models qwen-coder --systems specdec --workloads code --gammas 4 "
     "--concurrency 1 --dtype auto --out bench-batch1-ride": _BENCH,
+    "specdec bench --models qwen-coder --systems specdec --prompts-file benchmarks/long_source_prompt.jsonl "
+    "--max-tokens 128 --gammas 4 --concurrency 1 --dtype auto --out bench-batch1-long": _BENCH,
+    "SPECDEC_RIDE_BRANCHES=0 specdec bench --models qwen-coder --systems specdec --prompts-file "
+    "benchmarks/long_source_prompt.jsonl --max-tokens 128 --gammas 4 --concurrency 1 --dtype auto "
+    "--out bench-batch1-long": _BENCH,
     "specdec bench --models qwen-coder --systems target-only,specdec --workloads code --gammas 4 --concurrency 4,16 "
     "--dtype auto --draft-vocab qwen-vocab-64k.json --out vocab-load": _BENCH,
     "specdec bench-drafter --model qwen-coder/draft --quantize int8 --draft-vocab-ab qwen-vocab-64k.json "
