@@ -125,7 +125,7 @@ def main() -> None:
         for context in (int(c) for c in args.contexts.split(",")):
             tokens = [(7 * i + 11) % (min(vocab, 30000) - 200) + 100 for i in range(context)]
             s = ModelDraftSession(model, tokens, args.gamma, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8)
-            for upto in range(512, context, 512):  # prefill in the drafter's chunks
+            for upto in range(512, context, 512):  # the context's cache, in chunks of 512 (not timed)
                 s._forward(upto)
             s._forward(context)
             alone, gathered, shared = time_ride(s, args.ride, max(args.repeats, 9))

@@ -275,7 +275,7 @@ ROWS_ATTENTION = "specdec_rows"
 AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
 
 
-def layer_kv(cache: Cache, layer: int, upto: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def layer_kv(cache: Cache, layer: int, upto: int | None = None) -> list[Segment]:
     """A cache's keys/values at `layer` as segments (see _GatheredLayer): [(keys, values)]
     [1, heads, n, dim], n = its length or `upto`, whichever is less; [] when that is 0."""
     layers = cache.layers
@@ -299,7 +299,7 @@ class Row:
 
     new: list[int]
     past: int
-    segments: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
+    segments: Callable[[int], list[Segment]]
     cache: Cache
 
 
