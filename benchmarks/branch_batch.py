@@ -16,7 +16,7 @@ per branch and the batch's cost against B single branches.
 alone (its serial forward), then its row with N branch rows beside it (each reads the session's
 cache up to its position and has 2 keys of its own, as mid-batch), their shared prefix gathered
 per row and attended where it lies (drafter.rows, "Shared prefixes"), one after the other in
-one run. ms are medians of `--repeats` forwards of one new token a row.
+one run. ms are medians of `--repeats` (at least 9) forwards of one new token a row.
 """
 
 from __future__ import annotations
@@ -115,7 +115,10 @@ def main() -> None:
     # Tensor | Module)
     model: Any = load_causal_lm(PAIRS[args.models].draft, "float32", args.quantize, forward=args.forward)
     vocab = int(model.config.vocab_size)
-    prompt = [(7 * i + 11) % (min(vocab, 30000) - 200) + 100 for i in range(args.context)]
+
+    def synthetic(n: int) -> list[int]:  # n token ids, none special
+        return [(7 * i + 11) % (min(vocab, 30000) - 200) + 100 for i in range(n)]
+
     if args.ride:
         print(
             f"{args.models} draft ({args.quantize}, forward {args.forward}), {args.ride} branch rows riding, one core"
@@ -123,8 +126,9 @@ def main() -> None:
         print("| context | alone ms | riding, gathered ms | riding, shared ms | gathered / alone | shared / alone |")
         print("|---|---|---|---|---|---|")
         for context in (int(c) for c in args.contexts.split(",")):
-            tokens = [(7 * i + 11) % (min(vocab, 30000) - 200) + 100 for i in range(context)]
-            s = ModelDraftSession(model, tokens, args.gamma, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8)
+            s = ModelDraftSession(
+                model, synthetic(context), args.gamma, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8
+            )
             for upto in range(512, context, 512):  # the context's cache, in chunks of 512 (not timed)
                 s._forward(upto)
             s._forward(context)
@@ -134,6 +138,7 @@ def main() -> None:
                 f"| {gathered / alone:.2f} | {shared / alone:.2f} |"
             )
         return
+    prompt = synthetic(args.context)
     s = ModelDraftSession(model, prompt, args.gamma, 0, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8)
     s._forward(len(prompt))  # the context's cache, as the drafter has it when it branches
     single = statistics.median(time_batch(s, args.context - 2, [101]) for _ in range(args.repeats))

@@ -25,9 +25,9 @@ only the rest (a branch row's own keys/values, the caches no other row reads) is
 parts' softmaxes are merged by their log-sums (as flash-decoding merges the splits of a key
 range). Gathering copied the session's cache once per row, every step and layer, and read it
 once per row: a session's row with 2 branch rows riding cost 1.7-2.3x its serial step at 3,000
-cached tokens (shared: 1.3x) (`python -m benchmarks.branch_batch --ride 2`, docs/batched-drafting.md). A
-prefix under SHARE_MIN tokens, and a cache only one row reads, are still gathered: there the
-copy costs less than a second softmax and the merge.
+cached tokens, shared 1.3x (`python -m benchmarks.branch_batch --ride 2`,
+docs/batched-drafting.md). A prefix under SHARE_MIN tokens, and a cache only one row reads, are
+still gathered: there the copy costs less than a second softmax and the merge.
 
 Exactness: a row's logits equal the serial forward's up to float rounding (batched GEMMs
 sum in another order). With `quantize int8` (torch dynamic quantisation) activations are
