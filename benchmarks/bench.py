@@ -96,6 +96,11 @@ Terms (per row of the table; a row is one system at one gamma and one concurrenc
                    from its /metrics before and after). JSON: drafter_forwards,
                    drafter_batch_rows_mean, drafter_batch_rows_max, drafter_batch_rows
                    (histogram: {rows: forwards}, see benchmarks.systems.batch_rows)
+    JSON only      specdec: branches_uncovered, the broken chains no branch could have
+                   covered (the verdict was not among the branch candidates: the drafter's
+                   specdec:drafter_branch_uncovered_total over the workload); commit_wait_ms,
+                   a commit's mean wait for its session at the drafter, which the draft step
+                   under way holds (specdec:drafter_commit_seconds)
 """
 
 from __future__ import annotations
@@ -545,6 +550,8 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         "drafter_batch_rows_mean": None,
         "drafter_batch_rows_max": None,
         "drafter_batch_rows": None,
+        "branches_uncovered": None,
+        "commit_wait_ms": None,
     }
     if run["kind"] == "specdec" and spec.get("steps"):  # specdec rows: the per-round breakdown
         row["verify_step_ms"] = spec["verify_ms"] / spec["steps"]
@@ -570,6 +577,10 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
             row["drafter_batch_rows_mean"] = rows_per_forward["mean"]
             row["drafter_batch_rows_max"] = rows_per_forward["max"]
             row["drafter_batch_rows"] = rows_per_forward["histogram"]
+        counts = spec.get("drafter_counts")  # absent when the drafter's /metrics was not read
+        if counts is not None:
+            row["branches_uncovered"] = int(counts["uncovered"])
+            row["commit_wait_ms"] = 1e3 * counts["commit_s"] / counts["commits"] if counts["commits"] else None
     row["_tokens"] = [r["tokens"] for r in reqs]
     return row
 

@@ -227,6 +227,8 @@ def run_hf_assisted(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
 
 # ---- specdec, over gRPC ----------------------------------------------------------------------
 BATCH_ROWS = "specdec:drafter_batch_rows"  # the drafter's histogram of rows per draft forward
+COMMITS = "specdec:drafter_commit_seconds"  # the drafter's histogram of a commit's wait for its session
+UNCOVERED = "specdec:drafter_branch_uncovered"  # the drafter's broken chains no branch could cover, by gamma
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,26 @@ def scrape_histogram(metrics_url: str, name: str) -> Histogram:
     if not found:
         raise RuntimeError(f"{metrics_url} has no histogram {name}")
     return Histogram(dict(sorted(buckets.items())), total, count)
+
+
+def scrape_counter(metrics_url: str, name: str) -> float:
+    """The counter `name` (without _total) from a service's Prometheus endpoint, summed over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            return sum(float(s.value) for s in family.samples if s.name == f"{name}_total")
+    raise RuntimeError(f"{metrics_url} has no counter {name}")
+
+
+def drafter_counts(metrics_url: str) -> dict[str, float]:
+    """What the bench reads from the drafter's /metrics around a workload: its batch rows
+    (BATCH_ROWS), its commits' wait (COMMITS: count and seconds) and the broken chains no
+    branch could cover (UNCOVERED)."""
+    commits = scrape_histogram(metrics_url, COMMITS)
+    return {"commits": commits.count, "commit_s": commits.sum, "uncovered": scrape_counter(metrics_url, UNCOVERED)}
 
 
 def batch_rows(before: Histogram, after: Histogram) -> dict[str, Any]:
@@ -357,6 +379,7 @@ def run_specdec(
         on_request()
 
     rows_before = scrape_histogram(drafter_metrics, BATCH_ROWS) if drafter_metrics else None
+    counts_before = drafter_counts(drafter_metrics) if drafter_metrics else None
     t0 = time.perf_counter()
     requests: list[dict[str, Any]] = []
     for batch in _batches(prompts, concurrency):
@@ -389,6 +412,9 @@ def run_specdec(
     spec: dict[str, Any] = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
     if drafter_metrics and rows_before is not None:
         spec["drafter_batch_rows"] = batch_rows(rows_before, scrape_histogram(drafter_metrics, BATCH_ROWS))
+    if drafter_metrics and counts_before is not None:
+        after = drafter_counts(drafter_metrics)
+        spec["drafter_counts"] = {k: after[k] - counts_before[k] for k in after}
     spec["fallbacks"] = sum(1 for r in requests if r["stats"]["fallback"])
     spec["max_draft_wait_ms"] = max((r["stats"]["max_draft_wait_ms"] for r in requests), default=0.0)
     return {"event": "result", "concurrency": concurrency, "wall_s": wall, "requests": requests, "spec": spec}

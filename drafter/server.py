@@ -401,7 +401,13 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                         )
                     if c.gamma and not 1 <= c.gamma <= MAX_GAMMA_LIMIT:
                         raise InvalidField("commit.gamma", f"{c.gamma} is out of range [1, {MAX_GAMMA_LIMIT}]")
-                    gamma, breaks, hits = session.gamma, session.breaks, session.branches_adopted
+                    gamma, breaks, hits, uncovered = (
+                        session.gamma,
+                        session.breaks,
+                        session.branches_adopted,
+                        session.uncovered,
+                    )
+                    t0 = time.perf_counter()
                     if session.ready:  # the worker holds the session's lock for one draft step at most
                         session.commit(c.start_position, list(c.token_ids), c.gamma, c.hold)
                     else:
@@ -409,9 +415,11 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                         # the next chunk first): off this event loop, which writes every stream's blocks
                         # and progress reports (a commit here once blocked them for a whole prefill)
                         await asyncio.to_thread(session.commit, c.start_position, list(c.token_ids), c.gamma, c.hold)
+                    self.metrics.commit_seconds.observe(time.perf_counter() - t0)
                     if session.breaks > breaks:  # a broken chain: a branch hit or a miss, at the gamma in force
                         self.metrics.branch_breaks.labels(gamma=str(gamma)).inc()
                         self.metrics.branch_hits.labels(gamma=str(gamma)).inc(session.branches_adopted - hits)
+                        self.metrics.branch_uncovered.labels(gamma=str(gamma)).inc(session.uncovered - uncovered)
                     self.worker.wake()
             except InvalidField as err:
                 out.put_nowait(err)

@@ -50,7 +50,9 @@ drafts are dropped and the model's KV cache is rolled back to the agreeing prefi
 never recomputed from scratch. A commit that rejects at p with the correction t of a
 branch drafted from the same committed context adopts the branch: its drafts become the
 context's, and are sent again as a fresh block (the verifier has normally picked the
-branch by then: the block changes nothing there), with no draft step spent on them.
+branch by then: the block changes nothing there), with no draft step spent on them. A
+branch still under way for that verdict is adopted with the drafts it has so far (the
+verifier never saw them: the block is their first sending), and drafting goes on after them.
 """
 
 from __future__ import annotations
@@ -165,6 +167,9 @@ class DraftSession:
         self.branches_adopted = 0
         self.branch_ms = 0.0  # compute spent on branches
         self.breaks = 0  # commits that broke the drafts' chain (a rejection or a wrong bonus guess)
+        # ... of which no branch could have covered: the verdict was not among the branch
+        # candidates (its correction was not among the draft's alternatives, or ranked past `branches`)
+        self.uncovered = 0
         # drafts sized by confidence (see the module's terms); None: off
         self.confidence: ConfidencePolicy | None = None
         self.confidence_cuts = 0  # blocks cut where the reach fell below tau
@@ -224,10 +229,19 @@ class DraftSession:
                 agree += 1
             if self.confidence is not None:
                 self.confidence.observe_commit(time.perf_counter(), len(tokens), self._decided(start, tokens, agree))
-            if agree < len(tokens) and start + agree < len(self.context) and (start + agree) in self._drafted:
+            broke = agree < len(tokens) and start + agree < len(self.context) and (start + agree) in self._drafted
+            if broke:
                 self.breaks += 1  # a draft of the chain was rejected: a branch hit, or a miss
-            branch = self._branches.get((start + agree, tokens[agree])) if agree == len(tokens) - 1 else None
-            if branch is not None and start == self.committed:  # the verdict a branch was drafted for
+            branch = None
+            if agree == len(tokens) - 1 and start == self.committed:  # a rejection, of the drafts of this context
+                verdict = (start + agree, tokens[agree])
+                branch = self._branches.get(verdict)
+                if branch is None:  # a branch under way for it: the drafts it has so far
+                    branch = self._unfinished_branch(*verdict) or None
+                if broke and branch is None and self.branches > 0:
+                    if verdict not in {(p, t) for _, p, t in self.branch_candidates()}:
+                        self.uncovered += 1
+            if branch is not None:  # the verdict a branch was drafted for
                 keep = start + agree
                 self.context = self.context[:keep] + [tokens[agree]] + [d.token_id for d in branch]
                 self._rollback(keep)
@@ -435,6 +449,11 @@ class DraftSession:
                 BlockOut(p, [Draft(t, 1.0, None), *cont], draft_ms / len(rows), False, self.committed, branch=True)
             )
         return blocks
+
+    def _unfinished_branch(self, p: int, t: int) -> list[Draft]:
+        """The drafts the branch batch under way has drafted so far for the rejection at p with
+        correction t ([]: none, or no such row). Called with the lock held."""
+        return []
 
     def rides(self) -> bool:
         """Whether the session's branch rows ride in the forward drafting its next token (see the
@@ -720,6 +739,15 @@ class ModelDraftSession(DraftSession):
             return None
         conts = [r.drafts[: r.end] if r.end >= 0 else r.drafts for r in job.rows]
         return [(r.p, r.t) for r in job.rows], conts, job.ms
+
+    def _unfinished_branch(self, p: int, t: int) -> list[Draft]:
+        job = self._branch_job
+        if not isinstance(job, _BranchJob):
+            return []
+        for r in job.rows:
+            if (r.p, r.t) == (p, t):
+                return list(r.drafts[: r.end] if r.end >= 0 else r.drafts)
+        return []
 
     def _rollback(self, keep: int) -> None:
         if self.cached > keep:

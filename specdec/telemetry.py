@@ -387,7 +387,16 @@ class DrafterMetrics:
                                         commits that broke a session's draft chain (a rejected
                                         draft), by the session's gamma then
         specdec:drafter_branch_hits_total{gamma}
-                                        ... of which adopted a pre-drafted branch (a branch hit)
+                                        ... of which adopted a pre-drafted branch (a branch hit;
+                                        a branch still under way counts, with its drafts so far)
+        specdec:drafter_branch_uncovered_total{gamma}
+                                        ... of which no branch could have covered: the verdict
+                                        (rejected position, correction) was not among the
+                                        session's branch candidates (the correction was not among
+                                        the draft's alternatives there, or ranked past `branches`)
+        specdec:drafter_commit_seconds  histogram: a commit's wait for its session, which the
+                                        draft step under way holds, plus applying it: how late
+                                        a verdict reaches the drafts
         specdec:drafter_confidence_cuts_total
                                         blocks cut where the draft's cumulative confidence fell
                                         below tau (DrafterConfig.draft_confidence)
@@ -407,6 +416,9 @@ class DrafterMetrics:
         Branches per second:         rate(specdec:drafter_branches_total[1m])
         Branch hit rate per gamma:   sum by (gamma) (rate(specdec:drafter_branch_hits_total[5m]))
                                        / sum by (gamma) (rate(specdec:drafter_branch_breaks_total[5m]))
+        Breaks no branch could cover: sum(rate(specdec:drafter_branch_uncovered_total[5m]))
+                                       / sum(rate(specdec:drafter_branch_breaks_total[5m]))
+        Mean commit wait:            rate(specdec:drafter_commit_seconds_sum[5m]) / rate(specdec:drafter_commit_seconds_count[5m])
         Mean tau:                    rate(specdec:drafter_block_tau_sum[5m]) / rate(specdec:drafter_block_tau_count[5m])
         Mean batch size:             rate(specdec:drafter_batch_rows_sum[5m]) / rate(specdec:drafter_batch_rows_count[5m])
     """
@@ -431,6 +443,18 @@ class DrafterMetrics:
             "specdec:drafter_branch_hits",
             "Broken chains a pre-drafted branch covered, by gamma",
             ["gamma"],
+            registry=registry,
+        )
+        self.branch_uncovered = Counter(
+            "specdec:drafter_branch_uncovered",
+            "Broken chains whose verdict was not among the branch candidates, by gamma",
+            ["gamma"],
+            registry=registry,
+        )
+        self.commit_seconds = Histogram(
+            "specdec:drafter_commit_seconds",
+            "A commit's wait for its session (the draft step under way) and its application",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=registry,
         )
         self.confidence_cuts = Counter("specdec:drafter_confidence_cuts", "Blocks cut by confidence", registry=registry)

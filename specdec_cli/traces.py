@@ -2,6 +2,7 @@
 
     specdec traces FILE [FILE ...]                   slowest rounds and spikes by stage
     specdec traces FILE ... --request ID|--trace ID  one request's round-by-round timeline
+    specdec traces FILE ... --waits                  the wait for drafts, by what the verdict did
 
 Each service writes its own file (or all append to one); pass them all to see a request
 across gateway, drafter and verifier.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -122,17 +124,77 @@ def timeline(spans: list[Span], trace_id: str) -> str:
     return "\n".join(lines)
 
 
+def _after(r: Span, following: Span | None) -> str:
+    """What round r's verdict did, for `waits`: its step was plain (no drafts), accepted every
+    draft, or rejected one; then whether the next step's drafts came from a pre-drafted branch."""
+    a = r["attributes"]
+    drafted, accepted = a.get("specdec.drafted", 0), a.get("specdec.accepted", 0)
+    if not drafted:
+        return "plain step"
+    if accepted == drafted:
+        return "all drafts accepted"
+    hit = following is not None and following["attributes"].get("specdec.branch", False)
+    return "a draft rejected, a branch hit" if hit else "a draft rejected, no branch"
+
+
+def waits(spans: list[Span]) -> str:
+    """Where the wait for drafts goes: each speculative request's rounds (its first, the
+    prefill, left out), grouped by what the round's verdict did (`_after`), with their wait.
+
+    A round's `stage.draft_wait_ms` is the verifier's wait, after the round's verdict, for the
+    drafts of the next step: vLLM asks its proposer for the next step's drafts at the end of a
+    step (verifier.vllm_hooks.ExternalDraftProposer.propose), so the wait follows this round's
+    verdict, and the next round's `branch` says whether its drafts came from a pre-drafted branch.
+    """
+    by_trace: dict[str, list[Span]] = defaultdict(list)
+    for r in rounds(spans):
+        by_trace[r["trace_id"]].append(r)
+    groups: dict[str, list[float]] = defaultdict(list)
+    total_ms = 0.0  # the rounds' time
+    for rs in by_trace.values():
+        rs.sort(key=lambda r: r["attributes"].get("specdec.round", 0))
+        if not any(r["attributes"].get("specdec.drafted", 0) for r in rs):
+            continue  # plain decoding throughout
+        for r, following in zip(rs[1:], [*rs[2:], None]):
+            groups[_after(r, following)].append(r["attributes"].get("specdec.stage.draft_wait_ms", 0.0))
+            total_ms += _ms(r)
+    n = sum(len(v) for v in groups.values())
+    if not n:
+        return "no speculative rounds"
+    waited = sum(sum(v) for v in groups.values())
+    lines = [
+        f"{n} rounds, {total_ms / n:.1f} ms a round, of which {waited / n:.1f} ms waiting for drafts "
+        f"({waited / total_ms:.0%} of the rounds' time)",
+        "",
+        f"  {'after the verdict':32} {'rounds':>7} {'wait ms, mean':>14} {'median':>7} {'share of the wait':>18}",
+    ]
+    for name in ("all drafts accepted", "a draft rejected, a branch hit", "a draft rejected, no branch", "plain step"):
+        v = groups.get(name, [])
+        if v:
+            share = sum(v) / waited if waited else 0.0
+            lines.append(f"  {name:32} {len(v):7d} {sum(v) / len(v):14.1f} {statistics.median(v):7.1f} {share:18.0%}")
+    return "\n".join(lines)
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("traces", help="inspect exported spans: slowest rounds, spikes, one request's timeline")
     p.add_argument("files", nargs="+", help="JSON-lines span files (SPECDEC_TRACE_FILE of each service)")
     p.add_argument("--request", help="show this request id's timeline")
     p.add_argument("--trace", help="show this trace id's timeline")
     p.add_argument("--top", type=int, default=10, help="how many slowest rounds")
+    p.add_argument(
+        "--waits",
+        action="store_true",
+        help="the wait for drafts, by what each round's verdict did (all accepted, a rejection a branch covered or not)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     spans = load(args.files)
+    if args.waits:
+        print(waits(spans))
+        return 0
     trace_id = args.trace
     if args.request:
         matches = [t for t, rid in request_ids(spans).items() if rid == args.request]

@@ -210,7 +210,7 @@ def test_a_verdict_that_matches_a_branch_adopts_it_without_drafting(model) -> No
     committed, context = s.committed, list(s.context)
     before = s.forward_tokens
     s.commit(committed, context[committed:p] + [t])  # accepted up to p, then the correction t
-    assert s.branches_adopted == 1
+    assert s.branches_adopted == 1 and s.breaks == 1 and s.uncovered == 0
     assert s.context == context[:p] + [t] + [d.token_id for d in block.drafts[1:]]
     resent = s.step()  # the branch's drafts go out again at once, as a fresh block
     assert isinstance(resent, BlockOut) and not resent.branch
@@ -233,9 +233,44 @@ def test_a_verdict_no_branch_matches_redrafts_and_branches_are_forgotten(model) 
     other = next(x for x in range(512) if x not in (t, context[p]))
     s.commit(committed, context[committed:p] + [other])
     assert s.branches_adopted == 0 and s.context == context[:p] + [other]
+    assert s.breaks == 1 and s.uncovered == 1  # `other` was no candidate: no branch could have covered it
     assert not s.wants_branch()  # forgotten: they were for the previous verdict
     start, drafts = _drafted(s)
     assert start == p + 1 and drafts == _greedy(model, s.context[: p + 1], len(drafts))
+
+
+def test_a_verdict_matching_a_branch_under_way_adopts_its_drafts_so_far(model) -> None:
+    """The verdict comes while the branch batch for it has drafted one token a row: the row's
+    draft is adopted (sent as a fresh block: the verifier never saw it) and drafting goes on
+    after it, as from any context."""
+    prompt = [3, 14, 15, 92, 65]
+    s = _branchy(model, prompt)
+    s.commit(len(prompt), [35])
+    _drain(s)
+    _, p, t = s.branch_candidates()[0]
+    assert s.branch_step() == []  # one forward of the batch: under way, nothing sent
+    committed, context = s.committed, list(s.context)
+    first = _greedy(model, context[:p] + [t], 1)  # what the row has drafted so far
+    s.commit(committed, context[committed:p] + [t])
+    assert s.branches_adopted == 1 and s.breaks == 1 and s.uncovered == 0
+    assert s.context == context[:p] + [t] + first
+    resent = s.step()
+    assert isinstance(resent, BlockOut) and not resent.branch
+    assert resent.start_position == p + 1 and [d.token_id for d in resent.drafts] == first
+    rest = [d.token_id for b in _drain(s) for d in b.drafts]
+    assert rest == _greedy(model, s.context[: p + 2], len(rest))
+
+
+def test_a_candidate_verdict_not_drafted_in_time_is_a_miss_a_branch_could_have_covered(model) -> None:
+    prompt = [3, 14, 15, 92, 65]
+    s = _branchy(model, prompt)
+    s.commit(len(prompt), [35])
+    _drain(s)
+    _, p, t = s.branch_candidates()[-1]  # no branch work done: not drafted
+    committed, context = s.committed, list(s.context)
+    s.commit(committed, context[committed:p] + [t])
+    assert s.branches_adopted == 0 and s.breaks == 1 and s.uncovered == 0
+    assert s.context == context[:p] + [t]
 
 
 def test_branches_wait_for_drafting_and_are_off_at_zero(model) -> None:

@@ -105,6 +105,8 @@ FAMILIES = {
         "specdec:drafter_branches_total",
         "specdec:drafter_branch_breaks_total",
         "specdec:drafter_branch_hits_total",
+        "specdec:drafter_branch_uncovered_total",
+        "specdec:drafter_commit_seconds",
         "specdec:drafter_confidence_cuts_total",
         "specdec:drafter_block_tau",
     },
@@ -166,6 +168,7 @@ def test_a_service_registry_exposes_its_own_families_and_the_shared_ones(service
         "refused",
         "branch_breaks",
         "branch_hits",
+        "branch_uncovered",
     ):
         if getattr(getattr(metrics, labelled, None), "_labelnames", None):
             getattr(metrics, labelled).labels("0")
@@ -209,3 +212,47 @@ def test_labelled_counters_have_their_series_before_the_first_request() -> None:
     ):
         for name in names:
             assert values[(family, ((label, name),))] == 0, (family, name)
+
+
+def _round(trace: str, number: int, drafted: int, accepted: int, wait_ms: float, branch: bool = False) -> dict:
+    """A gateway round span record (telemetry.span_record's shape), 200 ms long."""
+    start = number * 200_000_000
+    return {
+        "name": "specdec.round",
+        "service": "gateway",
+        "trace_id": trace,
+        "start_ns": start,
+        "end_ns": start + 200_000_000,
+        "events": [],
+        "attributes": {
+            "specdec.round": number,
+            "specdec.drafted": drafted,
+            "specdec.accepted": accepted,
+            "specdec.branch": branch,
+            "specdec.stage.draft_wait_ms": wait_ms,
+        },
+    }
+
+
+def test_waits_group_each_rounds_wait_by_what_its_verdict_did() -> None:
+    """A round's draft wait follows its own verdict (the verifier waits, after it, for the next
+    step's drafts), and the next round says whether those drafts came from a branch."""
+    spans = [
+        _round("a", 1, 0, 0, 0.0),  # the prefill: left out
+        _round("a", 2, 4, 4, 10.0),  # all accepted
+        _round("a", 3, 4, 1, 0.0),  # rejected; round 4's drafts from a branch
+        _round("a", 4, 4, 2, 150.0, branch=True),  # rejected; round 5's not
+        _round("a", 5, 4, 4, 40.0),  # all accepted (the request's last round)
+        _round("b", 1, 0, 0, 0.0),
+        _round("b", 2, 0, 0, 0.0),  # plain decoding throughout: left out
+    ]
+    text = traces.waits(spans)
+    lines = {line.split("  ")[1].strip(): line.split() for line in text.splitlines()[3:]}
+    assert text.splitlines()[0] == (
+        "4 rounds, 200.0 ms a round, of which 50.0 ms waiting for drafts (25% of the rounds' time)"
+    )
+    assert lines["all drafts accepted"][-4:] == ["2", "25.0", "25.0", "25%"]
+    assert lines["a draft rejected, a branch hit"][-4:] == ["1", "0.0", "0.0", "0%"]
+    assert lines["a draft rejected, no branch"][-4:] == ["1", "150.0", "150.0", "75%"]
+    assert "plain step" not in lines
+    assert traces.waits(spans[-2:]) == "no speculative rounds"
