@@ -279,9 +279,9 @@ def scrape_counter(metrics_url: str, name: str) -> float:
 
 
 def drafter_counts(metrics_url: str) -> dict[str, float]:
-    """What the bench reads from the drafter's /metrics around a workload: its batch rows
-    (BATCH_ROWS), its commits' wait (COMMITS: count and seconds) and the broken chains no
-    branch could cover (UNCOVERED)."""
+    """Two of the drafter's families, read from its /metrics before and after a workload (beside
+    its batch rows, `batch_rows`): its commits' wait (COMMITS: count and seconds) and the broken
+    chains no branch could cover (UNCOVERED, summed over gamma)."""
     commits = scrape_histogram(metrics_url, COMMITS)
     return {"commits": commits.count, "commit_s": commits.sum, "uncovered": scrape_counter(metrics_url, UNCOVERED)}
 

@@ -138,8 +138,9 @@ def _after(r: Span, following: Span | None) -> str:
 
 
 def waits(spans: list[Span]) -> str:
-    """Where the wait for drafts goes: each speculative request's rounds (its first, the
-    prefill, left out), grouped by what the round's verdict did (`_after`), with their wait.
+    """Where the wait for drafts goes: each speculative request's rounds grouped by what the
+    round's verdict did (`_after`), with their wait. A request's first round is left out: its
+    verdict is the prefill's token, and the wait after it is for the drafter's first block.
 
     A round's `stage.draft_wait_ms` is the verifier's wait, after the round's verdict, for the
     drafts of the next step: vLLM asks its proposer for the next step's drafts at the end of a
