@@ -25,7 +25,8 @@ Speculation counters (drafts, draft_tokens, accepted, steps) come from the engin
 it reports them (vLLM's spec-decode metrics; specdec's per-request stats), else null.
 specdec's also carry held_steps (the per-request SpecStats summed) and, given the drafter's
 /metrics address, its batch size over the workload (`drafter_batch_rows`: the difference of
-its specdec:drafter_batch_rows histogram before and after).
+its specdec:drafter_batch_rows histogram before and after), its commits' wait and the breaks no
+branch could cover (`drafter_counts`, `DrafterSnapshot`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
     from specdec.wire import pb
 
 Emit = Callable[[dict[str, Any]], None]
@@ -241,49 +244,66 @@ class Histogram:
     count: float
 
 
-def scrape_histogram(metrics_url: str, name: str) -> Histogram:
-    """The histogram `name` from a service's Prometheus endpoint (`http://HOST:PORT/metrics`)."""
+def scrape(metrics_url: str) -> dict[str, Metric]:
+    """A service's Prometheus families (`http://HOST:PORT/metrics`), one GET: {family name: family}."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         text = resp.read().decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def histogram(families: dict[str, Metric], name: str, where: str) -> Histogram:
+    """The histogram `name` of scraped `families` (`where`: their endpoint, for the error)."""
+    family = families.get(name)
+    if family is None:
+        raise RuntimeError(f"{where} has no histogram {name}")
     buckets: dict[float, float] = {}
     total, count = 0.0, 0.0
-    found = False
-    for family in text_string_to_metric_families(text):
-        if family.name != name:
-            continue
-        found = True
-        for sample in family.samples:
-            if sample.name == f"{name}_bucket":
-                buckets[float(sample.labels["le"])] = float(sample.value)
-            elif sample.name == f"{name}_sum":
-                total = float(sample.value)
-            elif sample.name == f"{name}_count":
-                count = float(sample.value)
-    if not found:
-        raise RuntimeError(f"{metrics_url} has no histogram {name}")
+    for sample in family.samples:
+        if sample.name == f"{name}_bucket":
+            buckets[float(sample.labels["le"])] = float(sample.value)
+        elif sample.name == f"{name}_sum":
+            total = float(sample.value)
+        elif sample.name == f"{name}_count":
+            count = float(sample.value)
     return Histogram(dict(sorted(buckets.items())), total, count)
 
 
-def scrape_counter(metrics_url: str, name: str) -> float:
-    """The counter `name` (without _total) from a service's Prometheus endpoint, summed over its labels."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
-    for family in text_string_to_metric_families(text):
-        if family.name == name:
-            return sum(float(s.value) for s in family.samples if s.name == f"{name}_total")
-    raise RuntimeError(f"{metrics_url} has no counter {name}")
+def scrape_histogram(metrics_url: str, name: str) -> Histogram:
+    """The histogram `name` from a service's Prometheus endpoint."""
+    return histogram(scrape(metrics_url), name, metrics_url)
 
 
-def drafter_counts(metrics_url: str) -> dict[str, float]:
-    """Two of the drafter's families, read from its /metrics before and after a workload (beside
-    its batch rows, `batch_rows`): its commits' wait (COMMITS: count and seconds) and the broken
-    chains no branch could cover (UNCOVERED, summed over gamma)."""
-    commits = scrape_histogram(metrics_url, COMMITS)
-    return {"commits": commits.count, "commit_s": commits.sum, "uncovered": scrape_counter(metrics_url, UNCOVERED)}
+@dataclass(frozen=True)
+class DrafterSnapshot:
+    """What the bench reads from the drafter's /metrics before and after a workload, in one
+    scrape: its batch rows (BATCH_ROWS, see `batch_rows`), its commits' wait (COMMITS) and the
+    broken chains no branch could cover (UNCOVERED, summed over gamma)."""
+
+    rows: Histogram
+    commits: Histogram
+    uncovered: float
+
+    @classmethod
+    def scrape(cls, metrics_url: str) -> DrafterSnapshot:
+        families = scrape(metrics_url)
+        uncovered = families.get(UNCOVERED)
+        if uncovered is None:
+            raise RuntimeError(f"{metrics_url} has no counter {UNCOVERED}")
+        return cls(
+            histogram(families, BATCH_ROWS, metrics_url),
+            histogram(families, COMMITS, metrics_url),
+            sum(float(s.value) for s in uncovered.samples if s.name == f"{UNCOVERED}_total"),
+        )
+
+    def since(self, before: DrafterSnapshot) -> dict[str, float]:
+        """The workload's commits, their seconds and its uncovered breaks (`spec["drafter_counts"]`)."""
+        return {
+            "commits": self.commits.count - before.commits.count,
+            "commit_s": self.commits.sum - before.commits.sum,
+            "uncovered": self.uncovered - before.uncovered,
+        }
 
 
 def batch_rows(before: Histogram, after: Histogram) -> dict[str, Any]:
@@ -378,8 +398,7 @@ def run_specdec(
         )
         on_request()
 
-    rows_before = scrape_histogram(drafter_metrics, BATCH_ROWS) if drafter_metrics else None
-    counts_before = drafter_counts(drafter_metrics) if drafter_metrics else None
+    before = DrafterSnapshot.scrape(drafter_metrics) if drafter_metrics else None
     t0 = time.perf_counter()
     requests: list[dict[str, Any]] = []
     for batch in _batches(prompts, concurrency):
@@ -410,11 +429,10 @@ def run_specdec(
         "held_steps",
     )
     spec: dict[str, Any] = {k: float(sum(r["stats"][k] for r in requests)) for k in keys}
-    if drafter_metrics and rows_before is not None:
-        spec["drafter_batch_rows"] = batch_rows(rows_before, scrape_histogram(drafter_metrics, BATCH_ROWS))
-    if drafter_metrics and counts_before is not None:
-        after = drafter_counts(drafter_metrics)
-        spec["drafter_counts"] = {k: after[k] - counts_before[k] for k in after}
+    if drafter_metrics and before is not None:
+        after = DrafterSnapshot.scrape(drafter_metrics)
+        spec["drafter_batch_rows"] = batch_rows(before.rows, after.rows)
+        spec["drafter_counts"] = after.since(before)
     spec["fallbacks"] = sum(1 for r in requests if r["stats"]["fallback"])
     spec["max_draft_wait_ms"] = max((r["stats"]["max_draft_wait_ms"] for r in requests), default=0.0)
     return {"event": "result", "concurrency": concurrency, "wall_s": wall, "requests": requests, "spec": spec}
