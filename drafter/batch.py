@@ -30,6 +30,7 @@ import torch
 
 from drafter.rows import Row, batchable, forward, layer_kv
 from drafter.sessions import DRAFT_NEEDED, BlockOut, DraftSession, ModelDraftSession, Ready
+from specdec.models.lean import Stopped
 
 StepResult = BlockOut | Ready | None
 
@@ -47,8 +48,13 @@ def forward_rows(
     """Feed each session's context[cached:] through `model` in one forward (`forward`), then
     the `extra` rows (branch rows riding in it); each session's `cached` becomes len(context).
     Returns the logits of each row's last token [sessions + extra, vocab]. The caller holds
-    every session's lock."""
-    logits = forward(model, [session_row(s) for s in sessions] + list(extra))
+    every session's lock. The forward stops (specdec.models.lean.Stopped, nothing changed)
+    once every session is superseded (drafter.sessions): none of its rows would be used."""
+
+    def stop() -> bool:
+        return all(s.superseded for s in sessions)
+
+    logits = forward(model, [session_row(s) for s in sessions] + list(extra), stop=stop)
     for s in sessions:
         s.forward_tokens += len(s.context) - s.cached
         s.cached = len(s.context)
@@ -107,12 +113,13 @@ def draft_step(
             # a batch of one: the serial step itself (no mask, no gather)
             if len(members) == 1 and not riders[members[0]]:
                 i = members[0]
+                stopped = batch[0].forwards_stopped
                 try:
                     results[i] = (sessions[i].step_draft_locked(time.perf_counter()), None, [])
                 except Exception as exc:  # noqa: BLE001
                     results[i] = (None, exc, [])
                     continue
-                if on_forward is not None:
+                if on_forward is not None and batch[0].forwards_stopped == stopped:
                     on_forward(1)
                 continue
             t0 = time.perf_counter()
@@ -131,6 +138,9 @@ def draft_step(
                     at += n
                     results[i] = (out, None, blocks)
                     done.add(i)
+            except Stopped:  # every session was superseded mid-forward: no step happened
+                for s in batch:
+                    s.forwards_stopped += 1
             except Exception as exc:  # noqa: BLE001 - the forward failed: every row's step did
                 for i in members:
                     if i not in done:

@@ -78,3 +78,13 @@ class GrowingCache(DynamicCache):
 
     def __init__(self) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+
+    def truncate(self, length: int) -> None:
+        """Cut every layer that holds more than `length` tokens to its first `length`: after a
+        forward stopped part-way (specdec.models.lean.Stopped), the layers it reached hold the
+        step's keys/values and the others do not (`crop` drops as many from every layer)."""
+        for layer in self.layers:
+            assert isinstance(layer, GrowingLayer)  # the only layers this cache makes
+            held = layer.get_seq_length()
+            if held > length:
+                layer.crop(length - held)

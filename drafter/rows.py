@@ -304,12 +304,19 @@ class Row:
 
 
 @torch.inference_mode()
-def forward(model: torch.nn.Module, rows: Sequence[Row], share_min: int | None = SHARE_MIN) -> torch.Tensor:
+def forward(
+    model: torch.nn.Module,
+    rows: Sequence[Row],
+    share_min: int | None = SHARE_MIN,
+    stop: Callable[[], bool] | None = None,
+) -> torch.Tensor:
     """Feed each row's `new` tokens through `model` in one forward and append their keys/values
     to each row's cache. Returns the logits of each row's last token [B, vocab]. `share_min`
     (the lean forward): a cache prefix several rows read, of this many tokens or more, is
     attended where it lies, once (the module's "Shared prefixes"); None gathers it per row
-    (benchmarks.branch_batch compares the two)."""
+    (benchmarks.branch_batch compares the two). `stop` (the lean forward; ignored by others):
+    asked before each layer, True ends the forward with specdec.models.lean.Stopped, and no
+    row's cache has changed (they are appended to only after the forward)."""
     device = getattr(model, "device", torch.device("cpu"))
     news = [r.new for r in rows]
     lengths = [r.past for r in rows]
@@ -341,6 +348,7 @@ def forward(model: torch.nn.Module, rows: Sequence[Row], share_min: int | None =
     # attention is plain scaled dot-product (no soft-capping, sinks or sliding window); others keep their own
     if attention in ("sdpa", "eager") and getattr(config, "model_type", "") in PLAIN_ATTENTION_MODEL_TYPES:
         config._attn_implementation = ROWS_ATTENTION
+    extra: dict[str, object] = {"stop": stop} if stop is not None and isinstance(model, LeanDecoder) else {}
     try:
         out = model(
             input_ids=ids.to(device),
@@ -349,6 +357,7 @@ def forward(model: torch.nn.Module, rows: Sequence[Row], share_min: int | None =
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **extra,
         )
     finally:
         config._attn_implementation = attention

@@ -136,8 +136,10 @@ class DraftWorker(threading.Thread):
             with self._cond:
                 if self._stopped:
                     return
-                active = [(s, e) for s, e in self._sessions.values() if s.wants_work()]
-                branchy = [] if active else [(s, e) for s, e in self._sessions.values() if s.wants_branch()]
+                # a superseded session waits for its commit (drafter.sessions): its commit wakes us
+                sessions = [(s, e) for s, e in self._sessions.values() if not s.superseded]
+                active = [(s, e) for s, e in sessions if s.wants_work()]
+                branchy = [] if active else [(s, e) for s, e in sessions if s.wants_branch()]
                 if not active and not branchy:
                     self._cond.wait(timeout=1.0)
                     continue
@@ -401,11 +403,12 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                         )
                     if c.gamma and not 1 <= c.gamma <= MAX_GAMMA_LIMIT:
                         raise InvalidField("commit.gamma", f"{c.gamma} is out of range [1, {MAX_GAMMA_LIMIT}]")
-                    gamma, breaks, hits, uncovered = (
+                    gamma, breaks, hits, uncovered, stopped = (
                         session.gamma,
                         session.breaks,
                         session.branches_adopted,
                         session.uncovered,
+                        session.forwards_stopped,
                     )
                     t0 = time.perf_counter()
                     if session.ready:  # the worker holds the session's lock for one draft step at most
@@ -416,6 +419,8 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                         # and progress reports (a commit here once blocked them for a whole prefill)
                         await asyncio.to_thread(session.commit, c.start_position, list(c.token_ids), c.gamma, c.hold)
                     self.metrics.commit_seconds.observe(time.perf_counter() - t0)
+                    # the forward this commit stopped (the worker counts it before the commit gets the lock)
+                    self.metrics.forwards_stopped.inc(session.forwards_stopped - stopped)
                     if session.breaks > breaks:  # a broken chain: a branch hit or a miss, at the gamma in force
                         self.metrics.branch_breaks.labels(gamma=str(gamma)).inc()
                         self.metrics.branch_hits.labels(gamma=str(gamma)).inc(session.branches_adopted - hits)

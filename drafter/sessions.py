@@ -43,6 +43,13 @@ Terms:
                 reach is >= the policy's tau; the draft on which it fell below ends the
                 block, sent at once as `final` (a confidence cut), and the session spends
                 the rest of the round on branches. Commits teach the policy its tau.
+    superseded  a commit that rejects a token of the context is waiting for the session's lock:
+                the draft step under way drafts from a context the target has rejected. With
+                the lean forward (specdec.models.lean, `stop`), that step's forward stops at
+                its next layer and drafts nothing (`STOPPED`), so the commit, and the re-draft
+                the verifier waits for after it, start a layer later instead of a forward
+                later; a batched forward stops only when every session in it is superseded.
+                Read without the lock: a hint for when to stop, never for what a commit does.
 
 A commit (position s, verified tokens T) makes the committed context
 context[:s] + T. Drafts that agree with T are kept; at the first disagreement the
@@ -78,9 +85,11 @@ if TYPE_CHECKING:  # drafter.rows and transformers load with a model session onl
 # `DraftSession.step_begin_locked`'s answer when the step drafts a token.
 class _Step(enum.Enum):
     DRAFT_NEEDED = 0
+    STOPPED = 1
 
 
 DRAFT_NEEDED: Final = _Step.DRAFT_NEEDED  # step_begin_locked: the step goes on to draft a token
+STOPPED: Final = _Step.STOPPED  # _next_token: its forward stopped (the session is `superseded`)
 
 
 @dataclass
@@ -138,6 +147,8 @@ class DraftSession:
         self.flush_ms = flush_ms
         self.prefill_chunk = prefill_chunk
         self.lock = threading.Lock()
+        self.superseded = False  # see the module's terms (set and cleared by `commit`)
+        self.forwards_stopped = 0  # draft forwards stopped part-way because the session was superseded
         self.closed = False
         self.started = False  # drafting starts with the first commit (the target's first token)
         self.held = False  # the verifier holds this request's drafts (adaptive gamma backed it off)
@@ -214,7 +225,10 @@ class DraftSession:
     def commit(self, start: int, tokens: list[int], gamma: int = 0, hold: bool = False) -> None:
         """Apply a target verdict: context[:start] + tokens is now verified. `hold`: the
         verifier backed this request off (DraftCommit.hold): draft nothing until a commit without."""
+        if self._supersedes(start, tokens):
+            self.superseded = True  # the forward under way stops at its next layer (module's terms)
         with self.lock:
+            self.superseded = False
             self.started = True
             self.held = hold
             if gamma:
@@ -270,6 +284,12 @@ class DraftSession:
             self._branch_job = None
             for p in [p for p in self._drafted if p < self.committed]:
                 del self._drafted[p]
+
+    def _supersedes(self, start: int, tokens: list[int]) -> bool:
+        """Whether the verdict (start, tokens) rejects a token of the context. Read without the
+        lock (the worker may append a draft meanwhile): a hint for `superseded` only."""
+        context = self.context
+        return any(context[p] != t for p, t in zip(range(start, len(context)), tokens))
 
     def _decided(self, start: int, tokens: list[int], agree: int) -> list[tuple[float, bool]]:
         """The drafts the commit (start, tokens) decides, agreeing on its first `agree` tokens:
@@ -327,7 +347,11 @@ class DraftSession:
         the session's own `_next_token()` when not given. `compute_ms`: the token's compute
         (a batched step's share of its forward); default: the time since t0."""
         if draft is DRAFT_NEEDED:
-            draft = self._next_token()
+            drafted = self._next_token()
+            if drafted is STOPPED:  # a commit rejected the context mid-forward: no step happened
+                self.forwards_stopped += 1
+                return None
+            draft = drafted
         assert draft is None or isinstance(draft, Draft)
         self.steps += 1
         hooks_start = time.perf_counter()
@@ -485,7 +509,9 @@ class DraftSession:
         tau: the batch ends when every row's has)."""
         raise NotImplementedError
 
-    def _next_token(self) -> Draft | None:
+    def _next_token(self) -> Draft | None | Literal[_Step.STOPPED]:
+        """The draft for the context's next position (None: the method has none; STOPPED: the
+        session was superseded while it ran: see the module's terms)."""
         raise NotImplementedError
 
     def prefill_left(self) -> int:
@@ -585,16 +611,26 @@ class ModelDraftSession(DraftSession):
         self.forward_tokens = 0  # tokens run through the draft model (work counter)
 
     @torch.inference_mode()
-    def _forward(self, upto: int) -> torch.Tensor:
-        """Feed context[cached:upto] through the model; return the last position's logits [vocab]."""
+    def _forward(self, upto: int, stoppable: bool = False) -> torch.Tensor:
+        """Feed context[cached:upto] through the model; return the last position's logits [vocab].
+        `stoppable` (the lean forward): the forward stops when the session is superseded
+        (specdec.models.lean.Stopped, raised with the cache as it was)."""
+        from specdec.models.lean import LeanDecoder, Stopped
+
         new = self.context[self.cached : upto]
-        # [1, len(new)] -> logits [1, len(new), vocab]
-        out = self.model(
-            input_ids=torch.tensor([new], dtype=torch.long, device=self.device),
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        extra = {"stop": lambda: self.superseded} if stoppable and isinstance(self.model, LeanDecoder) else {}
+        try:
+            # [1, len(new)] -> logits [1, len(new), vocab]
+            out = self.model(
+                input_ids=torch.tensor([new], dtype=torch.long, device=self.device),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **extra,
+            )
+        except Stopped:
+            self.cache.truncate(self.cached)  # the layers it reached hold the step's keys/values
+            raise
         logits: torch.Tensor = out.logits  # [1, 1, vocab]: logits_to_keep=1 keeps the last position only
         self.cached = upto
         self.forward_tokens += len(new)
@@ -614,8 +650,13 @@ class ModelDraftSession(DraftSession):
         self._forward(min(self.cached + max(1, chunk), len(self.context) - 1))
 
     @torch.inference_mode()
-    def _next_token(self) -> Draft | None:
-        logits = self._forward(len(self.context))  # [vocab]
+    def _next_token(self) -> Draft | None | Literal[_Step.STOPPED]:
+        from specdec.models.lean import Stopped
+
+        try:
+            logits = self._forward(len(self.context), stoppable=True)  # [vocab]
+        except Stopped:
+            return STOPPED
         return self.pick_locked(logits)
 
     def pick_locked(self, logits: torch.Tensor) -> Draft:
@@ -707,12 +748,17 @@ class ModelDraftSession(DraftSession):
     @torch.inference_mode()
     def _advance_branches(self) -> tuple[list[tuple[int, int]], list[list[Draft]], float] | None:
         from drafter.rows import forward
+        from specdec.models.lean import Stopped
 
         job = self._branch_job
         assert isinstance(job, _BranchJob)
         t0 = time.perf_counter()
         # [rows, T] -> logits [rows, vocab] (T = 1 after the first step, and in it for a row at a cached position)
-        logits = forward(self.model, self.branch_rows_locked())
+        try:
+            logits = forward(self.model, self.branch_rows_locked(), stop=lambda: self.superseded)
+        except Stopped:  # a commit rejected the context the batch drafts from: it drops the batch
+            self.forwards_stopped += 1
+            return None
         return self._picked(job, logits, (time.perf_counter() - t0) * 1e3)
 
     def _picked(

@@ -397,6 +397,10 @@ class DrafterMetrics:
         specdec:drafter_commit_seconds  histogram: a commit's wait for its session, which the
                                         draft step under way holds, plus applying it: how late
                                         a verdict reaches the drafts
+        specdec:drafter_forwards_stopped_total
+                                        draft forwards stopped part-way by a commit that
+                                        rejected their context (drafter.sessions, `superseded`):
+                                        the commit waited a layer for them, not a forward
         specdec:drafter_confidence_cuts_total
                                         blocks cut where the draft's cumulative confidence fell
                                         below tau (DrafterConfig.draft_confidence)
@@ -419,6 +423,8 @@ class DrafterMetrics:
         Breaks no branch could cover: sum(rate(specdec:drafter_branch_uncovered_total[5m]))
                                        / sum(rate(specdec:drafter_branch_breaks_total[5m]))
         Mean commit wait:            rate(specdec:drafter_commit_seconds_sum[5m]) / rate(specdec:drafter_commit_seconds_count[5m])
+        Forwards stopped per break:  sum(rate(specdec:drafter_forwards_stopped_total[5m]))
+                                       / sum(rate(specdec:drafter_branch_breaks_total[5m]))
         Mean tau:                    rate(specdec:drafter_block_tau_sum[5m]) / rate(specdec:drafter_block_tau_count[5m])
         Mean batch size:             rate(specdec:drafter_batch_rows_sum[5m]) / rate(specdec:drafter_batch_rows_count[5m])
     """
@@ -455,6 +461,11 @@ class DrafterMetrics:
             "specdec:drafter_commit_seconds",
             "A commit's wait for its session (the draft step under way) and its application",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=registry,
+        )
+        self.forwards_stopped = Counter(
+            "specdec:drafter_forwards_stopped",
+            "Draft forwards stopped part-way by a commit that rejected their context",
             registry=registry,
         )
         self.confidence_cuts = Counter("specdec:drafter_confidence_cuts", "Blocks cut by confidence", registry=registry)

@@ -26,6 +26,12 @@ layer's query after RoPE and the step's new keys/values instead, and returns the
 [B, heads, T, dim] itself: it reads cached keys where they lie, without gathering them into one
 tensor; `attention_mask` is then its business (pass None).
 
+`stop` (optional, a callable): asked before each layer; when it answers True the forward raises
+`Stopped` there and returns nothing. A cache that attends itself is left as it was; a plain
+cache has the step's keys/values in the layers done so far (the caller drops them: see
+drafter.kvcache.GrowingCache.truncate). The drafter stops a forward whose context a commit has
+just rejected (drafter.sessions, `superseded`), so the commit need not wait for it.
+
 Supported (`supports`): llama, qwen2 and mistral configs whose layers all attend fully (no
 sliding window) with a SiLU-gated MLP: the model types drafter.rows runs its own attention
 for. Others keep transformers' forward (specdec.models.load_causal_lm decides).
@@ -39,7 +45,7 @@ unfused int8 model's (the target verifies every draft: the output does not chang
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +55,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 # model types whose attention is plain scaled dot-product (no soft-capping, sinks or per-layer
 # windows): the lean forward runs them, and drafter.rows runs its own batched attention for them
 PLAIN_ATTENTION_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+class Stopped(Exception):
+    """A LeanDecoder forward ended early because its `stop` said so (see the module docstring)."""
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -197,6 +207,7 @@ class LeanDecoder(torch.nn.Module):
         logits_to_keep: int = 0,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        stop: Callable[[], bool] | None = None,
         **unused: object,
     ) -> CausalLMOutputWithPast:
         cache = past_key_values if past_key_values is not None else DynamicCache()
@@ -212,6 +223,8 @@ class LeanDecoder(torch.nn.Module):
         attend = getattr(cache, "attend", None)  # a cache that attends itself (see the module docstring)
         layers: Sequence[_Layer] = self.layers  # type: ignore[assignment]  # a ModuleList of _Layer
         for index, layer in enumerate(layers):
+            if stop is not None and stop():
+                raise Stopped(f"stopped before layer {index}")
             x = self._rms(h, layer.norm_in)
             qkv = layer.qkv(x)  # [B, T, (heads + 2 kv heads) x dim]
             q = qkv[..., :nq].view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, heads, T, dim]

@@ -107,6 +107,7 @@ FAMILIES = {
         "specdec:drafter_branch_hits_total",
         "specdec:drafter_branch_uncovered_total",
         "specdec:drafter_commit_seconds",
+        "specdec:drafter_forwards_stopped_total",
         "specdec:drafter_confidence_cuts_total",
         "specdec:drafter_block_tau",
     },
