@@ -100,7 +100,9 @@ Terms (per row of the table; a row is one system at one gamma and one concurrenc
                    covered (the verdict was not among the branch candidates: the drafter's
                    specdec:drafter_branch_uncovered_total over the workload); commit_wait_ms,
                    a commit's mean wait for its session at the drafter, which the draft step
-                   under way holds (specdec:drafter_commit_seconds)
+                   under way holds (specdec:drafter_commit_seconds); forwards_stopped, the
+                   draft forwards a commit that rejected their context stopped part-way
+                   (specdec:drafter_forwards_stopped_total)
 """
 
 from __future__ import annotations
@@ -552,6 +554,7 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         "drafter_batch_rows": None,
         "branches_uncovered": None,
         "commit_wait_ms": None,
+        "forwards_stopped": None,
     }
     if run["kind"] == "specdec" and spec.get("steps"):  # specdec rows: the per-round breakdown
         row["verify_step_ms"] = spec["verify_ms"] / spec["steps"]
@@ -581,6 +584,7 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         if counts is not None:
             row["branches_uncovered"] = int(counts["uncovered"])
             row["commit_wait_ms"] = 1e3 * counts["commit_s"] / counts["commits"] if counts["commits"] else None
+            row["forwards_stopped"] = int(counts["stopped"])
     row["_tokens"] = [r["tokens"] for r in reqs]
     return row
 

@@ -232,6 +232,7 @@ def run_hf_assisted(job: dict[str, Any], emit: Emit = _emit_stdout) -> None:
 BATCH_ROWS = "specdec:drafter_batch_rows"  # the drafter's histogram of rows per draft forward
 COMMITS = "specdec:drafter_commit_seconds"  # the drafter's histogram of a commit's wait for its session
 UNCOVERED = "specdec:drafter_branch_uncovered"  # the drafter's broken chains no branch could cover, by gamma
+STOPPED = "specdec:drafter_forwards_stopped"  # the drafter's forwards a rejecting commit stopped part-way
 
 
 @dataclass(frozen=True)
@@ -278,31 +279,40 @@ def scrape_histogram(metrics_url: str, name: str) -> Histogram:
 @dataclass(frozen=True)
 class DrafterSnapshot:
     """What the bench reads from the drafter's /metrics before and after a workload, in one
-    scrape: its batch rows (BATCH_ROWS, see `batch_rows`), its commits' wait (COMMITS) and the
-    broken chains no branch could cover (UNCOVERED, summed over gamma)."""
+    scrape: its batch rows (BATCH_ROWS, see `batch_rows`), its commits' wait (COMMITS), the
+    broken chains no branch could cover (UNCOVERED, summed over gamma) and the forwards a
+    rejecting commit stopped (STOPPED)."""
 
     rows: Histogram
     commits: Histogram
     uncovered: float
+    stopped: float
 
     @classmethod
     def scrape(cls, metrics_url: str) -> DrafterSnapshot:
         families = scrape(metrics_url)
-        uncovered = families.get(UNCOVERED)
-        if uncovered is None:
-            raise RuntimeError(f"{metrics_url} has no counter {UNCOVERED}")
+
+        def total(name: str) -> float:  # a counter's value, summed over its labels
+            found = families.get(name)
+            if found is None:
+                raise RuntimeError(f"{metrics_url} has no counter {name}")
+            return sum(float(s.value) for s in found.samples if s.name == f"{name}_total")
+
         return cls(
             histogram(families, BATCH_ROWS, metrics_url),
             histogram(families, COMMITS, metrics_url),
-            sum(float(s.value) for s in uncovered.samples if s.name == f"{UNCOVERED}_total"),
+            total(UNCOVERED),
+            total(STOPPED),
         )
 
     def since(self, before: DrafterSnapshot) -> dict[str, float]:
-        """The workload's commits, their seconds and its uncovered breaks (`spec["drafter_counts"]`)."""
+        """The workload's commits, their seconds, its uncovered breaks and its stopped forwards
+        (`spec["drafter_counts"]`)."""
         return {
             "commits": self.commits.count - before.commits.count,
             "commit_s": self.commits.sum - before.commits.sum,
             "uncovered": self.uncovered - before.uncovered,
+            "stopped": self.stopped - before.stopped,
         }
 
 

@@ -59,11 +59,12 @@ def test_summary_of_known_records() -> None:
     result["spec"] |= {
         "held_steps": 2.0,
         "drafter_batch_rows": {"forwards": 4, "mean": 2.5, "max": 3, "histogram": {"1": 1, "3": 3}},
-        "drafter_counts": {"commits": 4.0, "commit_s": 0.1, "uncovered": 3.0},
+        "drafter_counts": {"commits": 4.0, "commit_s": 0.1, "uncovered": 3.0, "stopped": 2.0},
     }
     row = bench.summarise(run, result)
     assert row["held_steps"] == 2 and isinstance(row["held_steps"], int)
     assert row["branches_uncovered"] == 3 and row["commit_wait_ms"] == pytest.approx(25.0)
+    assert row["forwards_stopped"] == 2 and isinstance(row["forwards_stopped"], int)
     assert (row["drafter_forwards"], row["drafter_batch_rows_mean"], row["drafter_batch_rows_max"]) == (4, 2.5, 3)
     assert row["drafter_batch_rows"] == {"1": 1, "3": 3}
     assert "| 2 | 2.5 |" in bench.table([row])  # the held and draft rows columns
@@ -352,6 +353,7 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
         # the drafter's commits and the breaks no branch covered (its /metrics, around the workload)
         assert isinstance(row["branches_uncovered"], int) and row["branches_uncovered"] >= 0, row
         assert row["commit_wait_ms"] is None or row["commit_wait_ms"] >= 0, row
+        assert isinstance(row["forwards_stopped"], int) and row["forwards_stopped"] >= 0, row
         if row["gamma"]:  # drafts were made: draft forwards, of at least one row each
             assert row["drafter_forwards"] >= 1, row
             # (not bounded by the concurrency: a finished request's session may draft once more
