@@ -63,6 +63,11 @@ def vocab_size(model: torch.nn.Module) -> int:
 
 # Weight of the newest drafted token in the worker's running cost per token.
 PACE_EWMA = 0.1
+# Longest the worker waits, before a step, for the commits of superseded sessions to apply
+# (DraftWorker.run): a commit that marked its session superseded waits only for the session's
+# lock, which the worker does not hold then, so it applies within a millisecond or so; the
+# bound keeps a stalled commit thread from stalling every session.
+SUPERSEDED_WAIT_S = 0.05
 
 
 class DraftWorker(threading.Thread):
@@ -84,7 +89,10 @@ class DraftWorker(threading.Thread):
     drafting at once. Each drafted token's
     compute goes to `metrics.step_seconds`, and the rows of each forward of the draft model
     that drafts tokens to `metrics.batch_rows` (1 per session's forward when not batching;
-    none when metrics is None).
+    none when metrics is None). Before each step it waits, at most SUPERSEDED_WAIT_S, for the
+    commits of superseded sessions (drafter.sessions) to apply: they wait only for the session
+    locks the worker has just released, and the sessions then draft from their verdicts in
+    this step.
     """
 
     def __init__(
@@ -136,10 +144,14 @@ class DraftWorker(threading.Thread):
             with self._cond:
                 if self._stopped:
                     return
-                # a superseded session waits for its commit (drafter.sessions): its commit wakes us
-                sessions = [(s, e) for s, e in self._sessions.values() if not s.superseded]
-                active = [(s, e) for s, e in sessions if s.wants_work()]
-                branchy = [] if active else [(s, e) for s, e in sessions if s.wants_branch()]
+                # a superseded session's commit is waiting for the session's lock, free now: let it
+                # apply (its `wake` ends the wait), so the session drafts from the verdict in this
+                # step, beside the others, rather than from a rejected context or a step later
+                self._cond.wait_for(
+                    lambda: not any(s.superseded for s, _ in self._sessions.values()), SUPERSEDED_WAIT_S
+                )
+                active = [(s, e) for s, e in self._sessions.values() if s.wants_work()]
+                branchy = [] if active else [(s, e) for s, e in self._sessions.values() if s.wants_branch()]
                 if not active and not branchy:
                     self._cond.wait(timeout=1.0)
                     continue

@@ -49,7 +49,9 @@ Terms:
                 its next layer and drafts nothing (`STOPPED`), so the commit, and the re-draft
                 the verifier waits for after it, start a layer later instead of a forward
                 later; a batched forward stops only when every session in it is superseded.
-                Read without the lock: a hint for when to stop, never for what a commit does.
+                Before its next step the worker waits for such a commit to apply
+                (drafter.server.SUPERSEDED_WAIT_S). Read without the lock: a hint for when to
+                stop and wait, never for what a commit does.
 
 A commit (position s, verified tokens T) makes the committed context
 context[:s] + T. Drafts that agree with T are kept; at the first disagreement the

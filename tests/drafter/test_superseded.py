@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from transformers import AutoModelForCausalLM
 
-from drafter import batch
+from drafter import batch, server
 from drafter.kvcache import GrowingCache
 from drafter.sessions import BlockOut, ModelDraftSession, Ready
 from specdec.models import resolve
 from specdec.models.lean import LeanDecoder, Stopped
+from specdec.telemetry import DrafterMetrics
 
 pytestmark = pytest.mark.e2e  # the tiny draft model (tests/conftest.py tiers)
 
@@ -190,3 +193,75 @@ def test_a_commit_arriving_mid_forward_stops_it_only_when_it_rejects_the_context
         assert _drafts(s) == _greedy(model, context, s.window)
     else:
         assert s.forwards_stopped == 0 and s.context == context + _greedy(model, context, 1)
+
+
+class _Watched(ModelDraftSession):
+    """A session that tells when a thread other than the one that made it reads `superseded`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.read_elsewhere = threading.Event()
+        self._maker = threading.get_ident()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def superseded(self) -> bool:
+        if threading.get_ident() != self._maker:
+            self.read_elsewhere.set()
+        return self._superseded
+
+    @superseded.setter
+    def superseded(self, value: bool) -> None:
+        self._superseded = value
+
+
+def test_the_worker_lets_a_superseded_sessions_commit_apply_before_its_next_step(
+    model: LeanDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between steps the worker holds no session's lock, so a commit waiting for one applies at
+    once: the worker waits for it (up to SUPERSEDED_WAIT_S) before its next forward, and the
+    session drafts from the verdict in that forward beside the others, with no forward started
+    on the rejected context and none without it."""
+    monkeypatch.setattr(server, "SUPERSEDED_WAIT_S", 60.0)  # this test's commit comes when it comes
+    prompts = [[3, 14, 15, 92, 65], [2, 71, 82, 81, 8]]
+    rejected = _Watched(model, prompts[0], 3, 2, temperature=0.0, top_k=0, top_p=1.0, seed=0, q_top_k=8)
+    other = _session(model, prompts[1])
+    for s, p in zip((rejected, other), prompts, strict=True):
+        while s.wants_work():
+            s.step()
+        s.commit(len(p), [35])
+        s.step()  # one draft each
+    other.commit(len(prompts[1]) + 1, [other.context[-1]])  # accepts its draft: it drafts on
+    rejected.superseded = True  # as a rejecting commit sets it, while it waits for the lock
+    blocks: dict[int, list[BlockOut]] = {id(rejected): [], id(other): []}
+    cond = threading.Condition()
+
+    def emit_to(s: ModelDraftSession) -> Callable[[object], None]:
+        def emit(item: object) -> None:
+            with cond:
+                if isinstance(item, BlockOut):
+                    blocks[id(s)].append(item)
+                cond.notify_all()
+
+        return emit
+
+    registry = CollectorRegistry()
+    worker = server.DraftWorker(metrics=DrafterMetrics(registry), batch=True)
+    for s in (rejected, other):
+        worker.add(s, emit_to(s))
+    worker.start()
+    try:
+        assert rejected.read_elsewhere.wait(timeout=60)  # the worker has seen the session superseded
+        correction = (rejected.context[-1] + 1) % 512
+        rejected.commit(len(prompts[0]) + 1, [correction])  # the commit the flag stood for
+        worker.wake()
+        with cond:
+            assert cond.wait_for(lambda: all(any(b.final for b in bs) for bs in blocks.values()), timeout=60)
+    finally:
+        worker.stop()
+        worker.join(timeout=60)
+    assert rejected.forwards_stopped == 0  # no forward on the rejected context
+    # both drafted their windows in the same forwards: none had one row (the other's alone)
+    assert registry.get_sample_value("specdec:drafter_batch_rows_bucket", {"le": "1.0"}) == 0
+    assert registry.get_sample_value("specdec:drafter_batch_rows_count") == rejected.window
+    context = prompts[0] + [35, correction]
+    assert [d.token_id for b in blocks[id(rejected)] for d in b.drafts] == _greedy(model, context, rejected.window)
