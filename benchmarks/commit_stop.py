@@ -29,9 +29,9 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -70,27 +70,35 @@ class Mode:
 
 
 class Blocks:
-    """What the worker emits for the session under test: its blocks, with their arrival times."""
+    """What the worker emits for the session under test: its blocks, with their arrival times,
+    and the exception that failed its drafting (raised by the next `wait`)."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.seen: list[tuple[float, BlockOut]] = []
         self.ready = False
+        self.failed: BaseException | None = None
 
     def emit(self, item: object) -> None:  # on the worker's thread
         with self.cond:
             if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, Ready):
+                self.failed = item
+            elif isinstance(item, Ready):
                 self.ready = True
             elif isinstance(item, BlockOut):
                 self.seen.append((time.perf_counter(), item))
             self.cond.notify_all()
 
-    def wait(self, until: Any, what: str) -> None:
+    def wait(self, until: Callable[[], bool], what: str) -> None:
         with self.cond:
-            if not self.cond.wait_for(until, timeout=120):
+            if not self.cond.wait_for(lambda: self.failed is not None or until(), timeout=120):
                 raise RuntimeError(f"no {what} in 120 s")
+            if self.failed is not None:
+                raise RuntimeError(f"drafting failed while waiting for the {what}") from self.failed
+
+    def redrafted(self, since: int, start: int) -> float | None:
+        """When the first block from `start` on arrived, of the blocks after the first `since`."""
+        return next((t for t, b in self.seen[since:] if b.start_position == start), None)
 
 
 def trial(
@@ -113,7 +121,8 @@ def trial(
     for _ in range(commits):
         time.sleep(rng.uniform(*delay_ms) / 1e3)  # the worker drafts ahead meanwhile
         c = session.committed
-        blocks.wait(lambda c=c: len(session.context) >= c + 3, "third draft")
+        third = c + 3  # the context length with the third draft
+        blocks.wait(lambda: len(session.context) >= third, "third draft")  # noqa: B023 - called at once
         context = list(session.context)
         wrong = (context[c + 2] + 1) % vocab  # the target's correction of the third draft
         n = len(blocks.seen)
@@ -121,8 +130,9 @@ def trial(
         session.commit(c, context[c : c + 2] + [wrong])
         t1 = time.perf_counter()
         worker.wake()
-        blocks.wait(lambda c=c, n=n: any(b.start_position == c + 3 for _, b in blocks.seen[n:]), "re-drafted block")
-        arrived = next(t for t, b in blocks.seen[n:] if b.start_position == c + 3)
+        blocks.wait(lambda: blocks.redrafted(n, third) is not None, "re-drafted block")  # noqa: B023 - at once
+        arrived = blocks.redrafted(n, third)
+        assert arrived is not None
         mode.waits.append((t1 - t0) * 1e3)
         mode.redrafts.append((arrived - t0) * 1e3)
     worker.remove(session)

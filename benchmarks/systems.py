@@ -25,8 +25,9 @@ Speculation counters (drafts, draft_tokens, accepted, steps) come from the engin
 it reports them (vLLM's spec-decode metrics; specdec's per-request stats), else null.
 specdec's also carry held_steps (the per-request SpecStats summed) and, given the drafter's
 /metrics address, its batch size over the workload (`drafter_batch_rows`: the difference of
-its specdec:drafter_batch_rows histogram before and after), its commits' wait and the breaks no
-branch could cover (`drafter_counts`, `DrafterSnapshot`).
+its specdec:drafter_batch_rows histogram before and after), its commits' wait, the breaks no
+branch could cover and the forwards a rejecting commit stopped (`drafter_counts`,
+`DrafterSnapshot`).
 """
 
 from __future__ import annotations

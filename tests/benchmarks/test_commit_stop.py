@@ -30,6 +30,7 @@ def test_commit_stop_measures_both_modes_in_one_run(tmp_path: Path) -> None:
     for mode in ("stop on", "stop off"):
         assert len(measured[mode]["waits"]) == len(measured[mode]["redrafts"]) == 6
         assert all(w >= 0 for w in measured[mode]["waits"])
-        # the first re-drafted block comes after its commit returned
-        assert all(r >= w for w, r in zip(measured[mode]["waits"], measured[mode]["redrafts"], strict=True))
+        # the first re-drafted block comes after its commit started (it drafts from the verdict);
+        # not compared with the commit's return, which another thread's block may precede
+        assert all(r > 0 for r in measured[mode]["redrafts"])
     assert measured["stop off"]["stopped"] == 0  # its sessions are never superseded
