@@ -273,14 +273,25 @@ def oldest_prefill_only(active: list[tuple[DraftSession, Emit]]) -> list[tuple[D
     return [(s, e) for s, e in active if s.ready or s is first]
 
 
-def emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue[Item | BaseException | None]) -> Emit:
+def emitter(
+    loop: asyncio.AbstractEventLoop,
+    out: asyncio.Queue[Item | BaseException | None],
+    delay: Callable[[float], None] | None = None,
+) -> Emit:
     """The worker thread's way into one Draft call: puts each item on `out` in the call's event
     loop. An item made after that loop closed (the server stopped while the worker was mid-step
-    on the session) has no reader left and is dropped, instead of raising in the worker thread."""
+    on the session) has no reader left and is dropped, instead of raising in the worker thread.
+    `delay` (optional) is given each item's wait for the loop, seconds from `emit` to the loop's
+    putting it on `out` (the drafter's specdec:drafter_loop_delay_seconds)."""
+
+    def put(item: Item | BaseException, made: float) -> None:  # on the loop
+        if delay is not None:
+            delay(time.perf_counter() - made)
+        out.put_nowait(item)
 
     def emit(item: Item | BaseException) -> None:  # on the worker's thread
         try:
-            loop.call_soon_threadsafe(out.put_nowait, item)
+            loop.call_soon_threadsafe(put, item, time.perf_counter())
         except RuntimeError:  # "Event loop is closed": the call and its reader are gone
             log.debug("draft session: an item made after its call's event loop closed is dropped")
 
@@ -390,7 +401,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self.metrics.sessions.inc()
         self.metrics.requests.inc()
 
-        emit = emitter(loop, out)
+        emit = emitter(loop, out, self.metrics.loop_delay_seconds.observe)
         self.worker.add(session, emit)
 
         async def read_commits() -> None:
@@ -500,7 +511,10 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             self.worker.remove(session)
 
     async def close(self) -> None:
+        """Stop drafting: the worker ends the step under way (a forward, or a prefill chunk) and
+        exits before this returns, so no draft step runs on into the process's exit."""
         self.worker.stop()
+        await asyncio.to_thread(self.worker.join)
 
     async def GetDrafterInfo(  # noqa: N802
         self,

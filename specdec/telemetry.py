@@ -423,6 +423,9 @@ class DrafterMetrics:
         Breaks no branch could cover: sum(rate(specdec:drafter_branch_uncovered_total[5m]))
                                        / sum(rate(specdec:drafter_branch_breaks_total[5m]))
         Mean commit wait:            rate(specdec:drafter_commit_seconds_sum[5m]) / rate(specdec:drafter_commit_seconds_count[5m])
+        Blocks waiting > 10 ms for the event loop (share):
+                                     1 - rate(specdec:drafter_loop_delay_seconds_bucket{le="0.01"}[5m])
+                                       / rate(specdec:drafter_loop_delay_seconds_count[5m])
         Forwards stopped per break:  sum(rate(specdec:drafter_forwards_stopped_total[5m]))
                                        / sum(rate(specdec:drafter_branch_breaks_total[5m]))
         Mean tau:                    rate(specdec:drafter_block_tau_sum[5m]) / rate(specdec:drafter_block_tau_count[5m])
@@ -461,6 +464,13 @@ class DrafterMetrics:
             "specdec:drafter_commit_seconds",
             "A commit's wait for its session (the draft step under way) and its application",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=registry,
+        )
+        self.loop_delay_seconds = Histogram(
+            "specdec:drafter_loop_delay_seconds",
+            "An item's wait for the event loop that writes its stream (a block, a ready, a progress "
+            "report), from the worker's making it",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
             registry=registry,
         )
         self.forwards_stopped = Counter(

@@ -108,6 +108,7 @@ FAMILIES = {
         "specdec:drafter_branch_uncovered_total",
         "specdec:drafter_commit_seconds",
         "specdec:drafter_forwards_stopped_total",
+        "specdec:drafter_loop_delay_seconds",
         "specdec:drafter_confidence_cuts_total",
         "specdec:drafter_block_tau",
     },
