@@ -102,7 +102,10 @@ Terms (per row of the table; a row is one system at one gamma and one concurrenc
                    a commit's mean wait for its session at the drafter, which the draft step
                    under way holds (specdec:drafter_commit_seconds); forwards_stopped, the
                    draft forwards a commit that rejected their context stopped part-way
-                   (specdec:drafter_forwards_stopped_total)
+                   (specdec:drafter_forwards_stopped_total); loop_delay_ms, the mean wait of
+                   an item the drafter's worker made (a block, ...) for the event loop that
+                   writes its stream, and long_loop_delays, the items that waited more than
+                   10 ms (specdec:drafter_loop_delay_seconds)
 """
 
 from __future__ import annotations
@@ -555,6 +558,8 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         "branches_uncovered": None,
         "commit_wait_ms": None,
         "forwards_stopped": None,
+        "loop_delay_ms": None,
+        "long_loop_delays": None,
     }
     if run["kind"] == "specdec" and spec.get("steps"):  # specdec rows: the per-round breakdown
         row["verify_step_ms"] = spec["verify_ms"] / spec["steps"]
@@ -585,6 +590,8 @@ def summarise(run: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
             row["branches_uncovered"] = int(counts["uncovered"])
             row["commit_wait_ms"] = 1e3 * counts["commit_s"] / counts["commits"] if counts["commits"] else None
             row["forwards_stopped"] = int(counts["stopped"])
+            row["loop_delay_ms"] = 1e3 * counts["loop_delay_s"] / counts["items"] if counts["items"] else None
+            row["long_loop_delays"] = int(counts["long_loop_delays"])
     row["_tokens"] = [r["tokens"] for r in reqs]
     return row
 

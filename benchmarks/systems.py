@@ -234,6 +234,8 @@ BATCH_ROWS = "specdec:drafter_batch_rows"  # the drafter's histogram of rows per
 COMMITS = "specdec:drafter_commit_seconds"  # the drafter's histogram of a commit's wait for its session
 UNCOVERED = "specdec:drafter_branch_uncovered"  # the drafter's broken chains no branch could cover, by gamma
 STOPPED = "specdec:drafter_forwards_stopped"  # the drafter's forwards a rejecting commit stopped part-way
+LOOP_DELAY = "specdec:drafter_loop_delay_seconds"  # the drafter's histogram of an item's wait for its event loop
+LONG_LOOP_DELAY_S = 0.01  # a bucket bound of LOOP_DELAY: the bench counts the items that waited longer
 
 
 @dataclass(frozen=True)
@@ -281,13 +283,14 @@ def scrape_histogram(metrics_url: str, name: str) -> Histogram:
 class DrafterSnapshot:
     """What the bench reads from the drafter's /metrics before and after a workload, in one
     scrape: its batch rows (BATCH_ROWS, see `batch_rows`), its commits' wait (COMMITS), the
-    broken chains no branch could cover (UNCOVERED, summed over gamma) and the forwards a
-    rejecting commit stopped (STOPPED)."""
+    broken chains no branch could cover (UNCOVERED, summed over gamma), the forwards a
+    rejecting commit stopped (STOPPED) and its items' wait for the event loop (LOOP_DELAY)."""
 
     rows: Histogram
     commits: Histogram
     uncovered: float
     stopped: float
+    delays: Histogram
 
     @classmethod
     def scrape(cls, metrics_url: str) -> DrafterSnapshot:
@@ -304,16 +307,23 @@ class DrafterSnapshot:
             histogram(families, COMMITS, metrics_url),
             total(UNCOVERED),
             total(STOPPED),
+            histogram(families, LOOP_DELAY, metrics_url),
         )
 
     def since(self, before: DrafterSnapshot) -> dict[str, float]:
-        """The workload's commits, their seconds, its uncovered breaks and its stopped forwards
-        (`spec["drafter_counts"]`)."""
+        """The workload's commits, their seconds, its uncovered breaks, its stopped forwards, and
+        the items it sent, their seconds waiting for the event loop and how many waited more than
+        LONG_LOOP_DELAY_S (`spec["drafter_counts"]`)."""
+        delays = self.delays.count - before.delays.count
+        quick = self.delays.buckets.get(LONG_LOOP_DELAY_S, 0.0) - before.delays.buckets.get(LONG_LOOP_DELAY_S, 0.0)
         return {
             "commits": self.commits.count - before.commits.count,
             "commit_s": self.commits.sum - before.commits.sum,
             "uncovered": self.uncovered - before.uncovered,
             "stopped": self.stopped - before.stopped,
+            "items": delays,
+            "loop_delay_s": self.delays.sum - before.delays.sum,
+            "long_loop_delays": delays - quick,
         }
 
 

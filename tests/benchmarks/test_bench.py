@@ -59,12 +59,21 @@ def test_summary_of_known_records() -> None:
     result["spec"] |= {
         "held_steps": 2.0,
         "drafter_batch_rows": {"forwards": 4, "mean": 2.5, "max": 3, "histogram": {"1": 1, "3": 3}},
-        "drafter_counts": {"commits": 4.0, "commit_s": 0.1, "uncovered": 3.0, "stopped": 2.0},
+        "drafter_counts": {
+            "commits": 4.0,
+            "commit_s": 0.1,
+            "uncovered": 3.0,
+            "stopped": 2.0,
+            "items": 10.0,
+            "loop_delay_s": 0.03,
+            "long_loop_delays": 1.0,
+        },
     }
     row = bench.summarise(run, result)
     assert row["held_steps"] == 2 and isinstance(row["held_steps"], int)
     assert row["branches_uncovered"] == 3 and row["commit_wait_ms"] == pytest.approx(25.0)
     assert row["forwards_stopped"] == 2 and isinstance(row["forwards_stopped"], int)
+    assert row["loop_delay_ms"] == pytest.approx(3.0) and row["long_loop_delays"] == 1
     assert (row["drafter_forwards"], row["drafter_batch_rows_mean"], row["drafter_batch_rows_max"]) == (4, 2.5, 3)
     assert row["drafter_batch_rows"] == {"1": 1, "3": 3}
     assert "| 2 | 2.5 |" in bench.table([row])  # the held and draft rows columns
@@ -356,6 +365,8 @@ def test_quick_run_writes_every_field(quick: Path) -> None:
         assert isinstance(row["forwards_stopped"], int) and row["forwards_stopped"] >= 0, row
         if row["gamma"]:  # drafts were made: draft forwards, of at least one row each
             assert row["drafter_forwards"] >= 1, row
+            # blocks were sent, each through the drafter's event loop
+            assert row["loop_delay_ms"] >= 0 and 0 <= row["long_loop_delays"], row
             # (not bounded by the concurrency: a finished request's session may draft once more
             # beside the next request's before the drafter closes it)
             assert 1 <= row["drafter_batch_rows_mean"] <= row["drafter_batch_rows_max"], row
