@@ -193,6 +193,8 @@ NOT_RUN = {
     "--out bench-batch1-long": _BENCH,
     "specdec bench --models qwen-coder --systems target-only,specdec --workloads code --gammas 4 --concurrency 4,16 "
     "--dtype auto --draft-vocab qwen-vocab-64k.json --out vocab-load": _BENCH,
+    "specdec bench --models qwen-coder --systems target-only,vllm-draft,specdec --workloads code --gammas 4 "
+    "--concurrency 1 --dtype auto --draft-vocab qwen-vocab-64k.json --out bench-batch1-vocab": _BENCH,
     "specdec bench-drafter --model qwen-coder/draft --quantize int8 --draft-vocab-ab qwen-vocab-64k.json "
     "--sessions 1,4,1,4 --core 1 --seconds 3 --out vocab-ab-qwen": _DRAFTER,
     "specdec draft-vocab ./traffic-sample/ --model qwen-coder/draft --out draft-vocab.json": _VOCAB,
