@@ -26,7 +26,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -449,3 +449,20 @@ def _reference_workers() -> Iterator[None]:
     for worker in _REFERENCES.values():
         worker.close()
     _REFERENCES.clear()
+
+
+RunModule = Callable[..., str]
+
+
+@pytest.fixture
+def run_module() -> RunModule:
+    """run_module(module, *args): `python -m module args` in this interpreter (the working
+    directory the tests run in, the repository's root as the docs run them); its stdout, once
+    it exited 0 (the benchmark modules' tests)."""
+
+    def run(module: str, *args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    return run

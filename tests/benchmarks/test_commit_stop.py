@@ -5,25 +5,21 @@ asserted: the numbers are the benchmark's to report, not this test's."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import RunModule
 
 
 @pytest.mark.e2e  # loads the tiny draft model (tests/conftest.py tiers)
-def test_commit_stop_measures_both_modes_in_one_run(tmp_path: Path) -> None:
+def test_commit_stop_measures_both_modes_in_one_run(tmp_path: Path, run_module: RunModule) -> None:
     out = tmp_path / "commit-stop.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.commit_stop", "--models", "tiny", "--trials", "2", "--commits", "3"]
-        + ["--prompt", "16", "--delay-ms", "0,2", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    stdout = run_module(
+        "benchmarks.commit_stop",
+        *("--models", "tiny", "--trials", "2", "--commits", "3", "--prompt", "16", "--delay-ms", "0,2"),
+        *("--out", str(out)),
     )
-    assert proc.returncode == 0, proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| stop o")]
+    rows = [line for line in stdout.splitlines() if line.startswith("| stop o")]
     assert [r.split("|")[1].strip() for r in rows] == ["stop on", "stop off"]
     assert all(r.split("|")[2].strip() == "6" for r in rows)  # 2 sessions x 3 rejecting commits each
     measured = json.loads(out.read_text())

@@ -5,25 +5,18 @@ timing is asserted: the numbers are the benchmark's to report, not this test's."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import RunModule
 
 
 @pytest.mark.e2e  # loads the tiny draft model (tests/conftest.py tiers)
-def test_forward_cost_times_every_mode_alternating(tmp_path: Path) -> None:
+def test_forward_cost_times_every_mode_alternating(tmp_path: Path, run_module: RunModule) -> None:
     out = tmp_path / "forward-cost.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.forward_cost", "--models", "tiny", "--prompt", "16"]
-        + ["--rounds", "2", "--steps", "3", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    args = ("--models", "tiny", "--prompt", "16", "--rounds", "2", "--steps", "3", "--out", str(out))
+    stdout = run_module("benchmarks.forward_cost", *args)
+    table = [line for line in stdout.splitlines() if line.startswith("|")]
     assert table[0] == "| the step | layers' weights | output layer | the rest |"
     step, layers, head, rest = (float(x) for x in table[2].strip("|").split("|"))
     assert step > 0 and rest > 0
