@@ -21,10 +21,7 @@ forwards stopped.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
-import json.decoder
-import os
 import random
 import statistics
 import threading
@@ -33,13 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
+from benchmarks.drafter_core import add_prompt_args, default_draft, source_ids
 from drafter.server import DraftWorker
 from drafter.sessions import BlockOut, ModelDraftSession, Ready
-from specdec.config import DrafterConfig
-from specdec.models import PAIRS, load_causal_lm, resolve
-from specdec.models.device import draft_placement
+from specdec.models import PAIRS
 
 GAMMA, LOOKAHEAD = 4, 5  # the drafter's defaults at gamma 4 (lookahead gamma + 1)
 
@@ -144,24 +138,13 @@ def main() -> None:
     ap.add_argument("--models", default="qwen-coder", choices=sorted(PAIRS))
     ap.add_argument("--trials", type=int, default=15, help="sessions per mode (the modes alternate)")
     ap.add_argument("--commits", type=int, default=6, help="rejecting commits per session")
-    ap.add_argument("--prompt", type=int, default=300, help="prompt tokens, from --source")
-    ap.add_argument("--source", type=Path, default=Path(inspect.getfile(json.decoder)))
+    add_prompt_args(ap)
     ap.add_argument("--delay-ms", default="60,200", help="min,max drafting time before each commit")
     ap.add_argument("--out", type=Path, help="write the measurements as JSON too")
     args = ap.parse_args()
     low, high = (float(x) for x in args.delay_ms.split(","))
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[-1]})  # the drafter's core
-    cfg = DrafterConfig(model=PAIRS[args.models].draft)
-    torch.set_num_threads(1)
-    placement = draft_placement(cfg.device, cfg.dtype, cfg.quantize)
-    model = load_causal_lm(cfg.model, placement.dtype, placement.quantize, None, placement.device, cfg.forward)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.model))
-    ids = tokenizer(args.source.read_text(errors="replace"))["input_ids"]
-    if len(ids) <= args.prompt:
-        raise SystemExit(f"--source has {len(ids)} tokens, --prompt needs more than {args.prompt}")
+    cfg, placement, model = default_draft(args.models)
+    ids = source_ids(cfg.model, args.source, args.prompt + 1)  # the prompt and the target's first token
     prompt, first = ids[: args.prompt], ids[args.prompt]
     worker = DraftWorker(batch=cfg.batch_drafts)
     worker.start()

@@ -23,22 +23,17 @@ Needs the lean forward (specdec.models.lean.LeanDecoder), whose layers it can re
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
-import json.decoder
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.drafter_core import add_prompt_args, default_draft, source_ids
 from drafter.sessions import ModelDraftSession
-from specdec.config import DrafterConfig
-from specdec.models import PAIRS, load_causal_lm, resolve
-from specdec.models.device import draft_placement
+from specdec.models import PAIRS
 from specdec.models.lean import LeanDecoder
-from specdec.models.vocab import read as read_draft_vocab
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a LeanDecoder layer's Linear modules
 MODES = ("whole", "free layers", "free layers and head")
@@ -86,28 +81,16 @@ def step_ms(model: LeanDecoder, prompt: list[int], steps: int, q_top_k: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen-coder", choices=sorted(PAIRS))
-    ap.add_argument("--prompt", type=int, default=300, help="prompt tokens, from --source")
-    ap.add_argument("--source", type=Path, default=Path(inspect.getfile(json.decoder)))
+    add_prompt_args(ap)
     ap.add_argument("--rounds", type=int, default=8, help="rounds of the three modes, alternating")
     ap.add_argument("--steps", type=int, default=10, help="draft steps per mode and round")
     ap.add_argument("--draft-vocab", help="a draft vocabulary (the drafter's --draft-vocab)")
     ap.add_argument("--out", type=Path, help="write the steps' times as JSON too")
     args = ap.parse_args()
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[-1]})  # the drafter's core
-    torch.set_num_threads(1)
-    cfg = DrafterConfig(model=PAIRS[args.models].draft)
-    placement = draft_placement(cfg.device, cfg.dtype, cfg.quantize)
-    vocab = read_draft_vocab(args.draft_vocab, cfg.model, 0) if args.draft_vocab else None
-    model = load_causal_lm(cfg.model, placement.dtype, placement.quantize, None, placement.device, "lean", vocab)
+    cfg, placement, model = default_draft(args.models, "lean", args.draft_vocab)
     if not isinstance(model, LeanDecoder):
         raise SystemExit(f"{cfg.model}: the lean forward does not run this draft, so its layers are out of reach")
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(resolve(cfg.model))(args.source.read_text(errors="replace"))["input_ids"]
-    if len(ids) < args.prompt:
-        raise SystemExit(f"--source has {len(ids)} tokens, --prompt needs {args.prompt}")
-    prompt = ids[: args.prompt]
+    prompt = source_ids(cfg.model, args.source, args.prompt)[: args.prompt]
     layers = [(layer, name, getattr(layer, name)) for layer in model.layers for name in PROJECTIONS]
     head = model.lm_head
     free_layers = [Free(out_features(module)) for _, _, module in layers]
@@ -122,7 +105,7 @@ def main() -> None:
     whole, no_layers, neither = (statistics.median(times[mode]) for mode in MODES)
     print(
         f"{cfg.model} ({placement.device}, {placement.dtype}, quantize {placement.quantize}, lean forward"
-        f"{f', draft vocabulary of {len(vocab.token_ids)} ids' if vocab is not None else ''}), one core, "
+        f"{f', draft vocabulary {args.draft_vocab}' if args.draft_vocab else ''}), one core, "
         f"{args.prompt}-token prompt; CPU ms a draft step, median of {args.rounds * args.steps}"
     )
     print("| the step | layers' weights | output layer | the rest |")
