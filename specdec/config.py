@@ -340,7 +340,11 @@ class VerifierConfig(TransportConfig):
         metavar="CPUS",
     )
     cpu_sampler_fix: bool = setting(
-        True, "Replace vLLM's CPU expand_batch_to_tokens (vLLM issue #55005); never disable in production."
+        True,
+        "Replace the pieces of vLLM's sampler that fail on the CPU: expand_batch_to_tokens (vLLM issue #55005), "
+        "top-k on a batch without draft rows, and the logprob rank vLLM compiles at the first request asking for "
+        "logprobs (a 9-15 s stall of every request in flight; the engine dies where no C++ compiler is installed). "
+        "Never disable in production.",
     )
     enforce_eager: bool | None = setting(
         None,

@@ -197,7 +197,9 @@ class TargetEngine:
         from verifier.proposer import DraftBoard
 
         if cfg.cpu_sampler_fix and vllm_hooks.apply_cpu_sampler_fix():
-            log.info("installed the CPU rejection-sampler fix (vLLM issue #55005)")
+            log.info(
+                "installed the CPU sampler fixes (vLLM issue #55005, top-k without draft rows, eager logprob ranks)"
+            )
         metrics = metrics if metrics is not None else telemetry.VerifierMetrics(CollectorRegistry())
         board = DraftBoard(
             max_model_len=cfg.max_model_len,

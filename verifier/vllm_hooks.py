@@ -19,7 +19,12 @@ Each hook, why it is needed, and what it touches in vLLM:
                           CPU stand-in for its Triton kernel fills a temporary copy, so
                           speculative SAMPLING divides logits by uninitialised memory; and
                           guards its `apply_top_k_top_p` against a step with no draft rows
-                          (CPU top-k takes the max of an empty tensor: top_k_top_p_rows).
+                          (CPU top-k takes the max of an empty tensor: top_k_top_p_rows); and
+                          replaces `vllm/v1/sample/sampler.py`'s binding of
+                          `batched_count_greater_than` (a logprob's rank), which vLLM compiles
+                          with torch.compile at the first request asking for logprobs, by an
+                          eager count (count_at_least): that compile stalls the engine's step
+                          9-15 s, and kills the engine where no C++ compiler is installed.
   request_cpu_amx         vLLM's CPU attention (`_custom_ops.cpu_attention_with_kv_cache`) runs
                           AMX tile instructions at bfloat16 without asking Linux for the AMX
                           state: build_engine asks first (else SIGILL on a short prompt).
@@ -287,7 +292,7 @@ def check_vllm_version() -> str:
     return found
 
 
-# ---- CPU rejection-sampler fix (vLLM issue #55005) ---------------------------------------
+# ---- CPU sampler fixes (vLLM issue #55005, top-k without draft rows, logprob ranks) ------
 def expand_batch_to_tokens(
     # [batch_size]
     x: torch.Tensor,
@@ -334,11 +339,42 @@ def top_k_top_p_rows(apply: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
+RANK_ROWS = 4  # rows count_at_least compares at once: their bools (4 x 151,936 B for Qwen2.5) stay in cache
+
+
+def count_at_least(
+    # [rows, vocab]: logprobs
+    x: torch.Tensor,
+    # [rows, 1]: each row's token's logprob
+    values: torch.Tensor,
+) -> torch.Tensor:
+    """How many entries of each row of x are >= that row's value: the token's rank among the
+    row's logprobs (1: the likeliest). Returns [rows] int64, what vLLM's
+    `vllm/v1/sample/ops/logprobs.py: batched_count_greater_than` returns, computed eagerly.
+
+    vLLM compiles that function with torch.compile (inductor) at its first call, and
+    `Sampler.gather_logprobs` (the rejection sampler's too) first calls it at the first request
+    asking for logprobs. On the CPU inductor builds C++ with the host's compiler, inside the engine's
+    step: 8.5-14.5 s measured here (one core, an empty inductor cache; 2.5 s with it warm), while
+    every request in flight waits (a first logprobs request through the services took 16.4 s, the
+    next ones 0.9 s); and where no C++ compiler is installed (the verifier-cpu image), the
+    step raises InvalidCxxCompiler and the engine is dead. Eager, RANK_ROWS rows at a time: 0.5 ms
+    for 5 rows of 151,936, 4.0 ms for 40 (compiled: 0.13 and 0.94 ms), against a CPU step's
+    hundreds of ms."""
+    import torch
+
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    for i in range(0, x.shape[0], RANK_ROWS):
+        rows = slice(i, i + RANK_ROWS)
+        torch.sum(x[rows] >= values[rows], dim=-1, out=out[rows])
+    return out
+
+
 def apply_cpu_sampler_fix() -> bool:
-    """Install expand_batch_to_tokens and the empty-batch guard above when vLLM runs on CPU;
-    returns True when installed."""
+    """Install expand_batch_to_tokens, the empty-batch guard and count_at_least above when vLLM
+    runs on CPU; returns True when installed."""
     from vllm.platforms import current_platform
-    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample import rejection_sampler, sampler
 
     if not current_platform.is_cpu():
         return False
@@ -350,6 +386,7 @@ def apply_cpu_sampler_fix() -> bool:
         guarded = top_k_top_p_rows(namespace["apply_top_k_top_p"])
         guarded.__wrapped_empty__ = True  # type: ignore[attr-defined]  # a marker attribute on a function
         namespace["apply_top_k_top_p"] = guarded
+    vars(sampler)["batched_count_greater_than"] = count_at_least  # sampler's own binding (imported there)
     return True
 
 

@@ -118,12 +118,31 @@ def test_importing_the_seam_starts_no_thread_pools() -> None:
     assert out.stdout.strip() == "[]"
 
 
-# ---- CPU rejection-sampler fix ----------------------------------------------------------
+# ---- CPU sampler fixes ------------------------------------------------------------------
 def test_fix_expands_and_replaces() -> None:
     got = expand_batch_to_tokens(X, CU, 6, replace_from=-1, replace_to=1)
     assert torch.equal(got, WANT)
     ints = expand_batch_to_tokens(torch.tensor([5, 0, 7]), CU, 6)
     assert ints.tolist() == [5, 5, 0, 0, 0, 7]
+
+
+RANK_CASES = [0, 1, 4, 5, 9]  # rows: none, one, and more than one chunk of RANK_ROWS
+
+
+@pytest.mark.parametrize("rows", RANK_CASES)
+def test_count_at_least_is_each_rows_rank(rows: int) -> None:
+    """count_at_least gives each row the count of its entries >= its value (vLLM's rank of a
+    logprob), across the chunks it compares at once (RANK_ROWS): ties count, -inf entries (masked
+    tokens) never reach a finite value."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 300, generator=gen).round(decimals=1)  # rounded: ties
+    x[:, :7] = float("-inf")
+    picks = torch.randint(7, 300, (rows,), generator=gen)
+    values = x.gather(-1, picks.unsqueeze(-1))  # [rows, 1]
+    want = [sum(1 for v in x[i].tolist() if v >= values[i, 0].item()) for i in range(rows)]
+    got = vllm_hooks.count_at_least(x, values)
+    assert got.dtype == torch.int64 and got.tolist() == want
+    assert max(RANK_CASES) > 2 * vllm_hooks.RANK_ROWS  # the premise: a case spans several chunks
 
 
 UPSTREAM = """
@@ -161,7 +180,7 @@ def test_upstream_cpu_version_is_wrong() -> None:
 @pytest.mark.e2e  # imports vLLM
 def test_apply_installs_it() -> None:
     from vllm.platforms import current_platform
-    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample import rejection_sampler, sampler
 
     installed = vllm_hooks.apply_cpu_sampler_fix()
     assert installed == current_platform.is_cpu()  # installed exactly where the bug is
@@ -171,8 +190,10 @@ def test_apply_installs_it() -> None:
         assert guarded.__wrapped_empty__
         assert vllm_hooks.apply_cpu_sampler_fix()  # idempotent: the guard is not stacked
         assert rejection_sampler.apply_top_k_top_p is guarded
+        assert sampler.batched_count_greater_than is vllm_hooks.count_at_least  # the binding gather_logprobs reads
     else:  # a GPU build: vLLM's own functions stay
         assert rejection_sampler.expand_batch_to_tokens is not vllm_hooks.expand_batch_to_tokens
+        assert sampler.batched_count_greater_than is not vllm_hooks.count_at_least
         assert not getattr(rejection_sampler.apply_top_k_top_p, "__wrapped_empty__", False)
 
 
