@@ -3,7 +3,9 @@
 # with a real container engine, run the three roles from them with compose (deploy/compose.yaml,
 # the tiny pair, without the observability profile), and generate through the gateway: the greedy
 # output with speculation (gamma 4, drafts accepted) must equal the target's own (gamma 0, plain
-# decoding by the same verifier). Prints each image's size and build time (deploy/README.md "Images").
+# decoding by the same verifier), and carry the target's logprobs, one per token (the verifier-cpu
+# image has no C++ compiler: nothing it serves may compile). Prints each image's size and build
+# time (deploy/README.md "Images").
 #
 # Not part of `make test` (tens of minutes, a container engine, gigabytes of images). Settings:
 #   ENGINE=podman|docker            default: podman if installed
@@ -97,7 +99,7 @@ done
 
 spec=(--token-ids 5,6,7,8,9,10 --max-tokens 48 --ignore-eos --json)
 plain=$(client "${spec[@]}" --gamma 0)
-speculative=$(client "${spec[@]}" --gamma 4)
+speculative=$(client "${spec[@]}" --gamma 4 --logprobs 2)
 python3 - "$plain" "$speculative" <<'EOF'
 import json, sys
 plain, spec = (json.loads(a) for a in sys.argv[1:3])
@@ -106,6 +108,7 @@ print(f"gamma 0: {len(plain['token_ids'])} tokens; gamma 4: {len(spec['token_ids
       f"{drafted} drafted, {accepted} accepted")
 assert len(plain["token_ids"]) == 48 and accepted > 0, "no draft was accepted: no speculation happened"
 assert spec["token_ids"] == plain["token_ids"], "speculative output differs from the target's own"
-print("exact: the speculative output equals the target's own, token for token")
+assert len(spec.get("logprobs", [])) == 48 and all(lp["rank"] >= 1 for lp in spec["logprobs"]), "no logprobs"
+print("exact: the speculative output equals the target's own, token for token, with its logprobs")
 EOF
 printf '%s\n' "images:" "${report[@]}"
