@@ -59,9 +59,10 @@ MAX_GAMMA = 8
 # The fixed-gamma verifier's draft-wait margin: a step that waits for a drafter that never
 # answers waits this long (tests/e2e/test_hostile_drafter.py bounds waits by it).
 DRAFT_WAIT_MARGIN_MS = 2000
-# What CXX names for every verifier started here: no C++ compiler, as in the verifier-cpu image
-# (deploy/docker/Dockerfile installs none). A verifier whose step asks inductor to compile C++
-# (torch.compile on the CPU) fails here as it would there (tests/e2e/test_logprob_ranks.py).
+# What CXX names for every verifier and drafter started here: no C++ compiler, as in the
+# verifier-cpu and drafter images (deploy/docker/Dockerfile installs none). A service that asks
+# inductor to compile C++ (torch.compile on the CPU) fails here as it would there
+# (tests/e2e/test_logprob_ranks.py).
 NO_CXX = "/nonexistent/specdec-tests-no-c++"
 
 
@@ -182,7 +183,7 @@ class Services:
     """Handles to the running services of the session. Every verifier and drafter started here
     loads the test-only fault plugin (tests/faultkit.py, docs/testing-faults.md) with all faults
     off (or those of SPECDEC_FAULTS) and a control port: `injected(svc, ...)` switches them.
-    Every verifier runs without a C++ compiler (NO_CXX), as the verifier-cpu image does."""
+    Every verifier and drafter runs without a C++ compiler (NO_CXX), as their CPU images do."""
 
     def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.log_dir = log_dir
@@ -208,7 +209,7 @@ class Services:
                     "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p),
                 }
             )
-        if kind == "verifier":
+        if kind in ("verifier", "drafter"):
             env.setdefault("CXX", NO_CXX)
         svc = start_service(kind, port, args, self.log_dir, env=env, metrics_port=free_port())
         svc.faults_control = control  # type: ignore[attr-defined]  # a test-side attribute: where `injected` finds the port

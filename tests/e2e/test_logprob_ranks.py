@@ -39,20 +39,23 @@ def _rank_problems(r: pb.GenerateResponse) -> list[str]:
     return out
 
 
-def test_the_test_verifiers_have_no_compiler(stack: Services) -> None:
-    """The premise: the stack's verifier runs with CXX naming no compiler."""
-    assert stack.verifier is not None
-    environ = Path(f"/proc/{stack.verifier.proc.pid}/environ").read_bytes().split(b"\0")
-    assert f"CXX={NO_CXX}".encode() in environ
+def test_the_stacks_verifier_and_drafters_have_no_compiler(stack: Services) -> None:
+    """The premise: the stack's verifier and drafters run with CXX naming no compiler."""
+    for svc in (stack.verifier, *stack.drafters.values()):
+        assert svc is not None
+        environ = Path(f"/proc/{svc.proc.pid}/environ").read_bytes().split(b"\0")
+        assert f"CXX={NO_CXX}".encode() in environ, svc.address
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_logprob_requests_get_ranks_and_the_verifier_serves_on(
     stack: Services, tiny_target: Path, temperature: float
 ) -> None:
-    """Requests with logprobs (speculative, with the draft that agrees often), beside requests
-    without, all at once: every logprobs request gets one entry per token with its rank (checked
-    against its top-5), the others their tokens, and the verifier serves a request after them."""
+    """Requests with logprobs (speculative, with the draft that agrees often; on the fixed-gamma
+    stack drafts are verified), beside requests without, all at once: every logprobs request gets
+    one entry per token with its rank (checked against its top-5), the others their tokens, and
+    the verifier serves a request after them. A logprob's rank is computed with or without drafts
+    (vLLM's sampler and its rejection sampler both call the same count)."""
     assert stack.verifier is not None
     ps = prompts(AutoTokenizer.from_pretrained(tiny_target), 8, seed=3)
     specs = [
@@ -69,7 +72,8 @@ def test_logprob_requests_get_ranks_and_the_verifier_serves_on(
             problems.append(f"request {i}: {len(r.logprobs)} logprobs for {len(r.token_ids)} tokens (asked: {asked})")
         problems += [f"request {i}: {p}" for p in _rank_problems(r)]
     assert not problems, "\n".join(problems)
-    assert sum(r.stats.accepted_tokens for r in responses) > 0, "the premise: drafts were verified"
+    if not stack.defaults:  # there adaptive gamma and the pace cap may rightly verify none at 8 at once
+        assert sum(r.stats.accepted_tokens for r in responses) > 0, "the premise: drafts were verified"
     after = generate_all(stack.gateways["mid"].address, [spec(ps[0], 4, gamma=4, logprobs=1)])[0]
     assert len(after.token_ids) == 4 and len(after.logprobs) == 4
     assert stack.verifier.proc.poll() is None, "the verifier exited"
