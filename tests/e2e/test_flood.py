@@ -1,6 +1,10 @@
 """Authentication before work, measured: a stream's token gaps while clients without a key flood
 the REST bridge with large bodies, against the same kind of stream's gaps with no flood, in one
-run (the ratio of medians, pooled over alternating rounds: no timing is compared across runs).
+run: in each of ROUNDS rounds a quiet stream, then a flooded one, and the ratio of their mean
+gaps; the test takes the median over the rounds. No timing is compared across runs, and one round
+that something else disturbed does not decide. (The ratio of the pooled medians of 3 rounds, as
+before, failed at 1.53 once in a full-suite run here, where alone it measured 1.20-1.28: a stream's
+gaps are bimodal, tokens of one step arriving together, so that median jumps between the modes.)
 
 The REST bridge answers 401 from the headers, before reading a body (tests/gateway/test_guard.py
 counts the body reads and tokenizer calls: 0), so a flood costs the gateway's event loop, which
@@ -26,7 +30,7 @@ from gen import scrape
 KEY = "sk-flood-3c1f"
 BODY_MB = 4  # under max_request_mb (8): a 401 from the headers, not a 413
 FLOODERS = 4
-ROUNDS = 3  # each: one stream without the flood, one with it
+ROUNDS = 5  # each: one stream without the flood, then one with it
 MAX_TOKENS = 96
 BOUND = 1.5  # the issue's: gaps under the flood within 1.5x of the gaps without
 
@@ -107,11 +111,10 @@ def _gaps(rest_port: int) -> list[float]:
 
 def test_a_flood_without_keys_does_not_slow_a_stream(gateway) -> None:
     refused_before = scrape(gateway.metrics_port).get("specdec:gateway_refused_total{reason=unauthenticated}", 0.0)
-    quiet: list[float] = []
-    flooded: list[float] = []
+    ratios: list[float] = []  # per round: the flooded stream's mean gap / the quiet one's
     sent = 0
     for _ in range(ROUNDS):
-        quiet += _gaps(gateway.rest_port)
+        quiet = statistics.mean(_gaps(gateway.rest_port))
         flood = subprocess.Popen(
             [
                 "nice",
@@ -132,16 +135,15 @@ def test_a_flood_without_keys_does_not_slow_a_stream(gateway) -> None:
         )
         try:
             assert flood.stdout is not None and flood.stdout.readline().strip() == "flooding"
-            flooded += _gaps(gateway.rest_port)
+            ratios.append(statistics.mean(_gaps(gateway.rest_port)) / quiet)
         finally:
             out, _ = flood.communicate(timeout=60)  # closes its stdin: it stops
         sent += int(out.split()[-1])
-    ratio = statistics.median(flooded) / statistics.median(quiet)
+    ratio = statistics.median(ratios)
     refused = scrape(gateway.metrics_port).get("specdec:gateway_refused_total{reason=unauthenticated}", 0.0)
     print(
-        f"median token gap: {statistics.median(quiet) * 1e3:.2f} ms quiet, "
-        f"{statistics.median(flooded) * 1e3:.2f} ms under a flood of {sent} unauthenticated "
-        f"{BODY_MB} MiB bodies ({FLOODERS} senders): ratio {ratio:.2f}"
+        f"mean token gap under a flood of {sent} unauthenticated {BODY_MB} MiB bodies ({FLOODERS} senders) "
+        f"against the quiet stream before it: {', '.join(f'{r:.2f}' for r in ratios)}; median {ratio:.2f}"
     )
     assert sent > 0 and refused - refused_before >= sent  # every flood request was refused (401)
     assert ratio <= BOUND, f"gaps under the flood are {ratio:.2f}x the quiet ones"
