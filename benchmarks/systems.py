@@ -43,6 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from specdec.telemetry import LONG_LOOP_DELAY_S  # a bucket bound of LOOP_DELAY: the bench counts the items past it
+
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
@@ -235,7 +237,6 @@ COMMITS = "specdec:drafter_commit_seconds"  # the drafter's histogram of a commi
 UNCOVERED = "specdec:drafter_branch_uncovered"  # the drafter's broken chains no branch could cover, by gamma
 STOPPED = "specdec:drafter_forwards_stopped"  # the drafter's forwards a rejecting commit stopped part-way
 LOOP_DELAY = "specdec:drafter_loop_delay_seconds"  # the drafter's histogram of an item's wait for its event loop
-LONG_LOOP_DELAY_S = 0.01  # a bucket bound of LOOP_DELAY: the bench counts the items that waited longer
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ log = logging.getLogger("specdec.telemetry")
 SPIKE_WARMUP = 20
 # specdec:drafter_batch_rows: every batch size up to 32 its own bucket, then coarser
 DRAFTER_BATCH_ROWS_BUCKETS: tuple[float, ...] = (*range(1, 33), 48, 64, 128, 256)
+LONG_LOOP_DELAY_S = 0.01  # a bucket bound of specdec:drafter_loop_delay_seconds: a "long" wait (dashboard, bench)
 STAGES = ("verify", "draft", "draft_wait", "network")
 
 # ---- tracing ---------------------------------------------------------------------------
@@ -470,7 +471,7 @@ class DrafterMetrics:
             "specdec:drafter_loop_delay_seconds",
             "An item's wait for the event loop that writes its stream (a block, a ready, a progress "
             "report), from the worker's making it",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            buckets=(0.001, 0.005, LONG_LOOP_DELAY_S, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
             registry=registry,
         )
         self.forwards_stopped = Counter(
