@@ -22,6 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from drafter.confidence import ConfidencePolicy, parse_mode
+from drafter.prefix_cache import Prefix, PrefixCache
 from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Progress, Ready
 from specdec import serving, telemetry
 from specdec.config import MAX_GAMMA_LIMIT, DrafterConfig
@@ -61,6 +62,8 @@ def vocab_size(model: torch.nn.Module) -> int:
     return int(config.vocab_size)
 
 
+# Longest DraftOpen.cache_scope (the gateway sends a tenant: "t" and 8 hex digits).
+MAX_CACHE_SCOPE_CHARS = 64
 # Weight of the newest drafted token in the worker's running cost per token.
 PACE_EWMA = 0.1
 # Longest the worker waits, before a step, for the commits of superseded sessions to apply
@@ -102,8 +105,14 @@ class DraftWorker(threading.Thread):
         batch: bool = True,
         progress_interval_s: float = DRAFT_PROGRESS_INTERVAL_S,
         ride_branches: int = 0,
+        on_retire: Callable[[DraftSession], None] | None = None,
     ) -> None:
         super().__init__(name="draft-worker", daemon=True)
+        # called as on_retire(session) on this thread, between steps, for each session its caller
+        # removed (not one removed because its step failed): the servicer's prefix cache keeps its
+        # keys/values (drafter.prefix_cache)
+        self.on_retire = on_retire
+        self._retired: list[DraftSession] = []
         self.metrics = metrics
         self.batch = batch  # one forward for every model session that drafts a token (drafter.batch)
         self.ride_branches = ride_branches  # with batch: branch rows a batch that ride in a session's forward (0: off)
@@ -125,10 +134,30 @@ class DraftWorker(threading.Thread):
             self._sessions[id(session)] = (session, emit)
             self._cond.notify()
 
-    def remove(self, session: DraftSession) -> None:
+    def remove(self, session: DraftSession, retire: bool = True) -> None:
+        """Stop stepping `session`; `retire`: hand it to `on_retire` (on this worker's thread)."""
         session.close()
         with self._cond:
-            self._sessions.pop(id(session), None)
+            if self._sessions.pop(id(session), None) is not None and retire and self.on_retire is not None:
+                self._retired.append(session)
+                self._cond.notify()
+
+    def _retire(self) -> None:
+        """`on_retire` for each session removed since the previous call (none in a step: the
+        worker holds no session's lock here)."""
+        with self._cond:
+            retired, self._retired = self._retired, []
+        for session in retired:
+            try:
+                assert self.on_retire is not None  # sessions are queued only with one
+                self.on_retire(session)
+            except Exception:  # noqa: BLE001 - a retired session's keys/values are an optimisation
+                log.exception("retiring a draft session failed")
+
+    def sessions(self) -> list[DraftSession]:
+        """The sessions stepped now, and those removed and waiting for `on_retire`."""
+        with self._cond:
+            return [s for s, _ in self._sessions.values()] + list(self._retired)
 
     def wake(self) -> None:
         with self._cond:
@@ -141,6 +170,8 @@ class DraftWorker(threading.Thread):
 
     def run(self) -> None:
         while True:
+            if self._retired:
+                self._retire()
             with self._cond:
                 if self._stopped:
                     return
@@ -153,7 +184,8 @@ class DraftWorker(threading.Thread):
                 active = [(s, e) for s, e in self._sessions.values() if s.wants_work()]
                 branchy = [] if active else [(s, e) for s, e in self._sessions.values() if s.wants_branch()]
                 if not active and not branchy:
-                    self._cond.wait(timeout=1.0)
+                    if not self._retired:
+                        self._cond.wait(timeout=1.0)
                     continue
                 active = work_order(active, self.batch)
             if not active:  # idle otherwise: one batched step of each session's branches
@@ -198,7 +230,7 @@ class DraftWorker(threading.Thread):
         for (session, emit), before, (out, exc, branches) in zip(active, steps, results, strict=True):
             if exc is not None:
                 log.error("draft step failed", exc_info=exc)
-                self.remove(session)
+                self.remove(session, retire=False)
                 emit(exc)
                 continue
             if session.steps > before and session.last_token_ms > 0:  # the step drafted a token
@@ -232,7 +264,7 @@ class DraftWorker(threading.Thread):
             return False, work()
         except Exception as exc:
             log.exception("draft step failed")
-            self.remove(session)
+            self.remove(session, retire=False)
             emit(exc)
             return True, None
 
@@ -309,11 +341,13 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         vocabulary: compat.Vocabulary,
         metrics: telemetry.DrafterMetrics,
         token_ms: float = 0.0,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """A servicer over a loaded draft `model` (a transformers causal LM; its `vocabulary` is
         what the gateway checks against the target) and its draft worker (started here).
         `token_ms`: the measured cost of one draft token (`calibrate`), the first `ready`'s
-        estimate. `build(cfg, registry)` loads all of them."""
+        estimate. `prefix_cache`: where ended sessions' keys/values wait for a prompt that starts
+        with their tokens (None: one of cfg.prefix_cache_mib). `build(cfg, registry)` loads all of them."""
         self.cfg = cfg
         self.model = model
         self.model_name = cfg.model
@@ -327,12 +361,30 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         # every session, on the worker thread (DraftSession.step). Empty in production; plugins append to it
         # (specdec.serving.load_plugins; the tests' fault injection, tests/faultkit.py).
         self.step_hooks: list[Callable[[DraftSession], None]] = []
-        self.worker = DraftWorker(token_ms, self.metrics, batch=cfg.batch_drafts, ride_branches=cfg.ride_branches)
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(cfg.prefix_cache_mib << 20)
+        self.worker = DraftWorker(
+            token_ms,
+            self.metrics,
+            batch=cfg.batch_drafts,
+            ride_branches=cfg.ride_branches,
+            on_retire=self._retire if self.prefix_cache.budget_bytes > 0 else None,
+        )
         self.worker.start()
+
+    def _retire(self, session: DraftSession) -> None:
+        """A session has ended: its model cache goes to the prefix cache (on the worker's thread)."""
+        if not isinstance(session, ModelDraftSession):
+            return
+        with session.lock:  # a commit still applying holds it
+            tokens, layers = session.kv_prefix()
+        self.prefix_cache.store(tokens, layers, session.cache_scope)
+        self.metrics.prefix_cache_bytes.set(self.prefix_cache.held_bytes)
 
     def _open(self, req: "pb.DraftOpen") -> DraftSession:
         if req.request_id:  # optional here (only logs and spans carry it), but never unbounded
             check_request_id("open.request_id", req.request_id, MAX_REQUEST_ID_CHARS + BACKEND_REQUEST_ID_EXTRA)
+        if len(req.cache_scope) > MAX_CACHE_SCOPE_CHARS:
+            raise InvalidField("open.cache_scope", f"{len(req.cache_scope)} characters, over {MAX_CACHE_SCOPE_CHARS}")
         check_token_ids("open.prompt_token_ids", req.prompt_token_ids, self.vocab_size)
         if not 1 <= req.gamma <= MAX_GAMMA_LIMIT:
             raise InvalidField("open.gamma", f"{req.gamma} is out of range [1, {MAX_GAMMA_LIMIT}]")
@@ -356,6 +408,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         session.flush_ms = self.cfg.flush_ms
         session.prefill_chunk = self.cfg.prefill_chunk
         session.report_progress = req.report_progress
+        session.cache_scope = req.cache_scope
         session.step_hooks = self.step_hooks  # shared: a hook appended later reaches running sessions
         return session
 
@@ -373,7 +426,26 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             q_top_k=self.cfg.q_top_k,
             vocab_limit=self.vocabulary.tokenizer_size,
             allowed_token_ids=sp.allowed_token_ids,
+            prefixes=self._find_prefix if self.prefix_cache.budget_bytes > 0 else None,
         )
+
+    def _find_prefix(self, session: ModelDraftSession) -> Prefix | None:
+        """The longest run of keys/values that `session`'s prompt starts with, held by the prefix
+        cache or by another session's prompt (one still drafting, prefilling, or ended and not
+        retired yet: a chat's previous turn as its next one opens; prompts of a queue that share a
+        system prompt). Asked by the session's first prefill step, on the worker's thread."""
+        prompt = session.context[: session.prompt_len]
+        best = self.prefix_cache.lookup(prompt, session.cache_scope)
+        for other in self.worker.sessions():
+            if other is session or not isinstance(other, ModelDraftSession) or other.model is not session.model:
+                continue
+            if other.cache_scope != session.cache_scope:
+                continue
+            found = other.prompt_prefix(prompt)
+            if found is not None and found.tokens >= self.prefix_cache.min_tokens:
+                if best is None or found.tokens > best.tokens:
+                    best = found
+        return best
 
     # gRPC asyncio also serves a handler that writes its responses (context.write) and returns None;
     # the generated base class declares only one that returns them as an iterator
@@ -470,7 +542,10 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                         prefilled_tokens=item.prefilled_tokens,
                         prefill_ms=item.prefill_ms,
                         draft_ms_per_token=self.worker.pace_ms(),
+                        reused_tokens=item.reused_tokens,
                     )
+                    self.metrics.prefix_reused_tokens.inc(item.reused_tokens)
+                    self.metrics.prompt_tokens.inc(item.prefilled_tokens)
                     await context.write(pb.DraftResponse(ready=ready))
                     span.add_event(
                         "ready",
@@ -478,6 +553,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                             "specdec.prefilled_tokens": item.prefilled_tokens,
                             "specdec.prefill_ms": item.prefill_ms,
                             "specdec.draft_ms_per_token": ready.draft_ms_per_token,
+                            "specdec.reused_tokens": item.reused_tokens,
                         },
                     )
                     continue

@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Final, Literal
 import torch
 
 from drafter.confidence import ConfidencePolicy
+from drafter.prefix_cache import LayerKV, Prefix, common_prefix
 from specdec.acceptance import sparse_q, target_distribution
 
 if TYPE_CHECKING:  # drafter.rows and transformers load with a model session only
@@ -111,6 +112,7 @@ class Ready:
 
     prefilled_tokens: int
     prefill_ms: float
+    reused_tokens: int = 0  # of them, copied from the drafter's prefix cache (drafter.prefix_cache), not computed
 
 
 @dataclass
@@ -142,6 +144,7 @@ class DraftSession:
         self, prompt: list[int], gamma: int, lookahead: int, flush_ms: float = 50.0, prefill_chunk: int = 128
     ) -> None:
         self.context: list[int] = list(prompt)
+        self.prompt_len = len(prompt)
         self.committed = len(prompt)
         self.sent = len(prompt)
         self.gamma = gamma
@@ -156,6 +159,8 @@ class DraftSession:
         self.held = False  # the verifier holds this request's drafts (adaptive gamma backed it off)
         self.ready = False  # the prefill is done and announced
         self.prefill_ms = 0.0
+        self.reused_tokens = 0  # prompt tokens whose keys/values came from the drafter's prefix cache
+        self.cache_scope = ""  # DraftOpen.cache_scope: whose keys/values it may reuse (drafter.prefix_cache)
         self.report_progress = False  # the caller reads `Progress` (DraftOpen.report_progress)
         self.progress_at: float | None = None  # monotonic time of the latest `Progress` sent (None: none yet)
         self.progress_queued: int | None = None  # ... and its queued_tokens (None: none sent yet)
@@ -330,7 +335,7 @@ class DraftSession:
             if self._needs_warmup():
                 return None
             self.ready = True
-            return Ready(len(self.context), self.prefill_ms)
+            return Ready(len(self.context), self.prefill_ms, self.reused_tokens)
         if self._resend:  # an adopted branch's drafts, before anything else
             self._resend = False
             return self._flush(force=not self.wants_work(), now=True)
@@ -576,7 +581,10 @@ class ModelDraftSession(DraftSession):
     them are never proposed (specdec.models.compat). `allowed_token_ids` (non-empty): drafts
     are chosen among those ids only, as the target samples (SamplingParams.allowed_token_ids);
     the output would be exact without it (the target rejects the others), this keeps the
-    drafts acceptable.
+    drafts acceptable. `prefixes` (drafter.prefix_cache): called by the session's first prefill
+    step, on the worker's thread, as prefixes(self); the keys/values of the prompt's first
+    tokens that it answers (a Prefix, or None) are copied into the session's cache, and the
+    prefill computes only the rest.
     """
 
     def __init__(
@@ -593,6 +601,7 @@ class ModelDraftSession(DraftSession):
         prefill_chunk: int = 128,
         vocab_limit: int = 0,
         allowed_token_ids: Sequence[int] = (),
+        prefixes: Callable[[ModelDraftSession], Prefix | None] | None = None,
     ) -> None:
         super().__init__(prompt, gamma, lookahead, prefill_chunk=prefill_chunk)
         from drafter.kvcache import GrowingCache  # imports transformers: only a model session needs it
@@ -604,6 +613,7 @@ class ModelDraftSession(DraftSession):
         self._disallowed: torch.Tensor | None = None  # [vocab] True where a token may not be drafted
         self.cache = GrowingCache()  # a DynamicCache that appends in place (drafter.kvcache)
         self.cached = 0
+        self._prefixes = prefixes  # None once asked (the first prefill step)
         self.temperature = temperature
         self.top_k = top_k
         self.top_p = top_p
@@ -648,8 +658,62 @@ class ModelDraftSession(DraftSession):
         return self.cached < len(self.context) - 1
 
     def _warmup(self, chunk: int) -> None:
-        # the prompt's KV cache, all but the last token (fed with the first drafted step)
+        # the prompt's KV cache, all but the last token (fed with the first drafted step): a
+        # prefix's keys/values first (one copy: the step's work), then chunks of the rest
+        if self._prefixes is not None:
+            find, self._prefixes = self._prefixes, None
+            prefix = find(self)
+            if prefix is not None and 0 < prefix.tokens < len(self.context):
+                self._reuse(prefix)
+                return
         self._forward(min(self.cached + max(1, chunk), len(self.context) - 1))
+
+    @torch.inference_mode()
+    def _reuse(self, prefix: Prefix) -> None:
+        """Start the cache from a prefix: a copy of its first prefix.tokens slots (into buffers
+        of this session's own, with room to grow)."""
+        from drafter.kvcache import GrowingCache
+
+        n = prefix.tokens
+        cache = GrowingCache()
+        for layer, (keys, values) in enumerate(prefix.layers):
+            # [1, kv heads, >= n, dim] -> the layer's first n slots
+            cache.update(keys[:, :, :n].to(self.device), values[:, :, :n].to(self.device), layer)
+        self.cache, self.cached, self.reused_tokens = cache, n, n
+
+    def _layer_views(self, n: int) -> list[LayerKV]:
+        """Per layer, views of the cache's first n keys/values [1, kv heads, n, dim] ([] when a
+        layer holds fewer)."""
+        layers: list[LayerKV] = []
+        for layer in self.cache.layers:
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is None or values is None or keys.shape[-2] < n or values.shape[-2] < n:
+                return []
+            layers.append((keys[:, :, :n], values[:, :, :n]))
+        return layers
+
+    def kv_prefix(self) -> tuple[list[int], list[LayerKV]]:
+        """What the cache holds, for the drafter's prefix cache once the session has ended:
+        context[:cached] and per layer views of its keys/values [1, kv heads, cached, dim]
+        (([], []) when a layer holds fewer). Call with the lock held, after the session closed."""
+        layers = self._layer_views(self.cached)
+        return (list(self.context[: self.cached]), layers) if layers else ([], [])
+
+    def prompt_prefix(self, prompt: Sequence[int]) -> Prefix | None:
+        """The keys/values this session holds for the start of `prompt` (its tokens up to
+        len(prompt) - 1), within this session's own prompt: None when they share none.
+
+        Called on the worker's thread without this session's lock (the worker may hold it, in a
+        batched step): the cache's slots before `prompt_len` that it has computed never change
+        (a commit rolls back to a position at or past the prompt's end; only the worker runs
+        forwards), and a buffer that grows leaves the old one to the views taken of it."""
+        n = min(self.cached, self.prompt_len)  # read once: the stable slots
+        if n <= 0:
+            return None
+        mine = self.context  # a commit replaces the list, keeping its first prompt_len tokens
+        match = common_prefix(mine[:n], prompt[: len(prompt) - 1])
+        layers = self._layer_views(match) if match > 0 else []
+        return Prefix(match, layers) if layers else None
 
     @torch.inference_mode()
     def _next_token(self) -> Draft | None | Literal[_Step.STOPPED]:

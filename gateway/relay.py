@@ -174,6 +174,7 @@ class DrafterRelay:
                     method=p.drafter,
                     trace_context=trace_context,
                     report_progress=True,
+                    cache_scope=p.tenant,  # no tenant reuses another's prompts' keys (DraftOpen.cache_scope)
                 )
             )
         )
@@ -257,6 +258,7 @@ class DrafterRelay:
             prefilled_tokens=ready.prefilled_tokens,
             prefill_ms=reported_ms(ready.prefill_ms),
             draft_ms_per_token=reported_ms(ready.draft_ms_per_token),
+            reused_tokens=min(ready.reused_tokens, ready.prefilled_tokens),  # a part of them
         )
 
     def _progress_answers(self, progress: DraftProgress) -> bool:

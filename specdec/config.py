@@ -226,6 +226,14 @@ class DrafterConfig(TransportConfig):
         "while the target is queued and prefills; chunks let other sessions' drafts (which come first) "
         "interleave with a long prompt's prefill.",
     )
+    prefix_cache_mib: int = setting(
+        512,
+        "The prefix cache (MiB of draft keys/values; 0: off): an ended session's cache is kept, and a new "
+        "session whose prompt starts with the same tokens (a chat's next turn, the same file again, a shared "
+        "system prompt) copies the keys/values of the common prefix and prefills only the rest, as the "
+        "target's vLLM engine does with its own prefix cache. Least recently used entries go first "
+        "(drafter.prefix_cache).",
+    )
     batch_drafts: bool = setting(
         True,
         "Draft every session's next token in one batched forward of the draft model per step (ragged "

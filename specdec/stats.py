@@ -104,6 +104,7 @@ class SpecStats:
     max_draft_wait_ms: float = 0.0
     draft_ms: float = 0.0  # drafter compute time for the blocks received
     drafter_prefill_ms: float = 0.0
+    drafter_reused_tokens: int = 0  # prompt tokens the drafter took from its prefix cache
     invalid_blocks: int = 0  # drafter replies dropped or trimmed as invalid (not relayed as sent)
     migrations: int = 0  # times the generation moved to another verifier (or the same one, back)
     branches_drafted: int = 0  # pre-drafted branches relayed
@@ -177,6 +178,7 @@ class SpecStats:
     def observe_ready(self, ready: DraftReady) -> None:
         """The drafter's `ready` (its prefill is done), relayed to the verifier."""
         self.drafter_prefill_ms = ready.prefill_ms
+        self.drafter_reused_tokens = ready.reused_tokens
 
     def invalid_reply(self) -> int:
         """A drafter reply dropped or trimmed as invalid; returns how many so far."""
@@ -297,6 +299,7 @@ class SpecStats:
             rejected_steps=self.rejected_steps,
             max_draft_wait_ms=self.max_draft_wait_ms,
             drafter_prefill_ms=self.drafter_prefill_ms,
+            drafter_reused_tokens=self.drafter_reused_tokens,
             migrations=self.migrations,
             branches_drafted=self.branches_drafted,
             branches_used=self.branches_used,
@@ -329,6 +332,7 @@ class SpecStats:
             max_draft_wait_ms=s.max_draft_wait_ms,
             draft_ms=s.draft_ms,
             drafter_prefill_ms=s.drafter_prefill_ms,
+            drafter_reused_tokens=s.drafter_reused_tokens,
             migrations=s.migrations,
             branches_drafted=s.branches_drafted,
             branches_used=s.branches_used,

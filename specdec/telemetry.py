@@ -406,6 +406,14 @@ class DrafterMetrics:
                                         blocks cut where the draft's cumulative confidence fell
                                         below tau (DrafterConfig.draft_confidence)
         specdec:drafter_block_tau       histogram: tau of each block sent with confidence on
+        specdec:drafter_prompt_tokens_total
+                                        prompt tokens of the sessions that became ready (their
+                                        prompts in the draft model's cache)
+        specdec:drafter_prefix_reused_tokens_total
+                                        ... of which the prefix cache supplied (copied, not
+                                        computed; drafter.prefix_cache)
+        specdec:drafter_prefix_cache_bytes
+                                        bytes of keys/values the prefix cache holds (gauge)
 
     Batch rows: the draft worker's step drafts one token for each session that has one to
     make; with batch_drafts those rows share one forward (drafter.batch), which is observed
@@ -431,6 +439,8 @@ class DrafterMetrics:
                                        / sum(rate(specdec:drafter_branch_breaks_total[5m]))
         Mean tau:                    rate(specdec:drafter_block_tau_sum[5m]) / rate(specdec:drafter_block_tau_count[5m])
         Mean batch size:             rate(specdec:drafter_batch_rows_sum[5m]) / rate(specdec:drafter_batch_rows_count[5m])
+        Prompt tokens reused (share): rate(specdec:drafter_prefix_reused_tokens_total[5m])
+                                       / rate(specdec:drafter_prompt_tokens_total[5m])
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -491,6 +501,17 @@ class DrafterMetrics:
             "Rows (sessions) per forward of the draft model that drafts tokens",
             buckets=DRAFTER_BATCH_ROWS_BUCKETS,
             registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "specdec:drafter_prompt_tokens", "Prompt tokens of the sessions that became ready", registry=registry
+        )
+        self.prefix_reused_tokens = Counter(
+            "specdec:drafter_prefix_reused_tokens",
+            "Prompt tokens whose keys/values the prefix cache supplied",
+            registry=registry,
+        )
+        self.prefix_cache_bytes = Gauge(
+            "specdec:drafter_prefix_cache_bytes", "Bytes of keys/values the prefix cache holds", registry=registry
         )
 
 

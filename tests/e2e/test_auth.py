@@ -118,3 +118,22 @@ def test_tenants_cannot_touch_each_others_request_ids(tenants_gateway: Service) 
 
     tokens, same, migrated = asyncio.run(run())
     assert len(tokens) == 300 and len(same) == 4 and len(migrated) == 4
+
+
+def test_a_tenant_reuses_only_its_own_prompts_draft_keys(tenants_gateway: Service, tiny_target) -> None:
+    """The drafter's prefix cache is scoped by tenant (DraftOpen.cache_scope): after tenant one's
+    long prompt, tenant two's request for the same prompt reuses none of its draft keys (its
+    `drafter_reused_tokens` would tell it what tenant one sent), while tenant one's second request
+    reuses them all but the last token."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    rng = random.Random(9300)
+    vocab = AutoTokenizer.from_pretrained(tiny_target).vocab_size
+    prompt = [rng.randrange(1, vocab) for _ in range(200)]
+    stats = []
+    for key in (TENANTS[0], TENANTS[1], TENANTS[0]):
+        with GatewayClient(tenants_gateway.address, timeout_s=120, api_key=key) as client:
+            stats.append(client.generate(generation_spec(prompt, max_tokens=8, gamma=2, ignore_eos=True)).stats)
+    assert [s.drafter_reused_tokens for s in stats] == [0, 0, len(prompt) - 1], stats

@@ -127,23 +127,21 @@ def test_verifier_still_serves_after_bad_input(services) -> None:
     assert code == grpc.StatusCode.OK and n == 5
 
 
-def test_drafter_rejects_unknown_method(services) -> None:
+@pytest.mark.parametrize(
+    "bad,field", [({"method": 99}, "open.method"), ({"cache_scope": "t" * 65}, "open.cache_scope")]
+)
+def test_drafter_rejects_bad_input(services, bad: dict, field: str) -> None:
     async def run() -> grpc.aio.AioRpcError:
         async with grpc.aio.insecure_channel(services.drafters["mid"].address) as channel:
             call = rpc.DrafterServiceStub(channel).Draft()
-            await call.write(
-                pb.DraftRequest(
-                    open=pb.DraftOpen(
-                        prompt_token_ids=GOOD, gamma=2, method=99, sampling=pb.SamplingParams(max_tokens=4)
-                    )
-                )
-            )
+            args = {"prompt_token_ids": GOOD, "gamma": 2, "sampling": pb.SamplingParams(max_tokens=4), **bad}
+            await call.write(pb.DraftRequest(open=pb.DraftOpen(**args)))
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call.read()
             return info.value
 
     err = asyncio.run(run())
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("open.method:")
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(field + ":"), err.details()
 
 
 def test_verifier_errors_keep_their_status(services, gateway_address: str) -> None:

@@ -111,6 +111,9 @@ FAMILIES = {
         "specdec:drafter_loop_delay_seconds",
         "specdec:drafter_confidence_cuts_total",
         "specdec:drafter_block_tau",
+        "specdec:drafter_prompt_tokens_total",
+        "specdec:drafter_prefix_reused_tokens_total",
+        "specdec:drafter_prefix_cache_bytes",
     },
     "verifier": {
         "specdec:verifier_sessions",
