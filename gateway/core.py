@@ -37,7 +37,7 @@ import grpc
 from gateway.generation import Generation
 from gateway.migration import migrates, resumed_plan
 from gateway.plan import Plan, tenant_of
-from gateway.pool import NoReplica, Pool, Replica
+from gateway.pool import NoReplica, Pool, Replica, affinity_key
 from gateway.text import TextStream, Tokenizer
 from specdec import security, serving, telemetry
 from specdec.config import GatewayConfig
@@ -388,8 +388,9 @@ class GatewayCore:
         """A Generation on the least-loaded serving verifier and drafter (gateway.pool), traced under
         `parent` (a caller's trace, or None); with no verifier serving within verifier_retry_s,
         GatewayError UNAVAILABLE."""
+        key = affinity_key(plan.prompt_token_ids, self.cfg.prefix_affinity_tokens)  # a long prompt's home replicas
         try:
-            verifier = await self.verifiers.pick(self.cfg.verifier_retry_s)
+            verifier = await self.verifiers.pick(self.cfg.verifier_retry_s, key=key)
         except NoReplica as err:
             log.warning("verifier: %s", err)  # the addresses go to the log, not to the client
             raise GatewayError(
@@ -399,7 +400,8 @@ class GatewayCore:
         drafter = None
         if plan.gamma > 0 and plan.drafter != pb.DRAFT_METHOD_NONE:
             await self.drafters.checked(DRAFTER_FIRST_CHECK_S)  # only the first requests after start wait
-            drafter = await self._fitting_drafter() if plan.drafter == pb.DRAFT_METHOD_MODEL else self.drafters.choose()
+            model = plan.drafter == pb.DRAFT_METHOD_MODEL
+            drafter = await self._fitting_drafter(key) if model else self.drafters.choose(key=key)
         vocab = self._target.vocab_size if self._target is not None else None
         return Generation(
             plan,
@@ -419,8 +421,8 @@ class GatewayCore:
             replicas=(verifier, drafter),
         )
 
-    async def _fitting_drafter(self) -> Replica | None:
-        """A serving drafter replica whose draft model fits the target (specdec.models.compat), asked
+    async def _fitting_drafter(self, key: bytes | None = None) -> Replica | None:
+        """A serving drafter replica (for affinity `key`, gateway.pool) whose draft model fits the target (specdec.models.compat), asked
         once per replica with GetDrafterInfo (concurrent requests share the one call); None when none
         serves or fits: the round decodes plainly. A misfit is logged once, as the line naming both
         models and the difference. (The n-gram method has no model and is never checked: the
@@ -436,7 +438,7 @@ class GatewayCore:
             return line
 
         tried: set[str] = set()
-        while (drafter := self.drafters.choose(exclude=tried)) is not None:
+        while (drafter := self.drafters.choose(exclude=tried, key=key)) is not None:
             if target is None:  # a verifier that sent no vocabulary: nothing to check against
                 return drafter
             check = self._drafter_checks.get(drafter.address)

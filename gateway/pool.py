@@ -16,6 +16,14 @@ Terms:
                 requests in flight (ties: either); a draining replica (NOT_SERVING) or one that
                 failed is skipped until it recovers; with none healthy, `pick` waits for one
                 up to its timeout (then raises NoReplica)
+    affinity    a request with a key (`affinity_key`: the first tokens of a long prompt) goes
+                to its home, the healthy replica that rendezvous hashing of the key and the
+                addresses names, unless the home has more than AFFINITY_SLACK requests in
+                flight beyond another healthy replica picked at random, which then takes it
+                (bounded load: a hot prefix spills over). Prompts that start alike meet the
+                same verifier and drafter, whose prefix caches hold that start (a chat's turns,
+                an editor's completions of one file, a shared system prompt); a replica that
+                comes or goes moves only the keys whose home it is
     start       the owner (the gateway) starts every pool when it starts: resolving and health
                 checking run in the background from then on, for the drafters' pool as for the
                 verifiers'. Until its first pass (resolve, then one health check of each
@@ -28,11 +36,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import random
 import socket
 import time
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +51,24 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger("specdec.gateway")
+
+
+# A home replica (see the module's terms) takes its request unless it has more than this many
+# requests in flight beyond another healthy replica's.
+AFFINITY_SLACK = 4
+
+
+def affinity_key(prompt: Sequence[int], tokens: int) -> bytes | None:
+    """The affinity key of a prompt (token ids): its first `tokens` ids, or None when it is
+    shorter than that (a short prompt's prefill is cheap anywhere) or `tokens` is 0 (off)."""
+    if tokens <= 0 or len(prompt) < tokens:
+        return None
+    return array("q", prompt[:tokens]).tobytes()
+
+
+def _weight(key: bytes, address: str) -> int:
+    """Rendezvous hashing: the replica with the highest weight for a key is its home."""
+    return int.from_bytes(hashlib.blake2b(key + b"@" + address.encode(), digest_size=8).digest(), "big")
 
 
 # A replica whose health checks time out this many times in a row is skipped (one slow answer, from
@@ -177,22 +205,30 @@ class Pool:
         """How many replicas answered SERVING to their last health check (and did not fail since)."""
         return sum(r.serving for r in self.replicas.values())
 
-    def choose(self, exclude: AbstractSet[str] = frozenset()) -> Replica | None:
-        """The power of two choices among healthy replicas (not in `exclude`); None when none."""
+    def choose(self, exclude: AbstractSet[str] = frozenset(), key: bytes | None = None) -> Replica | None:
+        """Among healthy replicas (not in `exclude`): with `key`, its home unless the home's load
+        spills over (see the module's terms, affinity); else the power of two choices. None when
+        none is healthy."""
         healthy = [r for r in self.replicas.values() if r.address not in exclude and r.serving]
         if not healthy:
             return None
         if len(healthy) == 1:
             return healthy[0]
+        if key is not None:
+            home = max(healthy, key=lambda r: _weight(key, r.address))
+            other = self.rng.choice([r for r in healthy if r is not home])
+            return home if home.in_flight <= other.in_flight + AFFINITY_SLACK else other
         a, b = self.rng.sample(healthy, 2)
         return a if a.in_flight <= b.in_flight else b
 
-    async def pick(self, timeout_s: float, exclude: AbstractSet[str] = frozenset()) -> Replica:
-        """A replica for one request, waiting up to `timeout_s` for one to be healthy."""
+    async def pick(
+        self, timeout_s: float, exclude: AbstractSet[str] = frozenset(), key: bytes | None = None
+    ) -> Replica:
+        """A replica for one request (`choose`), waiting up to `timeout_s` for one to be healthy."""
         self.start()
         deadline = time.monotonic() + timeout_s
         while True:
-            r = self.choose(exclude)
+            r = self.choose(exclude, key)
             if r is not None:
                 return r
             left = deadline - time.monotonic()

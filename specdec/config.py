@@ -442,6 +442,14 @@ class GatewayConfig(TransportConfig):
         "folder or Hugging Face repo id ORG/NAME[@REVISION].",
         metavar="REF",
     )
+    prefix_affinity_tokens: int = setting(
+        256,
+        "A prompt of at least this many tokens goes to the verifier and the drafter that a hash of its first "
+        "this many tokens names (rendezvous hashing over the replicas that serve), unless that replica is "
+        "busier than another by more than a few requests (gateway.pool.AFFINITY_SLACK): prompts that start alike (a chat's turns, one file's "
+        "completions, a shared system prompt) find their start in those replicas' prefix caches (gateway.pool, "
+        "affinity). 0: off, every request to the less loaded of two replicas picked at random.",
+    )
     default_gamma: int = setting(4, "Gamma (draft tokens per target step) when a request does not say.")
     default_drafter: str = setting(
         "model",

@@ -10,6 +10,8 @@ Two drafters (tiny draft-mid) on the same port of two loopback addresses (127.0.
 
 The case, for each gateway:
   - both drafters get requests, every output is exact (plain vLLM's) and none falls back;
+  - a conversation's second turn (a long prompt: the first turn's prompt and output, and more)
+    goes to the drafter of its first (prefix affinity), which reuses the first turn's keys;
   - one drafter is SIGKILLed; once the gateway's health check has seen it
     (specdec:gateway_replicas{pool="drafter",state="serving"} == 1), every new request
     speculates on the live one with no fallback, and every output is exact.
@@ -22,6 +24,7 @@ requests fell back to plain decoding).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -37,6 +40,8 @@ from specdec_cli.launch import Service, free_port, start_service
 
 N = 8
 MAX_TOKENS = 48
+CONVERSATIONS = 4
+LONG_PROMPT_TOKENS = 300  # past the gateway's default prefix_affinity_tokens (256)
 NAME = "drafters.specdec.test"
 HOSTS = ("127.0.0.1", "127.0.0.2")
 
@@ -135,7 +140,7 @@ def check(outs: list, ref: list[list[int]]) -> None:
     assert [o.stats.fallback_reason for o in outs] == [""] * len(outs)
 
 
-def test_drafter_replicas_behind_a_list_and_a_name(stack, cases) -> None:
+def test_drafter_replicas_behind_a_list_and_a_name(stack, cases, tiny_target: Path) -> None:
     ps, ref = cases
     drafters, gateways = stack["drafters"], stack["gateways"]
     for kind, gateway in gateways.items():  # both pools resolved and checked: both drafters serve
@@ -149,6 +154,18 @@ def test_drafter_replicas_behind_a_list_and_a_name(stack, cases) -> None:
     got = [sessions(d) - b for d, b in zip(drafters, before, strict=True)]
     print(f"generations per drafter over both gateways: {got}")
     assert sum(got) == 2 * 2 * N and min(got) > 0, got
+
+    # a conversation's turns meet their drafter again (prefix affinity, gateway.pool): each turn 2
+    # reuses turn 1's keys from that drafter's prefix cache (with either drafter at random, all
+    # CONVERSATIONS x 2 gateways would do so with probability 2^-8)
+    vocab = AutoTokenizer.from_pretrained(tiny_target).vocab_size
+    for kind, gateway in gateways.items():
+        for c in range(CONVERSATIONS):
+            rng = random.Random(f"{kind}-{c}")
+            first = [rng.randrange(1, vocab) for _ in range(LONG_PROMPT_TOKENS)]
+            (one,) = run(gateway, [first])
+            (two,) = run(gateway, [first + list(one.token_ids) + [rng.randrange(1, vocab) for _ in range(20)]])
+            assert two.stats.drafter_reused_tokens >= LONG_PROMPT_TOKENS - 1, (kind, c, two.stats)
 
     victim, live = drafters
     victim.proc.send_signal(signal.SIGKILL)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gateway.pool import SLOW_CHECKS, NoReplica, Pool
+from gateway.pool import AFFINITY_SLACK, SLOW_CHECKS, NoReplica, Pool, affinity_key
 from specdec_cli.launch import free_port
 
 
@@ -172,3 +172,46 @@ def test_a_pick_cancelled_as_the_pool_changes_stays_cancelled() -> None:
             await server.stop(None)
 
     run(test)
+
+
+def _static(n: int, seed: int = 0) -> Pool:
+    """A list of n replicas, all serving (no channel: `choose` reads only the pool's own state)."""
+    import random
+
+    pool = Pool(
+        ",".join(f"10.0.0.{i}:50053" for i in range(1, n + 1)),
+        lambda a, s: None,
+        lambda c: None,
+        rng=random.Random(seed),
+    )
+    for r in pool.replicas.values():
+        r.serving = True
+    return pool
+
+
+def test_a_long_prompt_goes_to_its_home_replica_and_spills_over_only_past_the_slack() -> None:
+    pool = _static(4)
+    key = affinity_key(list(range(300)), 256)
+    assert key is not None and affinity_key(list(range(300)) + [7, 8], 256) == key  # a later turn: the same key
+    assert affinity_key(list(range(255)), 256) is None and affinity_key(list(range(300)), 0) is None
+    home = pool.choose(key=key)
+    assert home is not None
+    assert {pool.choose(key=key).address for _ in range(50)} == {home.address}  # type: ignore[union-attr]
+    home.in_flight = AFFINITY_SLACK  # busier than every other replica by the slack: still home
+    assert {pool.choose(key=key).address for _ in range(50)} == {home.address}  # type: ignore[union-attr]
+    home.in_flight = AFFINITY_SLACK + 1  # past it: another replica takes the request
+    assert home.address not in {pool.choose(key=key).address for _ in range(50)}  # type: ignore[union-attr]
+
+
+def test_homes_spread_over_the_replicas_and_a_replica_going_moves_only_its_own_keys() -> None:
+    pool = _static(4)
+    keys = [affinity_key([k] * 256, 256) for k in range(400)]
+    homes = {k: pool.choose(key=k).address for k in keys}  # type: ignore[union-attr]
+    counts = sorted(list(homes.values()).count(a) for a in pool.replicas)
+    assert counts[0] >= 50, counts  # ~100 each: rendezvous hashing spreads keys evenly
+    gone = next(iter(pool.replicas))
+    pool.replicas[gone].serving = False
+    after = {k: pool.choose(key=k).address for k in keys}  # type: ignore[union-attr]
+    assert all(after[k] == homes[k] for k in keys if homes[k] != gone)
+    assert all(after[k] != gone for k in keys)
+    assert pool.choose(exclude={homes[keys[0]]}, key=keys[0]).address != homes[keys[0]]  # type: ignore[union-attr]
