@@ -42,7 +42,8 @@ Systems:
 Hardware: every target gets the same single core (the first); vllm-draft and vllm-ngram
 run once more with both cores ("2 cores": the same total hardware as specdec); specdec's
 drafter, gateway and the benchmark client get the other core, as a separate drafter host
-would. vLLM's prefix cache is off everywhere, so a repeated prompt costs the same each time.
+would. vLLM's prefix cache is off everywhere, and so is the drafter's, so a repeated prompt
+costs the same each time (`specdec bench-turns` measures them on).
 
 Terms (per row of the table; a row is one system at one gamma and one concurrency):
     decode tok/s   generated tokens after the first / time after the first token, summed
@@ -477,6 +478,8 @@ class SpecdecCluster:
                     # an int8 draft computes in float32 whatever the bench's dtype (it is the
                     # drafter's default); an unquantised one takes the bench's, as vLLM's draft_model
                     "drafter": [
+                        "--prefix-cache-mib",  # off, as the verifier's and vLLM's (module docstring)
+                        "0",
                         *(["--dtype", self.dtype] if quantize == "none" else []),
                         "--quantize",
                         quantize,

@@ -390,7 +390,20 @@ class Link:
         self.stop_drafter()
         self.drafter = self._start(
             "drafter",
-            ["--model", draft, "--threads", "1", "--dtype", DTYPE, "--quantize", "int8", *extra],
+            # the prefix cache off, as the verifier's: a repeated prompt costs the same each time
+            [
+                "--model",
+                draft,
+                "--threads",
+                "1",
+                "--dtype",
+                DTYPE,
+                "--quantize",
+                "int8",
+                "--prefix-cache-mib",
+                "0",
+                *extra,
+            ],
             self.side_cpus,
             log_dir,
         )

@@ -14,9 +14,10 @@ prompts, all at once) to
                  context, batch size and scheduling budget, SPECDEC_* variables
                  included: verifier.vllm_hooks.engine_settings_from_env)
     specdec      the three services as `specdec up` starts them, at their defaults (the
-                 verifier at the bench's dtype, prefix cache off; the drafter's own dtype and
-                 int8 quantisation): the verifier pinned to the target's core, drafter and
-                 gateway on the drafter's core; the client talks to the gateway's REST bridge
+                 verifier at the bench's dtype; the drafter's own dtype and int8
+                 quantisation), but with the verifier's and the drafter's prefix caches
+                 off: the verifier pinned to the target's core, drafter and gateway on
+                 the drafter's core; the client talks to the gateway's REST bridge
 
 one after the other in one run (never both in memory); with both workloads asked for, each
 server runs both, serve-c8 first. The client runs on the drafter's core, as the bench's own
@@ -202,10 +203,11 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: floa
         time.sleep(0.5)  # polling a process that gives no readiness event
 
 
-def vllm_server_command(target: str, port: int, dtype: str) -> list[str]:
+def vllm_server_command(target: str, port: int, dtype: str, prefix_caching: bool = False) -> list[str]:
     """vLLM's OpenAI server on `target` with the settings of the bench's target-only rows: the
     verifier's CPU engine settings (context, KV cache, batch size, scheduling budget, with any SPECDEC_*
-    variable that changes them), so both servers schedule a burst alike."""
+    variable that changes them), so both servers schedule a burst alike; the prefix cache off
+    unless `prefix_caching` (vLLM's default)."""
     from verifier.vllm_hooks import engine_settings_from_env
 
     settings = engine_settings_from_env("cpu")
@@ -227,7 +229,7 @@ def vllm_server_command(target: str, port: int, dtype: str) -> list[str]:
         "--max-num-batched-tokens",
         str(settings.max_num_batched_tokens),
         "--enforce-eager",
-        "--no-enable-prefix-caching",
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         "--kv-cache-memory-bytes",
         str(settings.kv_cache_memory_bytes),
         "--disable-uvicorn-access-log",
@@ -235,16 +237,16 @@ def vllm_server_command(target: str, port: int, dtype: str) -> list[str]:
 
 
 @contextmanager
-def vllm_server(target: str, dtype: str, core: int, log: Path) -> Iterator[str]:
-    """A ready vLLM OpenAI server pinned to `core` (one OpenMP thread); yields its URL. The
-    process group (the server and its engine core) is killed on exit."""
+def vllm_server(target: str, dtype: str, core: int, log: Path, prefix_caching: bool = False) -> Iterator[str]:
+    """A ready vLLM OpenAI server pinned to `core` (one OpenMP thread; `vllm_server_command`);
+    yields its URL. The process group (the server and its engine core) is killed on exit."""
     from specdec_cli.launch import free_port
 
     port = free_port()
     env = {**os.environ, **VLLM_CPU_ENV, "OMP_NUM_THREADS": "1"}
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            vllm_server_command(target, port, dtype),
+            vllm_server_command(target, port, dtype, prefix_caching),
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -278,11 +280,14 @@ def specdec_services(
     cores: tuple[int, int],
     log_dir: Path,
     verifier_args: Sequence[str] = (),
+    prefix_caching: bool = False,
+    drafter_args: Sequence[str] = (),
 ) -> Iterator[str]:
     """The three services as `specdec up` starts them (their defaults; the verifier at the bench's
-    dtype with the prefix cache off, the drafter at its own default: int8 dynamic quantisation of
-    the float32 draft on the CPU), the verifier on cores[0], drafter and gateway on cores[1];
-    yields the REST bridge's URL (it serves /metrics too)."""
+    dtype, the drafter at its own default: int8 dynamic quantisation of the float32 draft on the
+    CPU; the verifier's and the drafter's prefix caches off unless `prefix_caching`), the
+    verifier on cores[0], drafter and gateway on cores[1]; yields the REST bridge's URL (it
+    serves /metrics too)."""
     from specdec_cli.launch import ANY_PORT, Cluster
 
     cluster = Cluster(
@@ -295,7 +300,10 @@ def specdec_services(
         log_dir=log_dir,
         metrics_port=dict.fromkeys(("verifier", "drafter", "gateway"), 0),
         rest_port=ANY_PORT,
-        extra_args={"verifier": ["--dtype", dtype, "--no-prefix-caching", *verifier_args]},
+        extra_args={
+            "verifier": ["--dtype", dtype, *([] if prefix_caching else ["--no-prefix-caching"]), *verifier_args],
+            "drafter": [*([] if prefix_caching else ["--prefix-cache-mib", "0"]), *drafter_args],
+        },
     )
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, set(cores))  # Cluster gives the verifier all but the last core, the rest the last

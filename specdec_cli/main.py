@@ -10,6 +10,7 @@
     specdec bench [--quick]                       specdec vs vLLM and transformers, side by side
     specdec bench-link [--quick]                  specdec's speedup across a delayed network link
     specdec bench-drafter [--sessions 1,2,...]    a drafter's draft tokens/s and pace against sessions
+    specdec bench-turns [--turns N]               a conversation's turns with the prefix caches on
     specdec draft-vocab PATH... [--size N]        a draft vocabulary from a sample of your traffic
 
 An error you can fix prints one line, `specdec: error: <what is wrong>; <what to do>`, and
@@ -515,6 +516,7 @@ _TOOLS = {
     "bench": "specdec vs vLLM (target-only, draft_model, ngram) and transformers, one run",
     "bench-link": "specdec's speedup across a delayed network link (namespaces, delay proxies), with and without branches",
     "bench-drafter": "the drafter's capacity: draft tokens/s and per-session pace against sessions, batched vs serial",
+    "bench-turns": "the turns of one conversation with every prefix cache on: specdec vs vLLM target-only, and the drafter's cache off",
     "draft-vocab": "make a draft vocabulary (the ids the draft may propose) from a sample of your traffic's text",
 }
 
@@ -536,6 +538,10 @@ def _add_tool(sub: SubParsers, name: str) -> None:
         from benchmarks import drafter_capacity
 
         drafter_capacity.add_parser(sub)
+    elif name == "bench-turns":
+        from benchmarks import turns
+
+        turns.add_parser(sub)
     elif name == "draft-vocab":
         from specdec_cli import draftvocab
 
