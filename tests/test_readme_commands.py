@@ -83,6 +83,10 @@ _DRAFTER = (
     "tests/benchmarks/test_drafter_capacity.py runs `specdec bench-drafter` on the tiny draft "
     "with tiny settings"
 )
+_TURNS = (
+    "starts vLLM's OpenAI server and the services three times on the real pair (minutes); "
+    "tests/benchmarks/test_turns.py runs `specdec bench-turns` end to end on tiny"
+)
 _DRAFTER_SHAPE = (
     "builds a random-init model of the Qwen2.5-Coder-0.5B draft's shapes (24 layers, "
     "vocab 151,936) and times it: a benchmark of a real-sized model, not run on this shared machine; "
@@ -164,6 +168,8 @@ NOT_RUN = {
     "specdec bench-link --models qwen-coder --out bench-link-results": _LINK,
     "specdec bench-link --quick": _LINK,
     "specdec bench-drafter --core 0 --out bench-drafter": _DRAFTER,
+    "specdec bench-turns --models qwen-coder --out bench-turns": _TURNS,
+    "specdec bench-turns --models qwen-coder --dtype float32 --out bench-turns-fp32": _TURNS,
     "specdec bench-drafter --core 0 --copies 16 --prompt 256 --shape qwen2.5-0.5b --quantize int8": _DRAFTER_SHAPE,
     "specdec bench-drafter --core 0 --shape qwen2.5-0.5b --quantize int8 --prompt 32 --seconds 2 --min-rounds 3 "
     "--warmup 1 --out bench-drafter-qwen": _DRAFTER_SHAPE,
