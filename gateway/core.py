@@ -422,11 +422,11 @@ class GatewayCore:
         )
 
     async def _fitting_drafter(self, key: bytes | None = None) -> Replica | None:
-        """A serving drafter replica (for affinity `key`, gateway.pool) whose draft model fits the target (specdec.models.compat), asked
-        once per replica with GetDrafterInfo (concurrent requests share the one call); None when none
-        serves or fits: the round decodes plainly. A misfit is logged once, as the line naming both
-        models and the difference. (The n-gram method has no model and is never checked: the
-        caller only asks for method MODEL.)"""
+        """A serving drafter replica (chosen for the affinity `key`, gateway.pool) whose draft model
+        fits the target (specdec.models.compat), asked once per replica with GetDrafterInfo
+        (concurrent requests share the one call); None when none serves or fits: the round decodes
+        plainly. A misfit is logged once, as the line naming both models and the difference. (The
+        n-gram method has no model and is never checked: the caller only asks for method MODEL.)"""
         target = self._target_vocabulary
 
         async def misfit(drafter: Replica) -> str | None:

@@ -135,5 +135,6 @@ def test_a_tenant_reuses_only_its_own_prompts_draft_keys(tenants_gateway: Servic
     stats = []
     for key in (TENANTS[0], TENANTS[1], TENANTS[0]):
         with GatewayClient(tenants_gateway.address, timeout_s=120, api_key=key) as client:
-            stats.append(client.generate(generation_spec(prompt, max_tokens=8, gamma=2, ignore_eos=True)).stats)
+            stats.append(client.generate(generation_spec(prompt, max_tokens=32, gamma=2, ignore_eos=True)).stats)
+    assert all(s.drafter_prefill_ms > 0 for s in stats), stats  # each heard its drafter's `ready` (the count)
     assert [s.drafter_reused_tokens for s in stats] == [0, 0, len(prompt) - 1], stats

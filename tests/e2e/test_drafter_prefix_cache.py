@@ -28,7 +28,7 @@ from drafter.prefix_cache import MIN_REUSE_TOKENS
 PROMPT_TOKENS = 300
 SYSTEM_TOKENS = 200  # the shared start of the queued prompts
 QUEUED = 4
-MAX_TOKENS = 24
+MAX_TOKENS = 48  # long enough that each request hears its drafter's `ready` (which carries the reused count)
 
 
 def _ids(tiny_target: Path, n: int, seed: int) -> list[int]:
@@ -59,6 +59,7 @@ def test_a_repeated_prompt_and_a_chats_next_turn_reuse_the_drafters_keys(stack: 
     assert list(second_turn.token_ids) == reference[1]
     for r in (first, again, second_turn):
         assert not r.stats.drafter_fallback, r.stats.fallback_reason
+        assert r.stats.drafter_prefill_ms > 0  # the drafter's `ready` came: its reused count is its own
     assert first.stats.drafter_reused_tokens == 0  # a prompt the drafter has not seen
     assert again.stats.drafter_reused_tokens == PROMPT_TOKENS - 1
     assert second_turn.stats.drafter_reused_tokens >= PROMPT_TOKENS - 1
@@ -80,6 +81,7 @@ def test_prompts_of_a_queue_reuse_the_system_prompt_they_share(stack: Services, 
         tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True} for p in ps]
     )
     assert [list(r.token_ids) for r in responses] == reference
+    assert all(r.stats.drafter_prefill_ms > 0 for r in responses)  # every `ready` came
     reused = sorted(r.stats.drafter_reused_tokens for r in responses)
     # the first prompt prefilled shares under MIN_REUSE_TOKENS by chance with anything else
     assert reused[0] < MIN_REUSE_TOKENS <= SYSTEM_TOKENS

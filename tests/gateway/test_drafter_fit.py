@@ -38,7 +38,8 @@ class FakeStub:
 
 
 class FakePool:
-    """Replicas by address, chosen in order (the first not excluded); all serving."""
+    """Replicas by address, chosen in order (the first not excluded; an affinity key changes
+    nothing: these prompts are short); all serving."""
 
     def __init__(self, replicas: list[SimpleNamespace]) -> None:
         self.replicas = replicas
@@ -52,11 +53,11 @@ class FakePool:
     async def close(self, grace_s: float = 0.0) -> None:
         pass
 
-    def choose(self, exclude=frozenset()):
+    def choose(self, exclude=frozenset(), key=None):
         return next((r for r in self.replicas if r.address not in exclude), None)
 
-    async def pick(self, timeout_s, exclude=frozenset()):
-        return self.choose(exclude)
+    async def pick(self, timeout_s, exclude=frozenset(), key=None):
+        return self.choose(exclude, key)
 
     async def checked(self, timeout_s):
         return True
