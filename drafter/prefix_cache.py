@@ -91,7 +91,7 @@ class PrefixCache:
         with self._lock:
             return len(self._entries)
 
-    def lookup(self, prompt: Sequence[int], scope: str = "") -> Prefix | None:
+    def lookup(self, prompt: Sequence[int] | np.ndarray, scope: str = "") -> Prefix | None:
         """The longest match for `prompt` among the entries of `scope` (module's terms), or None
         when none reaches min_tokens."""
         most = len(prompt) - 1

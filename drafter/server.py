@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeAlias
 
 import grpc
+import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -434,7 +435,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         cache or by another session's prompt (one still drafting, prefilling, or ended and not
         retired yet: a chat's previous turn as its next one opens; prompts of a queue that share a
         system prompt). Asked by the session's first prefill step, on the worker's thread."""
-        prompt = session.context[: session.prompt_len]
+        prompt = np.asarray(session.context[: session.prompt_len], dtype=np.int64)  # once, not per session
         best = self.prefix_cache.lookup(prompt, session.cache_scope)
         for other in self.worker.sessions():
             if other is session or not isinstance(other, ModelDraftSession) or other.model is not session.model:

@@ -73,6 +73,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
 
+import numpy as np
 import torch
 
 from drafter.confidence import ConfidencePolicy
@@ -699,7 +700,7 @@ class ModelDraftSession(DraftSession):
         layers = self._layer_views(self.cached)
         return (list(self.context[: self.cached]), layers) if layers else ([], [])
 
-    def prompt_prefix(self, prompt: Sequence[int]) -> Prefix | None:
+    def prompt_prefix(self, prompt: Sequence[int] | np.ndarray) -> Prefix | None:
         """The keys/values this session holds for the start of `prompt` (its tokens up to
         len(prompt) - 1), within this session's own prompt: None when they share none.
 
