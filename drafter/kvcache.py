@@ -12,6 +12,12 @@ Terms:
     capacity    slots of the buffer (buffer.shape[-2]); when a step would pass it, a new
                 buffer of length + GROW_SLOTS + length / 2 slots takes the cache over (one
                 copy, amortised over the steps that fill the spare slots)
+    reserve     slots the first buffer gets at least (GrowingCache(reserve)): a session that
+                knows its prompt and the tokens it may add allocates them once, without the
+                copies of growing through its prefill chunks and without the spare half
+                (drafter.memory reserves the same slots of its budget)
+    nbytes      bytes of the buffers the cache holds (`GrowingCache.nbytes`): what the session's
+                keys/values take, spare slots included
 
 Everything else is DynamicLayer's: `crop` (a rollback) narrows the views, so the next step
 writes over the dropped slots; `batch_repeat_interleave` and `batch_select_indices` (DynamicCache's
@@ -22,6 +28,8 @@ read are the ones DynamicCache would hold, so drafts are unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -30,7 +38,12 @@ GROW_SLOTS = 256
 
 
 class GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose appends write into a buffer with spare room (module docstring)."""
+    """A DynamicLayer whose appends write into a buffer with spare room (module docstring);
+    its first buffer has at least `reserve` slots."""
+
+    def __init__(self, reserve: int = 0, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+        self.reserve = reserve
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -59,6 +72,8 @@ class GrowingLayer(DynamicLayer):
         if kb is None or vb is None or not self._in_buffer(key_states.shape[0], length, adding):
             b, heads, _, dim = key_states.shape
             capacity = length + adding + GROW_SLOTS + (length + adding) // 2
+            if kb is None:  # the first buffer: the slots reserved, when they hold the step
+                capacity = max(self.reserve, length + adding) if self.reserve else capacity
             kb = key_states.new_empty(b, heads, capacity, dim)
             vb = value_states.new_empty(b, heads, capacity, dim)
             if length:
@@ -72,12 +87,24 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = keys, values
         return keys, values
 
+    def nbytes(self) -> int:
+        """Bytes of the storage behind this layer's keys and values (its buffers, spare slots included)."""
+        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values) if t is not None)
+
 
 class GrowingCache(DynamicCache):
-    """A DynamicCache of GrowingLayers (made lazily, one per layer the model updates)."""
+    """A DynamicCache of GrowingLayers (made lazily, one per layer the model updates), whose
+    first buffers have at least `reserve` slots (0: as many as the first step needs, with the
+    spare room of the module's terms)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reserve: int = 0) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+        # transformers makes each new layer as layer_class_to_replicate(), with no arguments
+        self.layer_class_to_replicate = functools.partial(GrowingLayer, reserve)  # type: ignore[assignment]
+
+    def nbytes(self) -> int:
+        """Bytes of the storage behind every layer's keys and values (module's terms)."""
+        return sum(layer.nbytes() for layer in self.layers if isinstance(layer, GrowingLayer))
 
     def truncate(self, length: int) -> None:
         """Cut every layer that holds more than `length` tokens to its first `length`: after a

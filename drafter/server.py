@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TypeAlias
 
 import grpc
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
+from drafter import memory
 from drafter.confidence import ConfidencePolicy, parse_mode
 from drafter.prefix_cache import Prefix, PrefixCache
 from drafter.sessions import BlockOut, DraftSession, ModelDraftSession, NgramDraftSession, Progress, Ready
@@ -35,6 +37,7 @@ from specdec.validation import (
     DRAFT_PROGRESS_INTERVAL_S,
     MAX_REQUEST_ID_CHARS,
     InvalidField,
+    OverLimit,
     check_request_id,
     check_sampling,
     check_token_ids,
@@ -107,8 +110,11 @@ class DraftWorker(threading.Thread):
         progress_interval_s: float = DRAFT_PROGRESS_INTERVAL_S,
         ride_branches: int = 0,
         on_retire: Callable[[DraftSession], None] | None = None,
+        kv_budget: memory.KVBudget | None = None,
     ) -> None:
         super().__init__(name="draft-worker", daemon=True)
+        # drafter.memory: a session's prefill starts once its reserve fits the budget (None: at once)
+        self.kv_budget = kv_budget
         # called as on_retire(session) on this thread, between steps, for each session its caller
         # removed (not one removed because its step failed): the servicer's prefix cache keeps its
         # keys/values (drafter.prefix_cache)
@@ -141,7 +147,9 @@ class DraftWorker(threading.Thread):
         with self._cond:
             if self._sessions.pop(id(session), None) is not None and retire and self.on_retire is not None:
                 self._retired.append(session)
-                self._cond.notify()
+            if session.admitted and self.kv_budget is not None and self.metrics is not None:
+                self.metrics.kv_cache_bytes.set(self.kv_held())
+            self._cond.notify()  # its memory may admit a waiting prefill (drafter.memory)
 
     def _retire(self) -> None:
         """`on_retire` for each session removed since the previous call (none in a step: the
@@ -182,13 +190,11 @@ class DraftWorker(threading.Thread):
                 self._cond.wait_for(
                     lambda: not any(s.superseded for s, _ in self._sessions.values()), SUPERSEDED_WAIT_S
                 )
-                active = [(s, e) for s, e in self._sessions.values() if s.wants_work()]
-                branchy = [] if active else [(s, e) for s, e in self._sessions.values() if s.wants_branch()]
+                active, branchy = self.pick_work()
                 if not active and not branchy:
                     if not self._retired:
                         self._cond.wait(timeout=1.0)
                     continue
-                active = work_order(active, self.batch)
             if not active:  # idle otherwise: one batched step of each session's branches
                 self._branch_steps(branchy)
                 continue
@@ -196,6 +202,43 @@ class DraftWorker(threading.Thread):
             self.advance(active)
             if prefilling:
                 self.report_progress()
+
+    def pick_work(self) -> tuple[list[tuple[DraftSession, Emit]], list[tuple[DraftSession, Emit]]]:
+        """The sessions the next step advances (`work_order`, a prefill only once admitted:
+        drafter.memory), and when there are none, those with branches to draft."""
+        with self._cond:
+            active = [(s, e) for s, e in self._sessions.values() if s.wants_work()]
+            # a prefill waiting for memory is no work: it waits for a session's removal
+            active = work_order(active, self.batch, self._admit) if active else []
+            branchy = [] if active else [(s, e) for s, e in self._sessions.values() if s.wants_branch()]
+        return active, branchy
+
+    def kv_held(self) -> int:
+        """Bytes the admitted sessions hold of the budget (drafter.memory's `held`); call with
+        `_cond` held (a cache another thread reads may be growing: its old size or its new)."""
+        return sum(max(s.kv_reserve, s.kv_bytes()) for s, _ in self._sessions.values() if s.admitted)
+
+    def _admit(self, session: DraftSession) -> bool:
+        """Whether `session`'s prefill may start: it was admitted, or its reserve fits beside the
+        admitted sessions' now (then it is admitted). Called with `_cond` held."""
+        if session.admitted:
+            return True
+        if self.kv_budget is None or session.kv_reserve <= 0:
+            session.admitted = True
+            return True
+        held = self.kv_held()
+        if self.metrics is not None:
+            self.metrics.kv_cache_bytes.set(held)
+        if not self.kv_budget.admits(held, session.kv_reserve):
+            if not session.kv_waited:
+                session.kv_waited = True
+                if self.metrics is not None:
+                    self.metrics.kv_waits.inc()
+            return False
+        session.admitted = True
+        if self.metrics is not None:
+            self.metrics.kv_cache_bytes.set(held + session.kv_reserve)
+        return True
 
     def report_progress(self) -> None:
         """A `Progress` to each session waiting for its `Ready` that asked for reports, when the
@@ -283,26 +326,35 @@ class DraftWorker(threading.Thread):
                     return  # a commit came in: its drafts first
 
 
-def work_order(active: list[tuple[DraftSession, Emit]], batched: bool) -> list[tuple[DraftSession, Emit]]:
+def work_order(
+    active: list[tuple[DraftSession, Emit]], batched: bool, admit: Callable[[DraftSession], bool] | None = None
+) -> list[tuple[DraftSession, Emit]]:
     """The sessions one worker step advances, of `active` (every session that wants work, in
     arrival order). When some session is urgent (a verifier waits, or is about to wait, for its
     drafts): those, and with `batched` every other session drafting ahead too, since they share
     the urgent rows' forward, where a row costs little beside the weights every forward reads
     (the int8 qwen-coder draft on one core: ~55 ms a forward of 1 row, ~78 ms of 4,
     `specdec bench-drafter`); a prefill chunk, a forward of its own, waits. Otherwise every
-    session, drafting ahead. Of the prefills, only the oldest (`oldest_prefill_only`)."""
+    session, drafting ahead. Of the prefills, only the oldest (`oldest_prefill_only`), once
+    `admit` lets it start."""
     urgent = [(s, e) for s, e in active if s.urgent()]
     if urgent and batched:
         active = [(s, e) for s, e in active if s.urgent() or (s.ready and s.started)]
     elif urgent:
         active = urgent
-    return oldest_prefill_only(active)
+    return oldest_prefill_only(active, admit)
 
 
-def oldest_prefill_only(active: list[tuple[DraftSession, Emit]]) -> list[tuple[DraftSession, Emit]]:
+def oldest_prefill_only(
+    active: list[tuple[DraftSession, Emit]], admit: Callable[[DraftSession], bool] | None = None
+) -> list[tuple[DraftSession, Emit]]:
     """`active` (in arrival order) without the prefills after the first: prompts are prefilled
-    one at a time, in arrival order (see DraftWorker)."""
+    one at a time, in arrival order (see DraftWorker). `admit(session)`: whether the first may
+    start (drafter.memory: its keys/values fit); when not, no prefill runs, and the prompts
+    behind it wait too (None: it may)."""
     first = next((s for s, _ in active if not s.ready), None)
+    if first is not None and admit is not None and not admit(first):
+        first = None
     return [(s, e) for s, e in active if s.ready or s is first]
 
 
@@ -343,12 +395,14 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         metrics: telemetry.DrafterMetrics,
         token_ms: float = 0.0,
         prefix_cache: PrefixCache | None = None,
+        kv_budget: memory.KVBudget | None = None,
     ) -> None:
         """A servicer over a loaded draft `model` (a transformers causal LM; its `vocabulary` is
         what the gateway checks against the target) and its draft worker (started here).
         `token_ms`: the measured cost of one draft token (`calibrate`), the first `ready`'s
         estimate. `prefix_cache`: where ended sessions' keys/values wait for a prompt that starts
-        with their tokens (None: one of cfg.prefix_cache_mib). `build(cfg, registry)` loads all of them."""
+        with their tokens (None: one of cfg.prefix_cache_mib). `kv_budget`: the live sessions'
+        keys/values (drafter.memory; None: no bound). `build(cfg, registry)` loads all of them."""
         self.cfg = cfg
         self.model = model
         self.model_name = cfg.model
@@ -369,7 +423,11 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             batch=cfg.batch_drafts,
             ride_branches=cfg.ride_branches,
             on_retire=self._retire if self.prefix_cache.budget_bytes > 0 else None,
+            kv_budget=kv_budget,
         )
+        self.kv_budget = kv_budget
+        if kv_budget is not None:
+            self.metrics.kv_cache_budget_bytes.set(kv_budget.budget_bytes)
         self.worker.start()
 
     def _retire(self, session: DraftSession) -> None:
@@ -402,7 +460,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                 prompt, req.gamma, lookahead, self.cfg.ngram_max, self.cfg.ngram_min
             )
         else:
-            session = self._model_session(req, prompt, lookahead)
+            session = self._model_session(req, prompt, lookahead, self._reserve(req, prompt, lookahead))
             if self.confidence != "off":
                 session.confidence = ConfidencePolicy(self.confidence)
         session.branches = self.cfg.branches
@@ -413,9 +471,26 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         session.step_hooks = self.step_hooks  # shared: a hook appended later reaches running sessions
         return session
 
-    def _model_session(self, req: "pb.DraftOpen", prompt: list[int], lookahead: int) -> ModelDraftSession:
+    def _reserve(self, req: "pb.DraftOpen", prompt: list[int], lookahead: int) -> int:
+        """The slots a model session for `req` reserves (drafter.memory); OverLimit when they are
+        over the whole budget."""
         sp = req.sampling
-        return ModelDraftSession(
+        slots = memory.reserve_slots(
+            len(prompt), sp.max_tokens if sp.HasField("max_tokens") else None, req.gamma + lookahead
+        )
+        if self.kv_budget is not None and not self.kv_budget.ever_fits(self.kv_budget.need(slots)):
+            need, budget = self.kv_budget.need(slots) >> 20, self.kv_budget.budget_bytes >> 20
+            raise OverLimit(
+                f"open.prompt_token_ids: a prompt of {len(prompt)} tokens needs {need} MiB of draft keys/values, "
+                f"over this drafter's kv_cache_mib ({budget} MiB)"
+            )
+        return slots
+
+    def _model_session(
+        self, req: "pb.DraftOpen", prompt: list[int], lookahead: int, reserve_slots: int
+    ) -> ModelDraftSession:
+        sp = req.sampling
+        session = ModelDraftSession(
             self.model,
             prompt,
             req.gamma,
@@ -428,7 +503,11 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             vocab_limit=self.vocabulary.tokenizer_size,
             allowed_token_ids=sp.allowed_token_ids,
             prefixes=self._find_prefix if self.prefix_cache.budget_bytes > 0 else None,
+            reserve_slots=reserve_slots,
         )
+        if self.kv_budget is not None:
+            session.kv_reserve = self.kv_budget.need(reserve_slots)
+        return session
 
     def _find_prefix(self, session: ModelDraftSession) -> Prefix | None:
         """The longest run of keys/values that `session`'s prompt starts with, held by the prefix
@@ -621,11 +700,20 @@ def _block_pb(block: BlockOut, sequence: int) -> "pb.DraftBlock":
     return msg
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What `calibrate` measured: one draft token's cost, ms, and its keys/values, bytes."""
+
+    token_ms: float
+    token_bytes: int
+
+
 def calibrate(
     model: torch.nn.Module, vocabulary: compat.Vocabulary, q_top_k: int = 0, prompt_len: int = 32, tokens: int = 6
-) -> float:
+) -> Calibration:
     """Warm the model up and measure its cost per draft token, milliseconds (median of a few
-    greedy steps after a short prefill): the first `ready`'s estimate, before any session ran."""
+    greedy steps after a short prefill: the first `ready`'s estimate, before any session ran),
+    and what one token's keys/values take (drafter.memory's token bytes)."""
     import statistics
 
     vocab = vocab_size(model)
@@ -652,7 +740,8 @@ def calibrate(
             session.last_token_ms = 0.0
         if isinstance(out, BlockOut) and out.final:
             break
-    return statistics.median(costs[1:] or costs) if costs else 0.0
+    token_ms = statistics.median(costs[1:] or costs) if costs else 0.0
+    return Calibration(token_ms, memory.token_bytes(session.kv_prefix()[1]))
 
 
 def build(cfg: DrafterConfig, registry: CollectorRegistry) -> DrafterServicer:
@@ -671,7 +760,20 @@ def build(cfg: DrafterConfig, registry: CollectorRegistry) -> DrafterServicer:
     placement = draft_placement(cfg.device, cfg.dtype, cfg.quantize)
     cut = read_draft_vocab(cfg.draft_vocab, cfg.model, vocabulary.vocab_size) if cfg.draft_vocab else None
     model = load_causal_lm(cfg.model, placement.dtype, placement.quantize, revision, placement.device, cfg.forward, cut)
-    token_ms = calibrate(model, vocabulary, cfg.q_top_k)
+    measured = calibrate(model, vocabulary, cfg.q_top_k)
+    prefix_bytes = cfg.prefix_cache_mib << 20
+    if cfg.kv_cache_mib > 0:
+        budget, how = cfg.kv_cache_mib << 20, "kv_cache_mib"
+    else:
+        budget, how = memory.auto_budget(torch.device(placement.device), prefix_bytes)
+    kv_budget = memory.KVBudget(budget, measured.token_bytes)
+    log.info(
+        "draft keys/values: %d MiB for live sessions (%s), %d KiB a token: %d tokens",
+        budget >> 20,
+        how,
+        measured.token_bytes >> 10,
+        budget // max(1, measured.token_bytes),
+    )
     log.info(
         "draft model %s loaded from %s (vocab %d%s, %s, %s, quantize %s, forward %s, %.1f ms per draft token)",
         cfg.model,
@@ -682,9 +784,10 @@ def build(cfg: DrafterConfig, registry: CollectorRegistry) -> DrafterServicer:
         placement.dtype,
         placement.quantize,
         "lean" if isinstance(model, LeanDecoder) else "transformers",
-        token_ms,
+        measured.token_ms,
     )
-    return DrafterServicer(cfg, model, vocabulary, telemetry.DrafterMetrics(registry), token_ms)
+    metrics = telemetry.DrafterMetrics(registry)
+    return DrafterServicer(cfg, model, vocabulary, metrics, measured.token_ms, kv_budget=kv_budget)
 
 
 async def main(cfg: DrafterConfig) -> None:

@@ -161,6 +161,11 @@ class DraftSession:
         self.ready = False  # the prefill is done and announced
         self.prefill_ms = 0.0
         self.reused_tokens = 0  # prompt tokens whose keys/values came from the drafter's prefix cache
+        # drafter.memory: bytes of the drafter's budget this session reserves (0: none, it holds no
+        # keys/values), and whether the worker has admitted it (its prefill may start)
+        self.kv_reserve = 0
+        self.admitted = False
+        self.kv_waited = False  # its prefill waited for the budget (counted once)
         self.cache_scope = ""  # DraftOpen.cache_scope: whose keys/values it may reuse (drafter.prefix_cache)
         self.report_progress = False  # the caller reads `Progress` (DraftOpen.report_progress)
         self.progress_at: float | None = None  # monotonic time of the latest `Progress` sent (None: none yet)
@@ -541,6 +546,10 @@ class DraftSession:
     def _rollback(self, keep: int) -> None:
         """Forget model state past the first `keep` tokens of the context."""
 
+    def kv_bytes(self) -> int:
+        """Bytes the session's keys/values hold now (drafter.memory; 0: it holds none)."""
+        return 0
+
     def close(self) -> None:
         self.closed = True
 
@@ -585,7 +594,8 @@ class ModelDraftSession(DraftSession):
     drafts acceptable. `prefixes` (drafter.prefix_cache): called by the session's first prefill
     step, on the worker's thread, as prefixes(self); the keys/values of the prompt's first
     tokens that it answers (a Prefix, or None) are copied into the session's cache, and the
-    prefill computes only the rest.
+    prefill computes only the rest. `reserve_slots` (drafter.memory's reserve): the slots its
+    cache allocates at once (0: it grows as it fills).
     """
 
     def __init__(
@@ -603,6 +613,7 @@ class ModelDraftSession(DraftSession):
         vocab_limit: int = 0,
         allowed_token_ids: Sequence[int] = (),
         prefixes: Callable[[ModelDraftSession], Prefix | None] | None = None,
+        reserve_slots: int = 0,
     ) -> None:
         super().__init__(prompt, gamma, lookahead, prefill_chunk=prefill_chunk)
         from drafter.kvcache import GrowingCache  # imports transformers: only a model session needs it
@@ -612,7 +623,8 @@ class ModelDraftSession(DraftSession):
         self.vocab_limit = vocab_limit
         self.allowed_token_ids = list(allowed_token_ids)
         self._disallowed: torch.Tensor | None = None  # [vocab] True where a token may not be drafted
-        self.cache = GrowingCache()  # a DynamicCache that appends in place (drafter.kvcache)
+        self.reserve_slots = reserve_slots
+        self.cache = GrowingCache(reserve_slots)  # a DynamicCache that appends in place (drafter.kvcache)
         self.cached = 0
         self._prefixes = prefixes  # None once asked (the first prefill step)
         self.temperature = temperature
@@ -676,11 +688,14 @@ class ModelDraftSession(DraftSession):
         from drafter.kvcache import GrowingCache
 
         n = prefix.tokens
-        cache = GrowingCache()
+        cache = GrowingCache(self.reserve_slots)
         for layer, (keys, values) in enumerate(prefix.layers):
             # [1, kv heads, >= n, dim] -> the layer's first n slots
             cache.update(keys[:, :, :n].to(self.device), values[:, :, :n].to(self.device), layer)
         self.cache, self.cached, self.reused_tokens = cache, n, n
+
+    def kv_bytes(self) -> int:
+        return self.cache.nbytes()
 
     def _layer_views(self, n: int) -> list[LayerKV]:
         """Per layer, views of the cache's first n keys/values [1, kv heads, n, dim] ([] when a

@@ -234,6 +234,15 @@ class DrafterConfig(TransportConfig):
         "target's vLLM engine does with its own prefix cache. Least recently used entries go first "
         "(drafter.prefix_cache).",
     )
+    kv_cache_mib: int = setting(
+        0,
+        "MiB of draft keys/values the live sessions may hold (0: auto, from the memory this process may "
+        "use: 85% of its cgroup's limit, a Kubernetes pod's, less what the loaded model holds; 85% of the "
+        "free memory on CUDA; a quarter of the host's memory with no limit; less prefix_cache_mib). A "
+        "prompt's prefill starts when its keys/values (prompt, up to 512 generated tokens, drafts) fit; "
+        "until then it waits, in arrival order. A prompt over the whole budget is refused with "
+        "RESOURCE_EXHAUSTED, and its gateway decodes it plainly (drafter.memory).",
+    )
     batch_drafts: bool = setting(
         True,
         "Draft every session's next token in one batched forward of the draft model per step (ragged "

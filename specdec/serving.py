@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from specdec import security
 from specdec.config import DrafterConfig, GatewayConfig, VerifierConfig
 from specdec.telemetry import service_registry
-from specdec.validation import InvalidField
+from specdec.validation import InvalidField, OverLimit
 
 log = logging.getLogger("specdec")
 T = TypeVar("T")
@@ -55,7 +55,8 @@ async def open_session(
 ) -> tuple[Open, T]:
     """Read a session stream's first message, which must be `open`, and build the session
     from it (`build` takes the `open` message: its type is the stream's); returns both. A bad
-    one ends the call with INVALID_ARGUMENT naming the field. A stream that
+    one ends the call with INVALID_ARGUMENT naming the field, one over a setting's limit
+    (validation.OverLimit) with RESOURCE_EXHAUSTED naming the setting. A stream that
     sends nothing for `timeout_s` (first_message_timeout_s; 0: no limit) ends with
     DEADLINE_EXCEEDED, so a half-open stream cannot hold its max_sessions slot."""
     try:
@@ -74,6 +75,9 @@ async def open_session(
         return first.open, build(first.open)
     except InvalidField as err:
         await abort_invalid(context, err)
+        raise  # unreachable: abort raises
+    except OverLimit as err:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         raise  # unreachable: abort raises
 
 

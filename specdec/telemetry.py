@@ -414,6 +414,12 @@ class DrafterMetrics:
                                         computed; drafter.prefix_cache)
         specdec:drafter_prefix_cache_bytes
                                         bytes of keys/values the prefix cache holds (gauge)
+        specdec:drafter_kv_cache_bytes  bytes of the live sessions' keys/values budget held (gauge;
+                                        per admitted session the larger of its reserve and its
+                                        cache: drafter.memory)
+        specdec:drafter_kv_cache_budget_bytes
+                                        ... the budget (kv_cache_mib, or the auto one) (gauge)
+        specdec:drafter_kv_waits_total  prompts whose prefill waited for the budget (once each)
 
     Batch rows: the draft worker's step drafts one token for each session that has one to
     make; with batch_drafts those rows share one forward (drafter.batch), which is observed
@@ -512,6 +518,15 @@ class DrafterMetrics:
         )
         self.prefix_cache_bytes = Gauge(
             "specdec:drafter_prefix_cache_bytes", "Bytes of keys/values the prefix cache holds", registry=registry
+        )
+        self.kv_cache_bytes = Gauge(
+            "specdec:drafter_kv_cache_bytes", "Bytes of the live sessions' keys/values budget held", registry=registry
+        )
+        self.kv_cache_budget_bytes = Gauge(
+            "specdec:drafter_kv_cache_budget_bytes", "The live sessions' keys/values budget, bytes", registry=registry
+        )
+        self.kv_waits = Counter(
+            "specdec:drafter_kv_waits", "Prompts whose prefill waited for the keys/values budget", registry=registry
         )
 
 

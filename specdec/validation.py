@@ -42,6 +42,11 @@ class InvalidField(ValueError):
         self.field = field
 
 
+class OverLimit(ValueError):
+    """A well-formed request needs more than a server's setting allows (RESOURCE_EXHAUSTED);
+    the message names the setting."""
+
+
 def check_token_ids(field: str, ids: Sequence[int], vocab_size: int, allow_empty: bool = False) -> None:
     """Token ids must be non-empty (unless allowed) and lie in [0, vocab_size)."""
     if not ids and not allow_empty:

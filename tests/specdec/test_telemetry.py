@@ -114,6 +114,9 @@ FAMILIES = {
         "specdec:drafter_prompt_tokens_total",
         "specdec:drafter_prefix_reused_tokens_total",
         "specdec:drafter_prefix_cache_bytes",
+        "specdec:drafter_kv_cache_bytes",
+        "specdec:drafter_kv_cache_budget_bytes",
+        "specdec:drafter_kv_waits_total",
     },
     "verifier": {
         "specdec:verifier_sessions",

@@ -1,0 +1,171 @@
+"""The drafter's memory for its sessions' keys/values: a budget, what each session reserves of
+it, and the default budget from the memory this process may use.
+
+Every live model session holds the draft model's keys/values of its whole context. Without a
+bound a drafter took up to `max_sessions` (256) sessions whatever their prompts, and a queue of
+long prompts ran it out of memory: the qwen-coder draft (Qwen2.5-0.5B: 24 layers x keys and
+values x 2 KV heads x 64 dims x 4 bytes) holds 24 KiB a token, and its cache grew by half again
+in spare slots, so a 3,000-token prompt took ~110 MiB and about 50 of them the 6 GiB limit of the
+shipped manifests' drafter pod, weights included: the kernel kills the pod, and every request
+it drafted for falls back to plain decoding (docs/design.md, "The drafter's memory").
+
+Terms:
+    token bytes  one token's keys and values in every layer of the draft model, measured on the
+                 loaded model at start-up (`token_bytes`: any model, dtype and device)
+    reserve      a model session's slots (`reserve_slots`): its prompt, the tokens it may
+                 generate up to DECODE_RESERVE (SamplingParams.max_tokens; unset: DECODE_RESERVE),
+                 and its window (gamma + lookahead) and one; its cache allocates them at once
+                 (drafter.kvcache), and their bytes are reserved of the budget before its
+                 prefill starts
+    held         per admitted session, the larger of its reserve and the bytes its cache holds
+                 (a session that generates past its reserve grows its cache, and is counted so)
+    budget       bytes the admitted sessions may hold (DrafterConfig.kv_cache_mib): the oldest
+                 waiting prompt starts its prefill only when held + its reserve fits, and the
+                 prompts behind it wait, in arrival order (the order the drafter prefills in);
+                 a prompt whose reserve alone is over the budget is refused at `open` with
+                 RESOURCE_EXHAUSTED naming the setting, and its gateway decodes it plainly. A
+                 session that waits sends no progress: past drafter_timeout_s after its
+                 target's first token its gateway decodes the request plainly, and closes it
+    auto         the default budget (kv_cache_mib 0), `auto_budget`: on CUDA, AUTO_SHARE of the
+                 device memory free once the model is loaded; on the CPU, AUTO_SHARE of the
+                 memory limit of this process's cgroup (a Kubernetes pod's or a container's
+                 memory limit) less what the process holds once loaded; with no limit, a
+                 quarter of the host's memory (the drafter shares the host with a verifier).
+                 The prefix cache's budget (prefix_cache_mib) comes out of either.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# Generated tokens a session reserves slots for at most: a request's max_tokens is often the
+# context's limit (vLLM's default), and few generations come near it; one that passes its
+# reserve grows its cache and is counted at its size.
+DECODE_RESERVE = 512
+# Share of the memory found free (CUDA) or allowed (a cgroup's limit) that the budget may take:
+# the rest is the forward's activations, the process's allocations and the allocator's slack.
+AUTO_SHARE = 0.85
+# Least auto budget: room for a few prompts even where the limit leaves less (with a warning).
+MIN_AUTO_BYTES = 256 << 20
+# A cgroup limit at or above this is no limit (cgroup v1 writes 2^63 rounded to pages).
+_NO_LIMIT = 1 << 60
+
+
+def reserve_slots(prompt_len: int, max_tokens: int | None, window: int) -> int:
+    """A session's reserve, in tokens (module's terms)."""
+    decode = DECODE_RESERVE if max_tokens is None or max_tokens <= 0 else min(max_tokens, DECODE_RESERVE)
+    return prompt_len + decode + window + 1
+
+
+def token_bytes(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """One token's keys and values in every layer, bytes, from a cache's per-layer views
+    (keys, values: [1, kv heads, n, dim], n > 0)."""
+    total = 0
+    for keys, values in layers:
+        n = keys.shape[-2]
+        total += (keys.numel() * keys.element_size() + values.numel() * values.element_size()) // max(1, n)
+    return total
+
+
+def cgroup_limit(root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """The memory limit of this process's cgroup, bytes: the least `memory.max` (cgroup v2) or
+    `memory.limit_in_bytes` (v1) of its group and the groups above it; None when none is set.
+    In a container with its own cgroup namespace (Kubernetes, Docker) the group is the root."""
+    groups: list[Path] = []
+    try:
+        for line in self_cgroup.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":  # v2's unified hierarchy
+                groups.append(root / path.lstrip("/"))
+            elif "memory" in controllers.split(","):
+                groups.append(root / "memory" / path.lstrip("/"))
+    except (OSError, ValueError):
+        pass
+    groups += [root, root / "memory"]  # no /proc/self/cgroup: the namespace's root
+    limits: list[int] = []
+    for group in groups:
+        top = root / "memory" if group.is_relative_to(root / "memory") else root
+        while True:
+            for name in ("memory.max", "memory.limit_in_bytes"):
+                try:
+                    text = (group / name).read_text().strip()
+                except OSError:
+                    continue
+                if text.isdigit() and int(text) < _NO_LIMIT:
+                    limits.append(int(text))
+            if group == top or group.parent == group:
+                break
+            group = group.parent
+    return min(limits) if limits else None
+
+
+def _meminfo_total(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """The host's memory, bytes (0 where unknown)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _resident_bytes(statm: Path = Path("/proc/self/statm")) -> int:
+    """What this process holds in memory now, bytes (0 where unknown)."""
+    try:
+        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def auto_budget(
+    device: torch.device,
+    other_bytes: int,
+    limit: Callable[[], int | None] = cgroup_limit,
+    meminfo: Path = Path("/proc/meminfo"),
+    statm: Path = Path("/proc/self/statm"),
+) -> tuple[int, str]:
+    """The auto budget (module's terms), bytes, and how it was found (for the log), with
+    `other_bytes` (the prefix cache's budget) taken out; `limit()`: the cgroup's memory limit
+    (None: none). Call once the model is loaded."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget, how = int(free * AUTO_SHARE) - other_bytes, f"{AUTO_SHARE:.0%} of the {free >> 20} MiB free on {device}"
+    else:
+        cap, held = limit(), _resident_bytes(statm)
+        if cap is not None:
+            budget = int(cap * AUTO_SHARE) - held - other_bytes
+            how = f"{AUTO_SHARE:.0%} of the cgroup's {cap >> 20} MiB limit, less {held >> 20} MiB held"
+        else:
+            total = _meminfo_total(meminfo)
+            budget, how = total // 4 - other_bytes, f"a quarter of the host's {total >> 20} MiB (no cgroup limit)"
+    if other_bytes:
+        how += f", less the prefix cache's {other_bytes >> 20} MiB"
+    if budget < MIN_AUTO_BYTES:
+        return MIN_AUTO_BYTES, how + f": under {MIN_AUTO_BYTES >> 20} MiB, so {MIN_AUTO_BYTES >> 20} MiB"
+    return budget, how
+
+
+class KVBudget:
+    """The budget of the admitted sessions' keys/values (module's terms). `budget_bytes` 0: no
+    bound (every session is admitted). `token_bytes`: one token's keys/values."""
+
+    def __init__(self, budget_bytes: int, token_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.token_bytes = token_bytes
+
+    def need(self, slots: int) -> int:
+        """Bytes of a reserve of `slots` tokens."""
+        return slots * self.token_bytes
+
+    def admits(self, held: int, need: int) -> bool:
+        """Whether a session reserving `need` bytes fits beside `held`."""
+        return self.budget_bytes <= 0 or held + need <= self.budget_bytes
+
+    def ever_fits(self, need: int) -> bool:
+        """Whether a reserve of `need` bytes fits the budget at all (alone)."""
+        return self.budget_bytes <= 0 or need <= self.budget_bytes

@@ -1,0 +1,105 @@
+"""The drafter's memory for its sessions' keys/values (drafter.memory) through the real services.
+
+A drafter with a budget of 1 MiB (`--kv-cache-mib 1`: 512 tokens of tiny/draft-mid, 2 layers x
+keys and values x 2 KV heads x 64 dims x 4 bytes), beside the default stack's verifier, and a
+gateway at its defaults. A fixture-only setting, to isolate the mechanism on the tiny pair; the
+default (auto) budget runs under every other e2e test, and its value is checked below.
+  - a prompt whose reserve alone is over the budget is refused at `open` (RESOURCE_EXHAUSTED
+    naming kv_cache_mib): its request decodes plainly, exactly, and the drafter keeps serving;
+  - a queue of prompts of which two fit at once: every output is exact, no request fails, the
+    third prompt's prefill waited (specdec:drafter_kv_waits_total), and what the sessions hold
+    never passes the budget when the queue ends.
+Before drafter.memory the drafter took up to max_sessions (256) sessions whatever their prompts:
+a queue of long prompts ran a drafter pod out of memory (docs/design.md, "The drafter's memory").
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Services, vllm_reference
+from gen import generate_all, scrape, spec
+from transformers import AutoTokenizer
+
+BUDGET_MIB = 1
+QUEUED = 6
+QUEUED_TOKENS = 180  # a reserve of 180 + 32 + window (<= 33) + 1 tokens: two fit in 512, never three
+OVER_TOKENS = 600  # over the 512 tokens alone
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def small(default_services: Services, log_dir: Path) -> Iterator[Services]:
+    """A drafter of tiny/draft-mid with a 1 MiB budget and a gateway at its defaults, beside the
+    default stack's verifier."""
+    assert default_services.verifier is not None
+    s = Services(log_dir / "drafter-memory")
+    try:
+        s.drafters["small"] = s._start(
+            "drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--kv-cache-mib", str(BUDGET_MIB)]
+        )
+        s.gateways["small"] = s.start_gateway(s.drafters["small"].address, default_services.verifier.address)
+        s.ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def _ids(tiny_target: Path, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    vocab = AutoTokenizer.from_pretrained(tiny_target).vocab_size
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+def _drafter(small: Services) -> dict[str, float]:
+    return scrape(small.drafters["small"].metrics_port)
+
+
+def test_a_prompt_over_the_budget_decodes_plainly_and_the_drafter_keeps_serving(
+    small: Services, tiny_target: Path
+) -> None:
+    over, after = _ids(tiny_target, OVER_TOKENS, 9300), _ids(tiny_target, 100, 9301)
+    address = small.gateways["small"].address
+    (big,) = generate_all(address, [spec(over, MAX_TOKENS, ignore_eos=True)], concurrency=1)
+    (next_one,) = generate_all(address, [spec(after, MAX_TOKENS, ignore_eos=True)], concurrency=1)
+    reference = vllm_reference(
+        tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True} for p in (over, after)]
+    )
+    assert [list(big.token_ids), list(next_one.token_ids)] == reference
+    assert big.stats.drafter_fallback
+    assert "RESOURCE_EXHAUSTED" in big.stats.fallback_reason and "kv_cache_mib" in big.stats.fallback_reason
+    assert not next_one.stats.drafter_fallback, next_one.stats.fallback_reason
+    assert next_one.stats.drafter_prefill_ms > 0  # its drafter's `ready` came
+
+
+def test_a_queue_over_the_budget_waits_for_memory_and_every_output_is_exact(small: Services, tiny_target: Path) -> None:
+    ps = [_ids(tiny_target, QUEUED_TOKENS, 9310 + i) for i in range(QUEUED)]
+    waits = _drafter(small).get("specdec:drafter_kv_waits_total", 0.0)
+    outs = generate_all(
+        small.gateways["small"].address, [spec(p, MAX_TOKENS, ignore_eos=True) for p in ps], concurrency=QUEUED
+    )
+    reference = vllm_reference(
+        tiny_target, [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True} for p in ps]
+    )
+    assert [list(o.token_ids) for o in outs] == reference
+    after = _drafter(small)
+    assert after["specdec:drafter_kv_waits_total"] > waits  # the third prompt waited for the first two
+    assert after["specdec:drafter_kv_cache_budget_bytes"] == BUDGET_MIB << 20
+    assert after["specdec:drafter_kv_cache_bytes"] <= BUDGET_MIB << 20
+    # a waiting prompt's request decodes plainly meanwhile (its drafter is silent past
+    # drafter_timeout_s, or the generation ends first), and none failed; the first two were
+    # prefilled at once (their drafters' `ready` came; how much they then draft is adaptive
+    # gamma's call, which on the tiny pair under concurrency is often none)
+    assert sum(1 for o in outs if o.stats.drafter_prefill_ms > 0) >= 2
+
+
+def test_the_default_budget_is_found_from_the_memory_the_drafter_may_use(default_services: Services) -> None:
+    """The default stack's drafters (kv_cache_mib 0: auto) hold a budget, and what their
+    sessions hold stays within it."""
+    for drafter in default_services.drafters.values():
+        got = scrape(drafter.metrics_port)
+        assert got["specdec:drafter_kv_cache_budget_bytes"] >= 256 << 20  # memory.MIN_AUTO_BYTES at least
+        assert got.get("specdec:drafter_kv_cache_bytes", 0.0) <= got["specdec:drafter_kv_cache_budget_bytes"]
