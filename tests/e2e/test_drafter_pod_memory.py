@@ -4,17 +4,16 @@ the shipped manifests' drafter pod.
 The limit is read from deploy/k8s/base/drafter.yaml (what ships, not a copy of it); the drafter
 (`specdec serve drafter --model qwen-coder/draft`, every other setting its default, as the pod
 runs it) is started in a memory cgroup of that limit made here (root; cgroup v2, or v1's memory
-controller), as the kubelet would. It must come up serving (before drafter.memory the int8 load
-peaked at ~6.5 GiB, and the kernel killed it at 6 GiB), and its keys/values budget must come
-from that limit: 85 % of it, less what the loaded drafter holds and the prefix cache's 512 MiB
-(drafter.memory's auto budget), so that the sessions it admits fit beside its weights.
+controller; benchmarks.drafter_memory's), as the kubelet would. It must come up serving
+(before, the int8 load peaked at ~6.5 GiB, and the kernel killed it at 6 GiB), and its
+keys/values budget must come from that limit: 85 % of it, less what the loaded drafter holds and
+the prefix cache's 512 MiB (drafter.memory's auto budget), so that the sessions it admits fit
+beside its weights.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 import yaml
 from gen import scrape
 
+from benchmarks.drafter_memory import in_cgroup, memory_cgroup
 from drafter.memory import AUTO_SHARE
 from specdec.models import resolve
 from specdec_cli.launch import Service, free_port, start_service
@@ -29,7 +29,6 @@ from specdec_cli.launch import Service, free_port, start_service
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-CGROUP = Path("/sys/fs/cgroup")
 UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
 
 
@@ -44,55 +43,22 @@ def manifest_limit() -> int:
     raise AssertionError("no drafter Deployment in deploy/k8s/base/drafter.yaml")
 
 
-def _memory_cgroup(limit: int) -> tuple[Path, Path] | None:
-    """A new memory cgroup with `limit`: (its folder, the file a pid is written to to join it);
-    None where this process cannot make one."""
-    if os.geteuid() != 0:
-        return None
-    name = f"specdec-test-{uuid.uuid4().hex[:8]}"
-    if (CGROUP / "cgroup.controllers").exists():  # v2
-        if "memory" not in (CGROUP / "cgroup.subtree_control").read_text().split():
-            return None
-        group, limit_file = CGROUP / name, "memory.max"
-    elif (CGROUP / "memory").is_dir():  # v1
-        group, limit_file = CGROUP / "memory" / name, "memory.limit_in_bytes"
-    else:
-        return None
-    try:
-        group.mkdir()
-        (group / limit_file).write_text(str(limit))
-    except OSError:
-        return None
-    return group, group / "cgroup.procs"
-
-
 @pytest.fixture(scope="module")
 def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, int]]:
     limit = manifest_limit()
-    made = _memory_cgroup(limit)
-    if made is None:
-        pytest.skip("needs root and a writable memory cgroup (v2 with the memory controller, or v1)")
-    group, procs = made
-    resolve("qwen-coder/draft")  # pulled before the clock starts
-    logs = tmp_path_factory.mktemp("drafter-pod")
-    svc = start_service(
-        "drafter",
-        free_port(),
-        ["--model", "qwen-coder/draft"],
-        logs,
-        metrics_port=free_port(),
-        # join the cgroup, then become the drafter: everything it allocates is counted there
-        prefix=["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh"],
-    )
-    try:
-        svc.wait_ready(600)
-        yield svc, limit
-    finally:
-        svc.stop()
+    with memory_cgroup(limit) as procs:
+        if procs is None:
+            pytest.skip("needs root and a memory cgroup it can make (v2 with the memory controller, or v1)")
+        resolve("qwen-coder/draft")  # pulled before the clock starts
+        logs = tmp_path_factory.mktemp("drafter-pod")
+        # the drafter joins the cgroup, then starts: everything it allocates is counted there
+        args = ["--model", "qwen-coder/draft"]
+        svc = start_service("drafter", free_port(), args, logs, metrics_port=free_port(), prefix=in_cgroup(procs))
         try:
-            group.rmdir()
-        except OSError:
-            pass
+            svc.wait_ready(600)
+            yield svc, limit
+        finally:
+            svc.stop()
 
 
 def test_the_drafter_serves_within_the_pods_limit_and_sizes_its_budget_from_it(pod: tuple[Service, int]) -> None:

@@ -1,0 +1,246 @@
+"""A queue of long prompts at one drafter inside a pod's memory limit: does it keep serving?
+
+    python -m benchmarks.drafter_memory [--models qwen-coder] [--limit-mib 6144] [--prompts 80]
+        [--tokens 3000] [--modes unbounded,auto] [--out drafter-memory.json]
+
+Per mode, a drafter (`specdec serve drafter --model <the pair's draft>`, its defaults otherwise,
+two torch threads) starts inside a memory cgroup of `--limit-mib` made here (root; cgroup v2 with
+the memory controller, or v1), as a Kubernetes pod's container runs under its memory limit
+(6,144 MiB: deploy/k8s/base/drafter.yaml). Then `--prompts` Draft streams open at once, each a
+different `--tokens`-token prompt cut from real source files (the standard library's, or
+`--sources`), with max_tokens 64, and never commit: the drafter prefills them in arrival order
+and keeps their keys/values, as it does for a queue whose requests wait for their target. Every
+`--interval` s it records how many are ready, the drafter's resident memory and its keys/values
+gauges, until every prompt is ready, the drafter has died, or nothing changed for `--idle` s.
+
+Modes: `auto` runs the drafter's default budget (drafter.memory: a share of the cgroup's limit);
+`unbounded` sets `--kv-cache-mib` far past the limit, as the drafter ran before it had a budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import re
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from specdec.models import PAIRS, resolve
+from specdec.wire import pb, rpc
+from specdec_cli.launch import Service, free_port, start_service
+
+CGROUP = Path("/sys/fs/cgroup")
+MAX_TOKENS = 64
+GAMMA = 4
+UNBOUNDED_MIB = 1 << 20  # a budget no pod has: the drafter before drafter.memory
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit: int) -> Iterator[Path | None]:
+    """A new memory cgroup limited to `limit` bytes: the file a process writes its pid to to
+    join it (None where this process cannot make one: not root, no memory controller). Removed
+    on exit (once its processes have)."""
+    name = f"specdec-{uuid.uuid4().hex[:8]}"
+    group: Path | None = None
+    if os.geteuid() == 0:
+        if (CGROUP / "cgroup.controllers").exists():  # v2
+            if "memory" in (CGROUP / "cgroup.subtree_control").read_text().split():
+                group, limit_file = CGROUP / name, "memory.max"
+        elif (CGROUP / "memory").is_dir():  # v1
+            group, limit_file = CGROUP / "memory" / name, "memory.limit_in_bytes"
+    if group is not None:
+        try:
+            group.mkdir()
+            (group / limit_file).write_text(str(limit))
+        except OSError:
+            group = None
+    try:
+        yield None if group is None else group / "cgroup.procs"
+    finally:
+        if group is not None:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+
+
+def in_cgroup(procs: Path) -> list[str]:
+    """A command prefix (start_service's `prefix`): join the cgroup, then run the command."""
+    return ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh"]
+
+
+def source_prompts(model: str, sources: Path, n: int, tokens: int) -> list[list[int]]:
+    """`n` different prompts of `tokens` tokens each (`model`'s tokenizer): consecutive slices of
+    the .py files under `sources`, in path order. SystemExit when there are too few."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve(model))
+    out: list[list[int]] = []
+    for path in sorted(sources.rglob("*.py")):
+        ids = tok(path.read_text(errors="replace"))["input_ids"]
+        out += [ids[i : i + tokens] for i in range(0, len(ids) - tokens + 1, tokens)]
+        if len(out) >= n:
+            return out[:n]
+    raise SystemExit(f"--sources has {len(out)} slices of {tokens} tokens, --prompts needs {n}")
+
+
+def resident_mib(pid: int) -> float | None:
+    """The process's resident memory, MiB (None: it has exited)."""
+    try:
+        match = re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
+    except OSError:
+        return None
+    return int(match.group(1)) / 1024 if match else None
+
+
+def gauges(port: int) -> dict[str, float]:
+    """The drafter's keys/values gauges, from its /metrics ({} when it does not answer)."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for name in ("kv_cache_bytes", "kv_cache_budget_bytes", "kv_waits_total"):
+        match = re.search(rf"^specdec:drafter_{name} (\S+)", text, re.M)
+        if match:
+            out[name] = float(match.group(1))
+    return out
+
+
+async def queue(svc: Service, prompts: list[list[int]], interval_s: float, idle_s: float) -> dict[str, Any]:
+    """Open every prompt's stream at once and sample until done (module docstring)."""
+    ready: set[int] = set()
+    errors: dict[int, str] = {}
+    samples: list[dict[str, Any]] = []
+    async with grpc.aio.insecure_channel(svc.address) as channel:
+        stub = rpc.DrafterServiceStub(channel)
+
+        async def one(i: int) -> None:
+            opened = pb.DraftOpen(
+                request_id=f"q{i}",
+                prompt_token_ids=prompts[i],
+                gamma=GAMMA,
+                sampling=pb.SamplingParams(max_tokens=MAX_TOKENS),
+                report_progress=True,
+            )
+            never = asyncio.Event()
+
+            async def requests() -> Any:
+                yield pb.DraftRequest(open=opened)
+                await never.wait()  # no commit: the stream stays open, as a queued request's
+
+            try:
+                async for reply in stub.Draft(requests()):
+                    if reply.HasField("ready"):
+                        ready.add(i)
+            except grpc.aio.AioRpcError as err:
+                errors[i] = f"{err.code().name}: {err.details()}"
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+        t0 = last_change = time.monotonic()
+        state: tuple[int, int] = (-1, -1)
+        try:
+            while True:
+                await asyncio.sleep(interval_s)
+                now = time.monotonic()
+                rss = resident_mib(svc.proc.pid)
+                samples.append({"s": round(now - t0, 1), "ready": len(ready), "errors": len(errors), "rss_mib": rss})
+                samples[-1].update(gauges(svc.metrics_port))
+                print(json.dumps(samples[-1]), flush=True)
+                if (len(ready), len(errors)) != state:
+                    state, last_change = (len(ready), len(errors)), now
+                if rss is None or len(ready) + len(errors) == len(prompts) or now - last_change > idle_s:
+                    break
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return {"samples": samples, "ready": len(ready), "errors": sorted(set(errors.values()))[:3], "failed": len(errors)}
+
+
+def run_mode(mode: str, args: argparse.Namespace, prompts: list[list[int]], logs: Path) -> dict[str, Any]:
+    extra = [*args.drafter_args.split(), *(["--kv-cache-mib", str(UNBOUNDED_MIB)] if mode == "unbounded" else [])]
+    with memory_cgroup(args.limit_mib << 20) as procs:
+        if procs is None:
+            raise SystemExit("needs root and a memory cgroup it can make (cgroup v2 with the memory controller, or v1)")
+        svc = start_service(
+            "drafter",
+            free_port(),
+            ["--model", PAIRS[args.models].draft, "--threads", str(args.threads), *extra],
+            logs / mode,
+            metrics_port=free_port(),
+            prefix=in_cgroup(procs),
+        )
+        try:
+            svc.wait_ready(600)
+            loaded = resident_mib(svc.proc.pid)
+            result = asyncio.run(queue(svc, prompts, args.interval, args.idle))
+            result["alive"] = svc.proc.poll() is None
+        finally:
+            svc.stop()
+    rss = [s["rss_mib"] for s in result["samples"] if s["rss_mib"] is not None]
+    held = [s.get("kv_cache_bytes", 0.0) / 2**20 for s in result["samples"]]
+    last: dict[str, Any] = next((s for s in reversed(result["samples"]) if "kv_cache_budget_bytes" in s), {})
+    result.update(
+        mode=mode,
+        loaded_rss_mib=loaded,
+        peak_rss_mib=max(rss, default=None),
+        peak_kv_mib=max(held, default=0.0),
+        budget_mib=last.get("kv_cache_budget_bytes", 0.0) / 2**20,
+        waits=last.get("kv_waits_total", 0.0),
+    )
+    return result
+
+
+def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        f"{args.prompts} prompts of {args.tokens} tokens at once, one drafter ({args.models}) in a "
+        f"{args.limit_mib} MiB memory cgroup",
+        "",
+        "| mode | budget MiB | prompts ready | failed streams | peak resident MiB | peak keys/values MiB "
+        "| prompts that waited | drafter alive |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        budget = "none" if r["mode"] == "unbounded" else f"{r['budget_mib']:.0f}"
+        lines.append(
+            f"| {r['mode']} | {budget} | {r['ready']} | {r['failed']} | {r['peak_rss_mib']:.0f} "
+            f"| {r['peak_kv_mib']:.0f} | {r['waits']:.0f} | {'yes' if r['alive'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.drafter_memory", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="qwen-coder", choices=sorted(PAIRS))
+    ap.add_argument("--limit-mib", type=int, default=6144, help="the cgroup's memory limit (the manifest's: 6144)")
+    ap.add_argument("--prompts", type=int, default=80)
+    ap.add_argument("--tokens", type=int, default=3000, help="tokens per prompt")
+    ap.add_argument("--modes", default="unbounded,auto")
+    ap.add_argument("--threads", type=int, default=2, help="the drafter's torch threads")
+    ap.add_argument("--drafter-args", default="", help="more drafter flags, one string (e.g. '--kv-cache-mib 1024')")
+    ap.add_argument("--sources", type=Path, default=Path(inspect.getfile(json)).parent.parent)
+    ap.add_argument("--interval", type=float, default=10.0, help="seconds between samples")
+    ap.add_argument("--idle", type=float, default=120.0, help="stop after this many seconds without change")
+    ap.add_argument("--logs", type=Path, default=Path("drafter-memory-logs"))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    prompts = source_prompts(PAIRS[args.models].draft, args.sources, args.prompts, args.tokens)
+    results = [run_mode(mode, args, prompts, args.logs) for mode in args.modes.split(",")]
+    print(table(results, args))
+    if args.out:
+        meta = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        report = {"command": "python -m benchmarks.drafter_memory", "args": meta, "results": results}
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""`python -m benchmarks.drafter_memory`: a queue of prompts at a drafter inside a memory cgroup
+(root only), on the tiny pair with a 1 MiB keys/values budget, where one prompt fits at a time:
+the first is prefilled, the next waits for memory (none of them ends: they never commit), no
+stream fails and the drafter stays up. No timing or memory figure is asserted: those are the
+benchmark's to report (docs/performance.md, "The drafter's memory")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import RunModule
+
+from benchmarks.drafter_memory import memory_cgroup
+
+
+def _cgroup_unavailable() -> bool:
+    with memory_cgroup(1 << 30) as procs:
+        return procs is None
+
+
+@pytest.mark.e2e  # starts a drafter of the tiny pair (tests/conftest.py tiers)
+@pytest.mark.skipif(_cgroup_unavailable(), reason="needs root and a memory cgroup it can make")
+def test_a_queue_over_the_budget_waits_and_the_drafter_keeps_serving(tmp_path: Path, run_module: RunModule) -> None:
+    out = tmp_path / "memory.json"
+    stdout = run_module(
+        "benchmarks.drafter_memory",
+        *("--models", "tiny", "--limit-mib", "3072", "--prompts", "4", "--tokens", "400", "--modes", "auto"),
+        *("--drafter-args", "--kv-cache-mib 1", "--threads", "1", "--interval", "1", "--idle", "5"),
+        *("--logs", str(tmp_path / "logs"), "--out", str(out)),
+    )
+    assert "| auto | 1 | 1 | 0 |" in stdout  # budget 1 MiB, one prompt ready, no stream failed
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["alive"] and result["ready"] == 1 and result["failed"] == 0
+    assert result["waits"] >= 1  # the second prompt waited for the first
+    assert result["peak_kv_mib"] <= 1
