@@ -5,7 +5,7 @@ The limit is read from deploy/k8s/base/drafter.yaml (what ships, not a copy of i
 (`specdec serve drafter --model qwen-coder/draft`, every other setting its default, as the pod
 runs it) is started in a memory cgroup of that limit made here (root; cgroup v2, or v1's memory
 controller; benchmarks.drafter_memory's), as the kubelet would. It must come up serving
-(before, the int8 load peaked at ~6.5 GiB, and the kernel killed it at 6 GiB), and its
+(before, the int8 load peaked at 6.4 GiB, and the kernel killed it at 6 GiB), and its
 keys/values budget must come from that limit: 85 % of it, less what the loaded drafter holds and
 the prefix cache's 512 MiB (drafter.memory's auto budget), so that the sessions it admits fit
 beside its weights.
