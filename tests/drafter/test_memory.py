@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import model_variants
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -79,24 +80,12 @@ def test_the_auto_budget_takes_a_share_of_the_limit_less_what_the_process_holds(
     assert budget == memory.MIN_AUTO_BYTES and "under" in how
 
 
-def _tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config).eval()
+def _small_model() -> torch.nn.Module:
+    return model_variants.small_qwen2(64)
 
 
-# one token's keys and values in the tiny Llama: 2 layers x (keys + values) x 2 KV heads x 8 dims x 4 bytes
-TINY_TOKEN_BYTES = 2 * 2 * 2 * 8 * 4
+# one token's keys and values in it: 2 layers x (keys + values) x 2 KV heads x 16 dims x 4 bytes
+SMALL_TOKEN_BYTES = 2 * 2 * 2 * 16 * 4
 
 
 def _session(model: torch.nn.Module, prompt_len: int, seed: int, budget: memory.KVBudget) -> ModelDraftSession:
@@ -134,9 +123,9 @@ def test_a_prompt_waits_for_memory_in_arrival_order_and_starts_when_a_session_en
     counted), and so does a small one behind it (arrival order); an n-gram session (no keys or
     values) is never held up. When the first session ends, the third starts, then the fourth.
     Each cache holds exactly its reserve, and the gauge never shows more than the budget."""
-    model = _tiny_llama()
-    reserve = memory.reserve_slots(40, 8, 4) * TINY_TOKEN_BYTES
-    budget = memory.KVBudget(2 * reserve + 10 * TINY_TOKEN_BYTES, TINY_TOKEN_BYTES)  # 2 reserves, not a third
+    model = _small_model()
+    reserve = memory.reserve_slots(40, 8, 4) * SMALL_TOKEN_BYTES
+    budget = memory.KVBudget(2 * reserve + 10 * SMALL_TOKEN_BYTES, SMALL_TOKEN_BYTES)  # 2 reserves, not a third
     metrics = telemetry.DrafterMetrics(CollectorRegistry())
     worker = DraftWorker(metrics=metrics, kv_budget=budget)  # not started: stepped here
     sessions = [_session(model, n, i, budget) for i, n in enumerate([40, 40, 40, 12])]
@@ -176,8 +165,8 @@ def test_a_prompt_waits_for_memory_in_arrival_order_and_starts_when_a_session_en
 
 
 def test_without_a_budget_every_prefill_starts_in_turn() -> None:
-    model = _tiny_llama()
-    budget = memory.KVBudget(0, TINY_TOKEN_BYTES)  # 0: no bound
+    model = _small_model()
+    budget = memory.KVBudget(0, SMALL_TOKEN_BYTES)  # 0: no bound
     worker = DraftWorker(kv_budget=budget)
     sessions = [_session(model, 40, i, budget) for i in range(3)]
     for s in sessions:
