@@ -26,6 +26,7 @@ import inspect
 import json
 import os
 import re
+import subprocess
 import time
 import urllib.request
 import uuid
@@ -64,6 +65,11 @@ def memory_cgroup(limit: int) -> Iterator[Path | None]:
             (group / limit_file).write_text(str(limit))
         except OSError:
             group = None
+    # a process must be able to join it (a container's cgroup file system may refuse)
+    if group is not None and subprocess.run([*in_cgroup(group / "cgroup.procs"), "true"]).returncode != 0:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        group = None
     try:
         yield None if group is None else group / "cgroup.procs"
     finally:
