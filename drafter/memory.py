@@ -4,10 +4,11 @@ it, and the default budget from the memory this process may use.
 Every live model session holds the draft model's keys/values of its whole context. Without a
 bound a drafter took up to `max_sessions` (256) sessions whatever their prompts, and a queue of
 long prompts ran it out of memory: the qwen-coder draft (Qwen2.5-0.5B: 24 layers x keys and
-values x 2 KV heads x 64 dims x 4 bytes) holds 24 KiB a token, and its cache grew by half again
-in spare slots, so a 3,000-token prompt took ~110 MiB and about 50 of them the 6 GiB limit of the
-shipped manifests' drafter pod, weights included: the kernel kills the pod, and every request
-it drafted for falls back to plain decoding (docs/design.md, "The drafter's memory").
+values x 2 KV heads x 64 dims x 4 bytes) holds 24 KiB a token, a 3,000-token prompt 72 MiB (78
+as its cache grew, up to half again in spare slots), and 80 such prompts at once had the drafter
+killed at the 6 GiB limit of the shipped manifests' pod with 64 prefilled: every request it
+drafted for falls back to plain decoding (`python -m benchmarks.drafter_memory`;
+docs/performance.md, "The drafter's memory").
 
 Terms:
     token bytes  one token's keys and values in every layer of the draft model, measured on the
