@@ -102,7 +102,7 @@ def test_load_causal_lm_picks_the_forward() -> None:
 def test_a_lean_int8_draft_keeps_no_float32_projection_alive() -> None:
     """The draft a drafter serves holds its int8 weights only: the float32 Linear layers it was
     made from (the transformers model's unfused projections, which reference cycles kept alive
-    until a collection: 1.3 of the 2.6 GiB the qwen-coder draft's load left resident, a fifth of its
+    until a collection: ~1 of the 2.6 GiB the qwen-coder draft's load left resident, a sixth of its
     pod's limit) are gone when load_causal_lm returns (docs/design.md, "The drafter's memory")."""
     import gc
 
