@@ -11,7 +11,8 @@ different `--tokens`-token prompt cut from real source files (the standard libra
 `--sources`), with max_tokens 64, and never commit: the drafter prefills them in arrival order
 and keeps their keys/values, as it does for a queue whose requests wait for their target. Every
 `--interval` s it records how many are ready, the drafter's resident memory and its keys/values
-gauges, until every prompt is ready, the drafter has died, or nothing changed for `--idle` s.
+gauges, until every prompt is ready, the drafter has died, or, once a prompt is ready, nothing
+changed for `--idle` s.
 
 Modes: `auto` runs the drafter's default budget (drafter.memory: a share of the cgroup's limit);
 `unbounded` sets `--kv-cache-mib` far past the limit, as the drafter ran before it had a budget.
@@ -163,7 +164,9 @@ async def queue(svc: Service, prompts: list[list[int]], interval_s: float, idle_
                 print(json.dumps(samples[-1]), flush=True)
                 if (len(ready), len(errors)) != state:
                     state, last_change = (len(ready), len(errors)), now
-                if rss is None or len(ready) + len(errors) == len(prompts) or now - last_change > idle_s:
+                done = len(ready) + len(errors)
+                # idle only once a prompt is ready (or failed): a slow first prefill is not idle
+                if rss is None or done == len(prompts) or (done and now - last_change > idle_s):
                     break
         finally:
             for task in tasks:
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafter-args", default="", help="more drafter flags, one string (e.g. '--kv-cache-mib 1024')")
     ap.add_argument("--sources", type=Path, default=Path(inspect.getfile(json)).parent.parent)
     ap.add_argument("--interval", type=float, default=10.0, help="seconds between samples")
-    ap.add_argument("--idle", type=float, default=120.0, help="stop after this many seconds without change")
+    ap.add_argument("--idle", type=float, default=120.0, help="stop when idle this long, once a prompt is ready")
     ap.add_argument("--logs", type=Path, default=Path("drafter-memory-logs"))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)

@@ -50,7 +50,7 @@ DECODE_RESERVE = 512
 # Share of the memory found free (CUDA) or allowed (a cgroup's limit) that the budget may take:
 # the rest is the forward's activations, the process's allocations and the allocator's slack.
 AUTO_SHARE = 0.85
-# Least auto budget: room for a few prompts even where the limit leaves less (with a warning).
+# Least auto budget: room for a few prompts even where the limit leaves less (its log line says so).
 MIN_AUTO_BYTES = 256 << 20
 # A cgroup limit at or above this is no limit (cgroup v1 writes 2^63 rounded to pages).
 _NO_LIMIT = 1 << 60

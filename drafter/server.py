@@ -216,20 +216,22 @@ class DraftWorker(threading.Thread):
     def kv_held(self) -> int:
         """Bytes the admitted sessions hold of the budget (drafter.memory's `held`); call with
         `_cond` held (a cache another thread reads may be growing: its old size or its new)."""
-        return sum(max(s.kv_reserve, s.kv_bytes()) for s, _ in self._sessions.values() if s.admitted)
+        need = self.kv_budget.need if self.kv_budget is not None else (lambda slots: 0)
+        return sum(max(need(s.reserve_slots), s.kv_bytes()) for s, _ in self._sessions.values() if s.admitted)
 
     def _admit(self, session: DraftSession) -> bool:
         """Whether `session`'s prefill may start: it was admitted, or its reserve fits beside the
         admitted sessions' now (then it is admitted). Called with `_cond` held."""
         if session.admitted:
             return True
-        if self.kv_budget is None or session.kv_reserve <= 0:
+        if self.kv_budget is None or session.reserve_slots <= 0:
             session.admitted = True
             return True
+        reserve = self.kv_budget.need(session.reserve_slots)
         held = self.kv_held()
         if self.metrics is not None:
             self.metrics.kv_cache_bytes.set(held)
-        if not self.kv_budget.admits(held, session.kv_reserve):
+        if not self.kv_budget.admits(held, reserve):
             if not session.kv_waited:
                 session.kv_waited = True
                 if self.metrics is not None:
@@ -237,7 +239,7 @@ class DraftWorker(threading.Thread):
             return False
         session.admitted = True
         if self.metrics is not None:
-            self.metrics.kv_cache_bytes.set(held + session.kv_reserve)
+            self.metrics.kv_cache_bytes.set(held + reserve)
         return True
 
     def report_progress(self) -> None:
@@ -490,7 +492,7 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         self, req: "pb.DraftOpen", prompt: list[int], lookahead: int, reserve_slots: int
     ) -> ModelDraftSession:
         sp = req.sampling
-        session = ModelDraftSession(
+        return ModelDraftSession(
             self.model,
             prompt,
             req.gamma,
@@ -505,9 +507,6 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             prefixes=self._find_prefix if self.prefix_cache.budget_bytes > 0 else None,
             reserve_slots=reserve_slots,
         )
-        if self.kv_budget is not None:
-            session.kv_reserve = self.kv_budget.need(reserve_slots)
-        return session
 
     def _find_prefix(self, session: ModelDraftSession) -> Prefix | None:
         """The longest run of keys/values that `session`'s prompt starts with, held by the prefix

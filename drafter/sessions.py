@@ -161,9 +161,9 @@ class DraftSession:
         self.ready = False  # the prefill is done and announced
         self.prefill_ms = 0.0
         self.reused_tokens = 0  # prompt tokens whose keys/values came from the drafter's prefix cache
-        # drafter.memory: bytes of the drafter's budget this session reserves (0: none, it holds no
-        # keys/values), and whether the worker has admitted it (its prefill may start)
-        self.kv_reserve = 0
+        # drafter.memory: the slots of keys/values this session reserves (0: none, it holds none),
+        # and whether the worker has admitted it (its prefill may start)
+        self.reserve_slots = 0
         self.admitted = False
         self.kv_waited = False  # its prefill waited for the budget (counted once)
         self.cache_scope = ""  # DraftOpen.cache_scope: whose keys/values it may reuse (drafter.prefix_cache)
@@ -623,7 +623,7 @@ class ModelDraftSession(DraftSession):
         self.vocab_limit = vocab_limit
         self.allowed_token_ids = list(allowed_token_ids)
         self._disallowed: torch.Tensor | None = None  # [vocab] True where a token may not be drafted
-        self.reserve_slots = reserve_slots
+        self.reserve_slots = reserve_slots  # (DraftSession's)
         self.cache = GrowingCache(reserve_slots)  # a DynamicCache that appends in place (drafter.kvcache)
         self.cached = 0
         self._prefixes = prefixes  # None once asked (the first prefill step)

@@ -88,9 +88,9 @@ def _small_model() -> torch.nn.Module:
 SMALL_TOKEN_BYTES = 2 * 2 * 2 * 16 * 4
 
 
-def _session(model: torch.nn.Module, prompt_len: int, seed: int, budget: memory.KVBudget) -> ModelDraftSession:
+def _session(model: torch.nn.Module, prompt_len: int, seed: int) -> ModelDraftSession:
     slots = memory.reserve_slots(prompt_len, 8, 4)
-    s = ModelDraftSession(
+    return ModelDraftSession(
         model,
         [3 + (seed * 7 + j) % 50 for j in range(prompt_len)],
         4,
@@ -103,8 +103,6 @@ def _session(model: torch.nn.Module, prompt_len: int, seed: int, budget: memory.
         prefill_chunk=prompt_len,
         reserve_slots=slots,
     )
-    s.kv_reserve = budget.need(slots)
-    return s
 
 
 def _ignore(item: object) -> None:
@@ -128,7 +126,7 @@ def test_a_prompt_waits_for_memory_in_arrival_order_and_starts_when_a_session_en
     budget = memory.KVBudget(2 * reserve + 10 * SMALL_TOKEN_BYTES, SMALL_TOKEN_BYTES)  # 2 reserves, not a third
     metrics = telemetry.DrafterMetrics(CollectorRegistry())
     worker = DraftWorker(metrics=metrics, kv_budget=budget)  # not started: stepped here
-    sessions = [_session(model, n, i, budget) for i, n in enumerate([40, 40, 40, 12])]
+    sessions = [_session(model, n, i) for i, n in enumerate([40, 40, 40, 12])]
     ngram = NgramDraftSession([1, 2, 3, 1, 2], gamma=2, lookahead=0, ngram_max=2, ngram_min=1)
     ngram.commit(5, [3])
     got: dict[int, list[object]] = {i: [] for i in range(len(sessions))}
@@ -147,7 +145,7 @@ def test_a_prompt_waits_for_memory_in_arrival_order_and_starts_when_a_session_en
     assert metrics.registry.get_sample_value("specdec:drafter_kv_waits_total") == 1
     assert ngram.steps > 0
     for s in sessions[:2]:  # the cache allocated its reserve at once, and no more
-        assert s.kv_bytes() == s.kv_reserve
+        assert s.kv_bytes() == budget.need(s.reserve_slots)
     assert worker.kv_held() == 2 * reserve <= budget.budget_bytes
     assert [s for s in _step(worker) if not s.ready] == []  # still no prefill: nothing ended
 
@@ -168,7 +166,7 @@ def test_without_a_budget_every_prefill_starts_in_turn() -> None:
     model = _small_model()
     budget = memory.KVBudget(0, SMALL_TOKEN_BYTES)  # 0: no bound
     worker = DraftWorker(kv_budget=budget)
-    sessions = [_session(model, 40, i, budget) for i in range(3)]
+    sessions = [_session(model, 40, i) for i in range(3)]
     for s in sessions:
         worker.add(s, _ignore)
     for _ in range(3):
