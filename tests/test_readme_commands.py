@@ -114,6 +114,7 @@ NOT_RUN = {
     "specdec serve gateway  --tokenizer Qwen/Qwen3-8B --drafter-address HOST:50052 --verifier-address HOST:50053": _SERVICE,  # noqa: E501 (a README command, verbatim)
     "specdec serve drafter --model Qwen/Qwen3-0.6B --device cuda": _SERVICE,
     "specdec serve drafter --model Qwen/Qwen3-0.6B --device auto": _SERVICE,
+    "specdec serve drafter --model qwen-coder/draft": _SERVICE,
     "specdec serve drafter --no-batch-drafts": _SERVICE,
     "specdec serve drafter --forward transformers": _SERVICE,
     "specdec serve drafter --draft-confidence auto": _SERVICE,
