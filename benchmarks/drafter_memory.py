@@ -1,7 +1,7 @@
 """A queue of long prompts at one drafter inside a pod's memory limit: does it keep serving?
 
     python -m benchmarks.drafter_memory [--models qwen-coder] [--limit-mib 6144] [--prompts 80]
-        [--tokens 3000] [--modes unbounded,auto] [--out drafter-memory.json]
+        [--tokens 3000] [--modes unbounded,auto] [--generate 0] [--out drafter-memory.json]
 
 Per mode, a drafter (`specdec serve drafter --model <the pair's draft>`, its defaults otherwise,
 two torch threads) starts inside a memory cgroup of `--limit-mib` made here (root; cgroup v2 with
@@ -14,8 +14,17 @@ and keeps their keys/values, as it does for a queue whose requests wait for thei
 gauges, until every prompt is ready, the drafter has died, or, once a prompt is ready, nothing
 changed for `--idle` s.
 
-Modes: `auto` runs the drafter's default budget (drafter.memory: a share of the cgroup's limit);
-`unbounded` sets `--kv-cache-mib` far past the limit, as the drafter ran before it had a budget.
+With `--generate N`, each stream's request has max_tokens `--max-tokens` (4,096 by default: long
+generations), and from `--start-after` s after it opens (its target's first token, after the
+target's own queue and prefill) each stream commits `--commit-tokens` tokens every
+`--commit-tokens` / `--rate` s until it has committed N, as its gateway commits the target's
+tokens while the target decodes (at `--rate` tokens a second, whether the drafter is ready or
+not), and keeps its stream open until the run ends, as a request still being served. A start
+after the drafter has prefilled the queue is a drafter whose prefill is fast beside its targets'
+decoding (a GPU's): every session it admitted grows at once. The
+sessions' keys/values grow past what a prompt reserves (512 generated tokens). A stream is done
+once it has committed its N tokens; the run ends at the first sample after every stream is done
+or has failed, or when the drafter has died.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from specdec.wire import pb, rpc
 from specdec_cli.launch import Service, free_port, start_service
 
 CGROUP = Path("/sys/fs/cgroup")
-MAX_TOKENS = 64
+MAX_TOKENS = 64  # a queued request's, without --generate
 GAMMA = 4
 UNBOUNDED_MIB = 1 << 20  # a budget no pod has: the drafter before drafter.memory
 
@@ -115,16 +124,28 @@ def gauges(port: int) -> dict[str, float]:
     except OSError:
         return {}
     out = {}
-    for name in ("kv_cache_bytes", "kv_cache_budget_bytes", "kv_waits_total"):
+    for name in ("kv_cache_bytes", "kv_cache_budget_bytes", "kv_waits_total", "kv_overflows_total"):
         match = re.search(rf"^specdec:drafter_{name} (\S+)", text, re.M)
         if match:
             out[name] = float(match.group(1))
     return out
 
 
-async def queue(svc: Service, prompts: list[list[int]], interval_s: float, idle_s: float) -> dict[str, Any]:
+async def queue(
+    svc: Service,
+    prompts: list[list[int]],
+    interval_s: float,
+    idle_s: float,
+    generate: int = 0,
+    max_tokens: int = 4096,
+    commit_tokens: int = 32,
+    rate: float = 8.0,
+    start_after: float = 0.0,
+) -> dict[str, Any]:
     """Open every prompt's stream at once and sample until done (module docstring)."""
     ready: set[int] = set()
+    finished: set[int] = set()  # --generate: committed every token
+    generated: dict[int, int] = {}
     errors: dict[int, str] = {}
     samples: list[dict[str, Any]] = []
     async with grpc.aio.insecure_channel(svc.address) as channel:
@@ -135,36 +156,56 @@ async def queue(svc: Service, prompts: list[list[int]], interval_s: float, idle_
                 request_id=f"q{i}",
                 prompt_token_ids=prompts[i],
                 gamma=GAMMA,
-                sampling=pb.SamplingParams(max_tokens=MAX_TOKENS),
+                sampling=pb.SamplingParams(max_tokens=max_tokens if generate else MAX_TOKENS),
                 report_progress=True,
             )
-            never = asyncio.Event()
+            commits: asyncio.Queue[pb.DraftRequest] = asyncio.Queue()
 
             async def requests() -> Any:
                 yield pb.DraftRequest(open=opened)
-                await never.wait()  # no commit: the stream stays open, as a queued request's
+                while True:  # open until the run ends, as a request still being served
+                    yield await commits.get()
 
+            async def generating() -> None:
+                """The target's tokens, paced at `rate` (the prompt's own, over again: real text)."""
+                n = len(prompts[i])
+                await asyncio.sleep(start_after)  # the target's queue and prefill, not a synchronisation
+                for start in range(0, generate, commit_tokens):
+                    await asyncio.sleep(commit_tokens / rate)  # the target decoding, not a synchronisation
+                    chunk = [prompts[i][(start + k) % n] for k in range(min(commit_tokens, generate - start))]
+                    commit = pb.DraftCommit(start_position=n + start, token_ids=chunk)
+                    commits.put_nowait(pb.DraftRequest(commit=commit))
+                    generated[i] = start + len(chunk)
+                finished.add(i)
+
+            target = asyncio.create_task(generating()) if generate else None
             try:
                 async for reply in stub.Draft(requests()):
                     if reply.HasField("ready"):
                         ready.add(i)
             except grpc.aio.AioRpcError as err:
                 errors[i] = f"{err.code().name}: {err.details()}"
+            finally:
+                if target is not None:
+                    target.cancel()
 
         tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
         t0 = last_change = time.monotonic()
-        state: tuple[int, int] = (-1, -1)
+        state: tuple[int, int, int] = (-1, -1, -1)
         try:
             while True:
                 await asyncio.sleep(interval_s)
                 now = time.monotonic()
                 rss = resident_mib(svc.proc.pid)
-                samples.append({"s": round(now - t0, 1), "ready": len(ready), "errors": len(errors), "rss_mib": rss})
-                samples[-1].update(gauges(svc.metrics_port))
+                sample = {"s": round(now - t0, 1), "ready": len(ready), "errors": len(errors), "rss_mib": rss}
+                if generate:
+                    sample.update(finished=len(finished), generated=sum(generated.values()))
+                samples.append(sample | gauges(svc.metrics_port))
                 print(json.dumps(samples[-1]), flush=True)
-                if (len(ready), len(errors)) != state:
-                    state, last_change = (len(ready), len(errors)), now
-                done = len(ready) + len(errors)
+                progress = (len(ready), len(errors), sum(generated.values()))
+                if progress != state:
+                    state, last_change = progress, now
+                done = len(finished if generate else ready) + len(errors)
                 # idle only once a prompt is ready (or failed): a slow first prefill is not idle
                 if rss is None or done == len(prompts) or (done and now - last_change > idle_s):
                     break
@@ -172,7 +213,16 @@ async def queue(svc: Service, prompts: list[list[int]], interval_s: float, idle_
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    return {"samples": samples, "ready": len(ready), "errors": sorted(set(errors.values()))[:3], "failed": len(errors)}
+    return {
+        "samples": samples,
+        "ready": len(ready),
+        "finished": len(finished),
+        "generated": sum(generated.values()),
+        "errors": sorted(set(errors.values()))[:3],
+        # ended by the drafter's budget (drafter.memory: its gateway decodes the rest plainly)
+        "ended_for_memory": sum(1 for e in errors.values() if e.startswith("RESOURCE_EXHAUSTED")),
+        "failed": sum(1 for e in errors.values() if not e.startswith("RESOURCE_EXHAUSTED")),
+    }
 
 
 def run_mode(mode: str, args: argparse.Namespace, prompts: list[list[int]], logs: Path) -> dict[str, Any]:
@@ -191,7 +241,8 @@ def run_mode(mode: str, args: argparse.Namespace, prompts: list[list[int]], logs
         try:
             svc.wait_ready(600)
             loaded = resident_mib(svc.proc.pid)
-            result = asyncio.run(queue(svc, prompts, args.interval, args.idle))
+            pace = {k: getattr(args, k) for k in ("generate", "max_tokens", "commit_tokens", "rate", "start_after")}
+            result = asyncio.run(queue(svc, prompts, args.interval, args.idle, **pace))
             result["alive"] = svc.proc.poll() is None
         finally:
             svc.stop()
@@ -210,18 +261,21 @@ def run_mode(mode: str, args: argparse.Namespace, prompts: list[list[int]], logs
 
 
 def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    growing = f", each committing {args.generate} tokens from {args.start_after:g} s on" if args.generate else ""
     lines = [
-        f"{args.prompts} prompts of {args.tokens} tokens at once, one drafter ({args.models}) in a "
+        f"{args.prompts} prompts of {args.tokens} tokens at once{growing}, one drafter ({args.models}) in a "
         f"{args.limit_mib} MiB memory cgroup",
         "",
-        "| mode | budget MiB | prompts ready | failed streams | peak resident MiB | peak keys/values MiB "
-        "| prompts that waited | drafter alive |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| mode | budget MiB | prompts ready | streams done | streams ended for memory | failed streams "
+        "| peak resident MiB | peak keys/values MiB | prompts that waited | drafter alive |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         budget = "none" if r["mode"] == "unbounded" else f"{r['budget_mib']:.0f}"
+        done = r["finished"] if args.generate else r["ready"]
         lines.append(
-            f"| {r['mode']} | {budget} | {r['ready']} | {r['failed']} | {r['peak_rss_mib']:.0f} "
+            f"| {r['mode']} | {budget} | {r['ready']} | {done} | {r['ended_for_memory']} | {r['failed']} "
+            f"| {r['peak_rss_mib']:.0f} "
             f"| {r['peak_kv_mib']:.0f} | {r['waits']:.0f} | {'yes' if r['alive'] else 'no'} |"
         )
     return "\n".join(lines)
@@ -234,6 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=80)
     ap.add_argument("--tokens", type=int, default=3000, help="tokens per prompt")
     ap.add_argument("--modes", default="unbounded,auto")
+    ap.add_argument("--generate", type=int, default=0, help="tokens each stream commits (0: none, a queue)")
+    ap.add_argument("--max-tokens", type=int, default=4096, help="with --generate: each request's max_tokens")
+    ap.add_argument("--commit-tokens", type=int, default=32, help="with --generate: tokens per commit")
+    ap.add_argument("--rate", type=float, default=8.0, help="with --generate: tokens a second per stream")
+    ap.add_argument("--start-after", type=float, default=0.0, help="with --generate: seconds before the first commit")
     ap.add_argument("--threads", type=int, default=2, help="the drafter's torch threads")
     ap.add_argument("--drafter-args", default="", help="more drafter flags, one string (e.g. '--kv-cache-mib 1024')")
     ap.add_argument("--sources", type=Path, default=Path(inspect.getfile(json)).parent.parent)

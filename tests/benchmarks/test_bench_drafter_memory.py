@@ -30,8 +30,28 @@ def test_a_queue_over_the_budget_waits_and_the_drafter_keeps_serving(tmp_path: P
         *("--drafter-args", "--kv-cache-mib 1", "--threads", "1", "--interval", "1", "--idle", "5"),
         *("--logs", str(tmp_path / "logs"), "--out", str(out)),
     )
-    assert "| auto | 1 | 1 | 0 |" in stdout  # budget 1 MiB, one prompt ready, no stream failed
+    assert "| auto | 1 | 1 | 1 | 0 | 0 |" in stdout  # budget 1 MiB, one prompt ready (done), none ended or failed
     (result,) = json.loads(out.read_text())["results"]
     assert result["alive"] and result["ready"] == 1 and result["failed"] == 0
     assert result["waits"] >= 1  # the second prompt waited for the first
     assert result["peak_kv_mib"] <= 1
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(_cgroup_unavailable(), reason="needs root and a memory cgroup it can make")
+def test_long_generations_grow_within_the_budget(tmp_path: Path, run_module: RunModule) -> None:
+    """`--generate`: two streams commit 600 tokens each, at a 2 MiB budget (1,024 tokens of the
+    tiny draft) where one reserve (100 + 512 + window + 1) fits and two do not: every stream
+    commits all its tokens, none fails for anything but memory, and the drafter holds no more
+    than its budget and stays up."""
+    out = tmp_path / "generate.json"
+    run_module(
+        "benchmarks.drafter_memory",
+        *("--models", "tiny", "--limit-mib", "3072", "--prompts", "2", "--tokens", "100", "--modes", "auto"),
+        *("--generate", "600", "--max-tokens", "700", "--rate", "1000", "--commit-tokens", "50"),
+        *("--drafter-args", "--kv-cache-mib 2", "--threads", "1", "--interval", "1", "--idle", "5"),
+        *("--logs", str(tmp_path / "logs"), "--out", str(out)),
+    )
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["alive"] and result["failed"] == 0 and result["finished"] + result["ended_for_memory"] >= 2
+    assert result["generated"] >= 600 and result["peak_kv_mib"] <= 2
