@@ -15,7 +15,12 @@ Terms:
     reserve     slots the first buffer gets at least (GrowingCache(reserve)): a session that
                 knows its prompt and the tokens it may add allocates them once, without the
                 copies of growing through its prefill chunks and without the spare half
-                (drafter.memory reserves the same slots of its budget)
+                (drafter.memory reserves the same slots of its budget). A reserve grown later
+                (`GrowingCache.reserve`, drafter.memory's growth) is the size of the next
+                buffer, when a step passes the one held. A step past the reserve itself (a
+                commit that landed after the worker grew the reserve for the step) gets a
+                buffer of GROW_SLOTS spare slots only, not the half: drafter.memory counts it
+                at its size until the next growth
     nbytes      bytes of the buffers the cache holds (`GrowingCache.nbytes`): what the session's
                 keys/values take, spare slots included
 
@@ -72,8 +77,12 @@ class GrowingLayer(DynamicLayer):
         if kb is None or vb is None or not self._in_buffer(key_states.shape[0], length, adding):
             b, heads, _, dim = key_states.shape
             capacity = length + adding + GROW_SLOTS + (length + adding) // 2
-            if kb is None:  # the first buffer: the slots reserved, when they hold the step
-                capacity = max(self.reserve, length + adding) if self.reserve else capacity
+            if self.reserve >= length + adding:  # the slots reserved, when they hold the step
+                capacity = self.reserve
+            elif kb is None and self.reserve:  # a first step past the reserve: no spare room
+                capacity = length + adding
+            elif self.reserve:  # a step past a reserve its session had no time to grow: little spare room
+                capacity = length + adding + GROW_SLOTS
             kb = key_states.new_empty(b, heads, capacity, dim)
             vb = value_states.new_empty(b, heads, capacity, dim)
             if length:
@@ -101,6 +110,14 @@ class GrowingCache(DynamicCache):
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
         # transformers makes each new layer as layer_class_to_replicate(), with no arguments
         self.layer_class_to_replicate = functools.partial(GrowingLayer, reserve)  # type: ignore[assignment]
+
+    def reserve(self, slots: int) -> None:
+        """Make `slots` the size of every layer's next buffer (module's terms: a grown reserve;
+        the buffers held now stay until a step passes them)."""
+        self.layer_class_to_replicate = functools.partial(GrowingLayer, slots)  # type: ignore[assignment]
+        for layer in self.layers:
+            assert isinstance(layer, GrowingLayer)  # the only layers this cache makes
+            layer.reserve = slots
 
     def nbytes(self) -> int:
         """Bytes of the storage behind every layer's keys and values (module's terms)."""

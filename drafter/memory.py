@@ -19,7 +19,21 @@ Terms:
                  (drafter.kvcache), and their bytes are reserved of the budget before its
                  prefill starts
     held         per admitted session, the larger of its reserve and the bytes its cache holds
-                 (a session that generates past its reserve grows its cache, and is counted so)
+                 (a commit that lands while the worker steps the session can add tokens its
+                 reserve was not grown for: they are counted until the next step's growth)
+    growth       a session whose next step would hold more tokens than its reserve (a generation
+                 past its 512 reserved tokens) first grows its reserve by DECODE_RESERVE more slots
+                 (`grown_slots`, at most its cap: prompt + max_tokens + window + 1), if they fit
+                 beside what the others hold; its cache's next buffer has exactly that many
+                 slots. If they do not fit, the newest admitted sessions are ended, newest first,
+                 until they do (the session itself, if it is the newest), as vLLM's scheduler
+                 preempts its newest request: an ended session's stream gets RESOURCE_EXHAUSTED
+                 naming the setting, its keys/values go to the prefix cache, and its gateway
+                 decodes the rest of that request plainly. Growth comes before a waiting
+                 prompt's admission (the worker grows the sessions, in arrival order, before it
+                 admits). Before, a session grew past its reserve unbudgeted (half again of its
+                 cache each time), and long generations ran a drafter that had admitted a full
+                 budget of prompts out of memory
     budget       bytes the admitted sessions may hold (DrafterConfig.kv_cache_mib): the oldest
                  waiting prompt starts its prefill only when held + its reserve fits, and the
                  prompts behind it wait, in arrival order (the order the drafter prefills in);
@@ -60,6 +74,19 @@ def reserve_slots(prompt_len: int, max_tokens: int | None, window: int) -> int:
     """A session's reserve, in tokens (module's terms)."""
     decode = DECODE_RESERVE if max_tokens is None or max_tokens <= 0 else min(max_tokens, DECODE_RESERVE)
     return prompt_len + decode + window + 1
+
+
+def cap_slots(prompt_len: int, max_tokens: int | None, window: int) -> int:
+    """The most slots a session can ever hold: its prompt, every token it may generate and its
+    window, and one (0: no cap, max_tokens unset)."""
+    return 0 if max_tokens is None or max_tokens <= 0 else prompt_len + max_tokens + window + 1
+
+
+def grown_slots(reserve: int, wanted: int, cap: int) -> int:
+    """A session's reserve grown to hold `wanted` slots (module's terms: DECODE_RESERVE more at
+    least, at most `cap`, 0: no cap; never under `wanted`)."""
+    grown = max(wanted, reserve + DECODE_RESERVE)
+    return max(wanted, min(grown, cap)) if cap > 0 else grown
 
 
 def token_bytes(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:

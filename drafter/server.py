@@ -11,6 +11,7 @@ it has come (`DraftProgress`), so its gateway tells a slow prefill from a hung d
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -115,6 +116,7 @@ class DraftWorker(threading.Thread):
         super().__init__(name="draft-worker", daemon=True)
         # drafter.memory: a session's prefill starts once its reserve fits the budget (None: at once)
         self.kv_budget = kv_budget
+        self._admissions = itertools.count(1)  # each admitted session's DraftSession.admission
         # called as on_retire(session) on this thread, between steps, for each session its caller
         # removed (not one removed because its step failed): the servicer's prefix cache keeps its
         # keys/values (drafter.prefix_cache)
@@ -207,6 +209,11 @@ class DraftWorker(threading.Thread):
         """The sessions the next step advances (`work_order`, a prefill only once admitted:
         drafter.memory), and when there are none, those with branches to draft."""
         with self._cond:
+            # drafter.memory's growth first, in arrival order: an older session's growth comes
+            # before a newer session's place, and before a waiting prompt's admission
+            for session, _ in list(self._sessions.values()):
+                if session.wants_work():  # a prefill too: its target may have decoded 512 tokens meanwhile
+                    self._grow(session)
             active = [(s, e) for s, e in self._sessions.values() if s.wants_work()]
             # a prefill waiting for memory is no work: it waits for a session's removal
             active = work_order(active, self.batch, self._admit) if active else []
@@ -221,12 +228,15 @@ class DraftWorker(threading.Thread):
 
     def _admit(self, session: DraftSession) -> bool:
         """Whether `session`'s prefill may start: it was admitted, or its reserve fits beside the
-        admitted sessions' now (then it is admitted). Called with `_cond` held."""
+        admitted sessions' now (then it is admitted). A context that grew while it waited (its
+        gateway committed the target's tokens meanwhile) is reserved whole. Called with `_cond` held."""
         if session.admitted:
             return True
         if self.kv_budget is None or session.reserve_slots <= 0:
-            session.admitted = True
+            session.admitted, session.admission = True, next(self._admissions)
             return True
+        if session.slots_wanted() + session.window > session.reserve_slots:
+            session.grow_reserve(session.slots_wanted() + session.window)
         reserve = self.kv_budget.need(session.reserve_slots)
         held = self.kv_held()
         if self.metrics is not None:
@@ -237,10 +247,61 @@ class DraftWorker(threading.Thread):
                 if self.metrics is not None:
                     self.metrics.kv_waits.inc()
             return False
-        session.admitted = True
+        session.admitted, session.admission = True, next(self._admissions)
         if self.metrics is not None:
             self.metrics.kv_cache_bytes.set(held + reserve)
         return True
+
+    def _grow(self, session: DraftSession) -> None:
+        """Grow `session`'s reserve when its next step would hold more than it reserved
+        (drafter.memory's growth). When the grown reserve does not fit beside what the others
+        hold, the newest admitted sessions are ended, newest first, until it does; `session`
+        itself when it is the newest. Called with `_cond` held."""
+        budget = self.kv_budget
+        if budget is None or not session.admitted or session.reserve_slots <= 0:
+            return
+        wanted = session.slots_wanted()
+        if wanted <= session.reserve_slots:
+            return
+        grown = memory.grown_slots(session.reserve_slots, wanted, session.slot_cap)
+        while True:
+            others = self.kv_held() - max(budget.need(session.reserve_slots), session.kv_bytes())
+            if budget.admits(others, budget.need(grown)):
+                session.grow_reserve(grown)
+                if self.metrics is not None:
+                    self.metrics.kv_cache_bytes.set(others + budget.need(grown))
+                return
+            newest, emit = max(
+                ((s, e) for s, e in self._sessions.values() if s.admitted and s.reserve_slots > 0),
+                key=lambda item: item[0].admission,
+            )
+            self._overflow(newest, emit, session, session.reserve_slots, grown)
+            if newest is session:
+                return
+
+    def _overflow(self, session: DraftSession, emit: Emit, grower: DraftSession, reserve: int, grown: int) -> None:
+        """End `session` for `grower`'s growth from `reserve` to `grown` slots (its own, or an
+        older session's): removed (its keys/values go to the prefix cache), counted, and its
+        stream ends with RESOURCE_EXHAUSTED naming the setting. Called with `_cond` held."""
+        budget = self.kv_budget
+        assert budget is not None  # only a budget ends sessions
+        whose = "its own" if session is grower else "an older session's"
+        log.warning(
+            "draft session %d ended for memory: %s keys/values outgrew %d tokens reserved, and %d more do not fit",
+            id(session),
+            whose,
+            reserve,
+            grown - reserve,
+        )
+        self.remove(session)
+        if self.metrics is not None:
+            self.metrics.kv_overflows.inc()
+        emit(
+            OverLimit(
+                f"draft keys/values: the drafter's kv_cache_mib ({budget.budget_bytes >> 20} MiB) has no room for "
+                f"{whose} context past its {reserve} reserved tokens; sessions are ended newest first"
+            )
+        )
 
     def report_progress(self) -> None:
         """A `Progress` to each session waiting for its `Ready` that asked for reports, when the
@@ -463,6 +524,8 @@ class DrafterServicer(rpc.DrafterServiceServicer):
             )
         else:
             session = self._model_session(req, prompt, lookahead, self._reserve(req, prompt, lookahead))
+            max_tokens = sp.max_tokens if sp.HasField("max_tokens") else None
+            session.slot_cap = memory.cap_slots(len(prompt), max_tokens, req.gamma + lookahead)
             if self.confidence != "off":
                 session.confidence = ConfidencePolicy(self.confidence)
         session.branches = self.cfg.branches
@@ -614,6 +677,8 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                     return
                 if isinstance(item, InvalidField):
                     await serving.abort_invalid(context, item)
+                if isinstance(item, OverLimit):  # ended for memory (DraftWorker._overflow)
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
                 if isinstance(item, BaseException):
                     await context.abort(grpc.StatusCode.INTERNAL, f"drafting failed: {item}")
                 if isinstance(item, Ready):

@@ -164,7 +164,9 @@ class DraftSession:
         # drafter.memory: the slots of keys/values this session reserves (0: none, it holds none),
         # and whether the worker has admitted it (its prefill may start)
         self.reserve_slots = 0
+        self.slot_cap = 0  # the most slots it can ever hold (drafter.memory.cap_slots; 0: no cap)
         self.admitted = False
+        self.admission = 0  # its place in the order the worker admitted sessions (1: the first)
         self.kv_waited = False  # its prefill waited for the budget (counted once)
         self.cache_scope = ""  # DraftOpen.cache_scope: whose keys/values it may reuse (drafter.prefix_cache)
         self.report_progress = False  # the caller reads `Progress` (DraftOpen.report_progress)
@@ -550,6 +552,16 @@ class DraftSession:
         """Bytes the session's keys/values hold now (drafter.memory; 0: it holds none)."""
         return 0
 
+    def slots_wanted(self) -> int:
+        """Slots of keys/values its next step holds: the context (the step feeds what the cache
+        lacks of it; the token it drafts is fed by the step after). Read without the lock: a
+        commit landing meanwhile may add tokens, which drafter.memory counts at the cache's size."""
+        return len(self.context)
+
+    def grow_reserve(self, slots: int) -> None:
+        """Reserve `slots` (drafter.memory's growth; the worker checked they fit the budget)."""
+        self.reserve_slots = slots
+
     def close(self) -> None:
         self.closed = True
 
@@ -696,6 +708,10 @@ class ModelDraftSession(DraftSession):
 
     def kv_bytes(self) -> int:
         return self.cache.nbytes()
+
+    def grow_reserve(self, slots: int) -> None:
+        super().grow_reserve(slots)
+        self.cache.reserve(slots)  # the next buffer the cache allocates has exactly these slots
 
     def _layer_views(self, n: int) -> list[LayerKV]:
         """Per layer, views of the cache's first n keys/values [1, kv heads, n, dim] ([] when a

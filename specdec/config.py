@@ -240,8 +240,9 @@ class DrafterConfig(TransportConfig):
         "use: 85% of its cgroup's limit, a Kubernetes pod's, less what the loaded model holds; 85% of the "
         "free memory on CUDA; a quarter of the host's memory with no limit; less prefix_cache_mib). A "
         "prompt's prefill starts when its keys/values (prompt, up to 512 generated tokens, drafts) fit; "
-        "until then it waits, in arrival order. A prompt over the whole budget is refused with "
-        "RESOURCE_EXHAUSTED, and its gateway decodes it plainly (drafter.memory).",
+        "until then it waits, in arrival order. A generation past its 512 tokens grows its keys/values within "
+        "the budget; when they do not fit, the newest session is ended. A prompt over the whole budget, or an "
+        "ended session, gets RESOURCE_EXHAUSTED, and its gateway decodes the request plainly (drafter.memory).",
     )
     batch_drafts: bool = setting(
         True,

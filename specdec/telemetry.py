@@ -420,6 +420,10 @@ class DrafterMetrics:
         specdec:drafter_kv_cache_budget_bytes
                                         ... the budget (kv_cache_mib, or the auto one) (gauge)
         specdec:drafter_kv_waits_total  prompts whose prefill waited for the budget (once each)
+        specdec:drafter_kv_overflows_total
+                                        sessions ended because their keys/values outgrew their
+                                        reserve with no room left in the budget (their requests
+                                        decode the rest plainly; drafter.memory's growth)
 
     Batch rows: the draft worker's step drafts one token for each session that has one to
     make; with batch_drafts those rows share one forward (drafter.batch), which is observed
@@ -527,6 +531,11 @@ class DrafterMetrics:
         )
         self.kv_waits = Counter(
             "specdec:drafter_kv_waits", "Prompts whose prefill waited for the keys/values budget", registry=registry
+        )
+        self.kv_overflows = Counter(
+            "specdec:drafter_kv_overflows",
+            "Sessions ended because their keys/values outgrew their reserve with no room in the budget",
+            registry=registry,
         )
 
 

@@ -1,6 +1,7 @@
 """The drafter's memory for its sessions' keys/values (drafter.memory): what a session reserves,
-the budget found from the process's cgroup, and the worker admitting a prompt's prefill only
-when its reserve fits beside the sessions it holds (the others wait, in arrival order)."""
+the budget found from the process's cgroup, the worker admitting a prompt's prefill only when
+its reserve fits beside the sessions it holds (the others wait, in arrival order), and a session
+that generates past its reserve growing it within the budget, or ending."""
 
 from __future__ import annotations
 
@@ -16,12 +17,22 @@ from drafter.kvcache import GrowingCache
 from drafter.server import DraftWorker, Emit
 from drafter.sessions import DraftSession, ModelDraftSession, NgramDraftSession, Ready
 from specdec import telemetry
+from specdec.validation import OverLimit
 
 
 def test_a_session_reserves_its_prompt_its_generation_up_to_a_cap_and_its_window() -> None:
     assert memory.reserve_slots(3000, 64, 9) == 3000 + 64 + 9 + 1
     assert memory.reserve_slots(3000, None, 9) == 3000 + memory.DECODE_RESERVE + 9 + 1
     assert memory.reserve_slots(10, 100_000, 2) == 10 + memory.DECODE_RESERVE + 2 + 1
+
+
+def test_a_reserve_grows_by_the_decode_reserve_up_to_what_the_session_can_ever_hold() -> None:
+    assert memory.cap_slots(3000, 4096, 9) == 3000 + 4096 + 9 + 1
+    assert memory.cap_slots(3000, None, 9) == 0  # no max_tokens: no cap
+    reserve = memory.reserve_slots(3000, 4096, 9)
+    assert memory.grown_slots(reserve, reserve + 1, memory.cap_slots(3000, 4096, 9)) == reserve + memory.DECODE_RESERVE
+    assert memory.grown_slots(reserve, reserve + 1, reserve + 10) == reserve + 10  # the cap
+    assert memory.grown_slots(reserve, reserve + 2000, 0) == reserve + 2000  # a commit of many tokens
 
 
 def test_one_tokens_bytes_are_its_keys_and_values_in_every_layer() -> None:
@@ -88,9 +99,9 @@ def _small_model() -> torch.nn.Module:
 SMALL_TOKEN_BYTES = 2 * 2 * 2 * 16 * 4
 
 
-def _session(model: torch.nn.Module, prompt_len: int, seed: int) -> ModelDraftSession:
-    slots = memory.reserve_slots(prompt_len, 8, 4)
-    return ModelDraftSession(
+def _session(model: torch.nn.Module, prompt_len: int, seed: int, max_tokens: int = 8) -> ModelDraftSession:
+    slots = memory.reserve_slots(prompt_len, max_tokens, 4)
+    session = ModelDraftSession(
         model,
         [3 + (seed * 7 + j) % 50 for j in range(prompt_len)],
         4,
@@ -103,6 +114,8 @@ def _session(model: torch.nn.Module, prompt_len: int, seed: int) -> ModelDraftSe
         prefill_chunk=prompt_len,
         reserve_slots=slots,
     )
+    session.slot_cap = memory.cap_slots(prompt_len, max_tokens, 4)
+    return session
 
 
 def _ignore(item: object) -> None:
@@ -188,3 +201,107 @@ def test_a_reserved_cache_allocates_its_slots_once(reserve: int) -> None:
         assert not moved and cache.nbytes() == 2 * reserve * 2 * 8 * 4
     else:
         assert cache.nbytes() > 2 * 100 * 2 * 8 * 4  # it grew past the 100 slots with room to spare
+
+
+def _generated(n: int, seed: int) -> list[int]:
+    """`n` tokens a target could have produced (ids of the small model's vocabulary)."""
+    return [3 + (seed * 5 + j) % 50 for j in range(n)]
+
+
+def _two_long_generations(room: int) -> tuple[DraftWorker, list[ModelDraftSession], dict[int, list[object]]]:
+    """A worker (stepped here) with two ready sessions of 40-token prompts and max_tokens 2,000,
+    each admitted with its reserve (prompt + 512 + window + 1), under a budget of both reserves
+    and `room` slots more; and what each session's stream got."""
+    model = _small_model()
+    sessions = [_session(model, 40, i, max_tokens=2000) for i in range(2)]
+    reserve = sessions[0].reserve_slots
+    assert reserve == 40 + memory.DECODE_RESERVE + 4 + 1
+    budget = memory.KVBudget((2 * reserve + room) * SMALL_TOKEN_BYTES, SMALL_TOKEN_BYTES)
+    worker = DraftWorker(metrics=telemetry.DrafterMetrics(CollectorRegistry()), kv_budget=budget)
+    got: dict[int, list[object]] = {0: [], 1: []}
+    for i, s in enumerate(sessions):
+        worker.add(s, lambda item, i=i: got[i].append(item))
+    for _ in range(2):  # both prefill and are ready
+        _step(worker)
+    assert all(s.ready for s in sessions)
+    return worker, sessions, got
+
+
+def _overflows(worker: DraftWorker) -> float | None:
+    assert worker.metrics is not None
+    return worker.metrics.registry.get_sample_value("specdec:drafter_kv_overflows_total")
+
+
+def test_sessions_past_their_reserves_grow_in_arrival_order_and_the_newest_ends() -> None:
+    """Both sessions get commits that take their contexts past their reserves, and the budget
+    has room for one growth: the older grows its reserve by 512 slots (its cache's next buffer
+    holds exactly that); the newer, the newest admitted, ends (its stream gets RESOURCE_EXHAUSTED
+    naming kv_cache_mib, counted), and the older drafts on. What is held never passes the budget."""
+    worker, sessions, got = _two_long_generations(memory.DECODE_RESERVE)
+    reserve, budget = sessions[0].reserve_slots, worker.kv_budget
+    assert budget is not None
+    for i, s in enumerate(sessions):  # the target's first tokens, then a long stretch of them
+        s.commit(40, _generated(reserve - 40 + 1, i))
+    assert sessions[0].slots_wanted() > reserve
+    _step(worker)
+    grown = reserve + memory.DECODE_RESERVE
+    assert sessions[0].reserve_slots == grown and sessions[0].kv_bytes() == budget.need(grown)
+    assert sessions[1].closed and worker.sessions() == [sessions[0]]
+    (err,) = [x for x in got[1] if isinstance(x, BaseException)]
+    assert isinstance(err, OverLimit) and "kv_cache_mib" in str(err) and "its own" in str(err)
+    assert _overflows(worker) == 1
+    assert worker.kv_held() <= budget.budget_bytes
+    steps = sessions[0].steps
+    for _ in range(3):
+        _step(worker)
+    assert sessions[0].steps > steps and not any(isinstance(x, BaseException) for x in got[0])
+    assert worker.metrics is not None
+    assert worker.metrics.registry.get_sample_value("specdec:drafter_kv_cache_bytes") <= budget.budget_bytes
+
+
+def test_an_older_sessions_growth_ends_the_newest_session() -> None:
+    """No room past the two reserves, and only the older session generates past its reserve:
+    the newer one is ended for it (newest first, as vLLM preempts), and the older grows."""
+    worker, sessions, got = _two_long_generations(0)
+    reserve = sessions[0].reserve_slots
+    sessions[0].commit(40, _generated(reserve - 40 + 1, 0))
+    sessions[1].commit(40, _generated(8, 1))  # well within its reserve
+    _step(worker)
+    assert sessions[0].reserve_slots == reserve + memory.DECODE_RESERVE and not sessions[0].closed
+    assert sessions[1].closed and _overflows(worker) == 1
+    (err,) = [x for x in got[1] if isinstance(x, BaseException)]
+    assert isinstance(err, OverLimit) and "an older session's" in str(err)
+    assert worker.kv_budget is not None and worker.kv_held() <= worker.kv_budget.budget_bytes
+
+
+def test_a_context_that_grew_while_its_prompt_waited_is_reserved_whole() -> None:
+    """A request's target decodes while its drafter's prefill waits: the commits that come
+    meanwhile are part of what the prefill computes, and its reserve covers them."""
+    model = _small_model()
+    session = _session(model, 40, 0, max_tokens=4000)
+    worker = DraftWorker(kv_budget=memory.KVBudget(0, SMALL_TOKEN_BYTES))  # no bound: admitted at once
+    worker.add(session, _ignore)
+    session.commit(40, _generated(700, 0))
+    for _ in range(40):  # the prefill, in chunks of 40 tokens, then a draft step
+        if session.steps:
+            break
+        _step(worker)
+    assert session.ready and session.reserve_slots >= 40 + 700 + session.window
+    assert session.kv_bytes() == session.reserve_slots * SMALL_TOKEN_BYTES  # one buffer of the reserve
+
+
+def test_a_grown_reserve_is_the_next_buffer_and_a_step_past_it_gets_little_spare_room() -> None:
+    """drafter.kvcache: after `reserve(n)` the buffer that replaces a full one has exactly n
+    slots; a step past a reserve its session had no time to grow (a commit that landed after
+    the worker's check) gets GROW_SLOTS spare slots, not half again of the cache."""
+    from drafter.kvcache import GROW_SLOTS
+
+    cache = GrowingCache(50)
+    cache.update(torch.zeros(1, 2, 50, 8), torch.zeros(1, 2, 50, 8), 0)  # the reserve, full
+    slot = 2 * 2 * 8 * 4  # keys and values of one token: [1, 2 KV heads, 1, 8 dims], float32
+    cache.reserve(120)
+    cache.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), 0)
+    assert cache.nbytes() == 120 * slot
+    cache.update(torch.zeros(1, 2, 100, 8), torch.zeros(1, 2, 100, 8), 0)  # 151 tokens: past 120
+    assert cache.nbytes() == (151 + GROW_SLOTS) * slot
+    assert cache.get_seq_length() == 151

@@ -1,16 +1,22 @@
 """The drafter's memory for its sessions' keys/values (drafter.memory) through the real services.
 
-A drafter with a budget of 1 MiB (`--kv-cache-mib 1`: 512 tokens of tiny/draft-mid, 2 layers x
-keys and values x 2 KV heads x 64 dims x 4 bytes), beside the default stack's verifier, and a
-gateway at its defaults. A fixture-only setting, to isolate the mechanism on the tiny pair; the
-default (auto) budget runs under every other e2e test, and its value is checked below.
+A drafter with a budget of 2 MiB (`--kv-cache-mib 2`: 1,024 tokens of the tiny pair's drafts, 2
+layers x keys and values x 2 KV heads x 64 dims x 4 bytes), beside the default stack's verifier,
+and a gateway at its defaults. A fixture-only setting, to isolate the mechanism on the tiny pair;
+the default (auto) budget runs under every other e2e test, and its value is checked below. The
+draft is tiny/draft-same (the target's weights: every draft is accepted, so adaptive gamma never
+holds it and the drafter drafts through every request).
   - a prompt whose reserve alone is over the budget is refused at `open` (RESOURCE_EXHAUSTED
     naming kv_cache_mib): its request decodes plainly, exactly, and the drafter keeps serving;
   - a queue of prompts of which two fit at once: every output is exact, no request fails, the
     third prompt's prefill waited (specdec:drafter_kv_waits_total), and what the sessions hold
-    never passes the budget when the queue ends.
-Before drafter.memory the drafter took up to max_sessions (256) sessions whatever their prompts:
-a queue of long prompts ran a drafter pod out of memory (docs/design.md, "The drafter's memory").
+    never passes the budget when the queue ends;
+  - a generation past its reserve (512 generated tokens) whose growth does not fit: its session
+    ends (RESOURCE_EXHAUSTED naming kv_cache_mib, specdec:drafter_kv_overflows_total), and its
+    request, which speculated until then, decodes the rest plainly and exactly.
+Before drafter.memory the drafter took up to max_sessions (256) sessions whatever their prompts,
+and a session grew past its reserve unbudgeted: a queue of long prompts, or long generations, ran
+a drafter pod out of memory (docs/design.md, "The drafter's memory").
 """
 
 from __future__ import annotations
@@ -24,22 +30,24 @@ from conftest import Services, vllm_reference
 from gen import generate_all, scrape, spec
 from transformers import AutoTokenizer
 
-BUDGET_MIB = 1
+BUDGET_MIB = 2  # 1,024 tokens
 QUEUED = 6
-QUEUED_TOKENS = 180  # a reserve of 180 + 32 + window (<= 33) + 1 tokens: two fit in 512, never three
-OVER_TOKENS = 600  # over the 512 tokens alone
+QUEUED_TOKENS = 400  # a reserve of 400 + 32 + window (<= 33) + 1 tokens: two fit in 1,024, never three
+OVER_TOKENS = 1100  # over the 1,024 tokens alone
 MAX_TOKENS = 32
+# a reserve of 400 + 512 + window + 1 <= 946 tokens fits; 700 generated tokens need up to 1,134
+LONG_PROMPT, LONG_MAX_TOKENS = 400, 700
 
 
 @pytest.fixture(scope="module")
 def small(default_services: Services, log_dir: Path) -> Iterator[Services]:
-    """A drafter of tiny/draft-mid with a 1 MiB budget and a gateway at its defaults, beside the
+    """A drafter of tiny/draft-same with a 2 MiB budget and a gateway at its defaults, beside the
     default stack's verifier."""
     assert default_services.verifier is not None
     s = Services(log_dir / "drafter-memory")
     try:
         s.drafters["small"] = s._start(
-            "drafter", ["--model", "tiny/draft-mid", "--threads", "1", "--kv-cache-mib", str(BUDGET_MIB)]
+            "drafter", ["--model", "tiny/draft-same", "--threads", "1", "--kv-cache-mib", str(BUDGET_MIB)]
         )
         s.gateways["small"] = s.start_gateway(s.drafters["small"].address, default_services.verifier.address)
         s.ready()
@@ -91,9 +99,28 @@ def test_a_queue_over_the_budget_waits_for_memory_and_every_output_is_exact(smal
     assert after["specdec:drafter_kv_cache_bytes"] <= BUDGET_MIB << 20
     # a waiting prompt's request decodes plainly meanwhile (its drafter is silent past
     # drafter_timeout_s, or the generation ends first), and none failed; the first two were
-    # prefilled at once (their drafters' `ready` came; how much they then draft is adaptive
-    # gamma's call, which on the tiny pair under concurrency is often none)
+    # prefilled at once (their drafters' `ready` came)
     assert sum(1 for o in outs if o.stats.drafter_prefill_ms > 0) >= 2
+
+
+def test_a_generation_that_outgrows_the_budget_ends_its_session_and_stays_exact(
+    small: Services, tiny_target: Path
+) -> None:
+    prompt = _ids(tiny_target, LONG_PROMPT, 9320)
+    overflows = _drafter(small).get("specdec:drafter_kv_overflows_total", 0.0)
+    (out,) = generate_all(
+        small.gateways["small"].address, [spec(prompt, LONG_MAX_TOKENS, ignore_eos=True)], concurrency=1
+    )
+    reference = vllm_reference(
+        tiny_target, [{"prompt_token_ids": prompt, "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True}]
+    )
+    assert [list(out.token_ids)] == reference
+    reason = out.stats.fallback_reason
+    assert out.stats.drafter_fallback and "RESOURCE_EXHAUSTED" in reason and "kv_cache_mib" in reason, reason
+    assert out.stats.accepted_tokens > 0  # it speculated until its context passed what the budget holds
+    after = _drafter(small)
+    assert after["specdec:drafter_kv_overflows_total"] == overflows + 1
+    assert after["specdec:drafter_kv_cache_bytes"] <= BUDGET_MIB << 20
 
 
 def test_the_default_budget_is_found_from_the_memory_the_drafter_may_use(default_services: Services) -> None:

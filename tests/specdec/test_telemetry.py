@@ -117,6 +117,7 @@ FAMILIES = {
         "specdec:drafter_kv_cache_bytes",
         "specdec:drafter_kv_cache_budget_bytes",
         "specdec:drafter_kv_waits_total",
+        "specdec:drafter_kv_overflows_total",
     },
     "verifier": {
         "specdec:verifier_sessions",
