@@ -34,6 +34,16 @@ from specdec.models.lean import Stopped
 
 StepResult = BlockOut | Ready | None
 
+# Most context tokens one batched forward reads (each session's context, once per row: its own
+# and its riding branch rows'); a step whose sessions read more runs several forwards. The
+# forward's workspace (the gathered keys/values and the attention scores, one layer at a time)
+# grows with it, and the memory it leaves in the heap is not the sessions' keys/values budget
+# (drafter.memory): 38 sessions of 3,000 tokens (114,000) in one forward took the process ~1 GB
+# past its resident size and the shipped pod's 6 GiB limit (`python -m benchmarks.drafter_memory
+# --generate`). At this many (the qwen-coder draft: gathered keys/values ~32 MiB a layer) a
+# forward's weight reads still dwarf a split's extra one below ~10 sessions of 3,000 tokens.
+MAX_FORWARD_TOKENS = 32_768
+
 
 def session_row(session: ModelDraftSession) -> Row:
     """A session's row: context[cached:] after its whole cache."""
@@ -122,27 +132,59 @@ def draft_step(
                 if on_forward is not None and batch[0].forwards_stopped == stopped:
                     on_forward(1)
                 continue
-            t0 = time.perf_counter()
-            done: set[int] = set()
-            try:
-                branch_rows = [r for i in members for r in riders[i]]
-                logits = forward_rows(batch[0].model, batch, branch_rows)  # [B + branch rows, vocab]
-                share_ms = (time.perf_counter() - t0) * 1e3 / (len(batch) + len(branch_rows))  # each row's share
-                if on_forward is not None:
-                    on_forward(len(batch) + len(branch_rows))
-                at = len(batch)  # the first branch row's logits
-                for row, (i, s) in enumerate(zip(members, batch)):
-                    out = s.step_draft_locked(t0, s.pick_locked(logits[row]), share_ms)
-                    n = len(riders[i])
-                    blocks = s.branch_picked_locked(logits[at : at + n], share_ms * n) if n else []
-                    at += n
-                    results[i] = (out, None, blocks)
-                    done.add(i)
-            except Stopped:  # every session was superseded mid-forward: no step happened
-                for s in batch:
-                    s.forwards_stopped += 1
-            except Exception as exc:  # noqa: BLE001 - the forward failed: every row's step did
-                for i in members:
-                    if i not in done:
-                        results[i] = (None, exc, [])
+            reads = [len(s.context) * (1 + len(riders[i])) for i, s in zip(members, batch)]  # context tokens read
+            for group in forward_groups(members, reads):
+                _forward_group([sessions[i] for i in group], group, riders, results, on_forward)
     return results
+
+
+def forward_groups(members: list[int], tokens: list[int], most: int | None = None) -> list[list[int]]:
+    """`members` (sessions' indices, in order) in consecutive groups whose `tokens` (each
+    session's context, once per row it adds) sum to `most` (None: MAX_FORWARD_TOKENS) at most,
+    but for a group of one session over it alone: one forward each."""
+    most = MAX_FORWARD_TOKENS if most is None else most
+    groups: list[list[int]] = [[]]
+    total = 0
+    for i, n in zip(members, tokens, strict=True):
+        if groups[-1] and total + n > most:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
+
+
+def _forward_group(
+    batch: list[DraftSession],
+    members: list[int],
+    riders: dict[int, list[Row]],
+    results: list[Stepped],
+    on_forward: Callable[[int], None] | None,
+) -> None:
+    """One forward for the model sessions `batch` (at `members` of the step's sessions) and their
+    riding branch rows; each session's step result goes to `results` (draft_step's)."""
+    models = [s for s in batch if isinstance(s, ModelDraftSession)]
+    assert len(models) == len(batch)  # only model sessions are batched
+    t0 = time.perf_counter()
+    done: set[int] = set()
+    try:
+        branch_rows = [r for i in members for r in riders[i]]
+        logits = forward_rows(models[0].model, models, branch_rows)  # [B + branch rows, vocab]
+        share_ms = (time.perf_counter() - t0) * 1e3 / (len(models) + len(branch_rows))  # each row's share
+        if on_forward is not None:
+            on_forward(len(models) + len(branch_rows))
+        at = len(models)  # the first branch row's logits
+        for row, (i, s) in enumerate(zip(members, models)):
+            out = s.step_draft_locked(t0, s.pick_locked(logits[row]), share_ms)
+            n = len(riders[i])
+            blocks = s.branch_picked_locked(logits[at : at + n], share_ms * n) if n else []
+            at += n
+            results[i] = (out, None, blocks)
+            done.add(i)
+    except Stopped:  # every session was superseded mid-forward: no step happened
+        for s in models:
+            s.forwards_stopped += 1
+    except Exception as exc:  # noqa: BLE001 - the forward failed: every row's step did
+        for i in members:
+            if i not in done:
+                results[i] = (None, exc, [])

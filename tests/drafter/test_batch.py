@@ -138,6 +138,34 @@ def test_batched_drafts_equal_serial_drafts(model: torch.nn.Module, temperature:
     assert max(batched["batch sizes"]) >= 4  # rows were batched, with ragged lengths and rollbacks
 
 
+def test_a_steps_sessions_split_into_forwards_that_read_at_most_the_cap() -> None:
+    assert batch.forward_groups([0, 1, 2, 3], [10, 20, 30, 40], most=50) == [[0, 1], [2], [3]]
+    assert batch.forward_groups([5], [100], most=50) == [[5]]  # a session over the cap alone: its own forward
+    assert batch.forward_groups([0, 1], [10, 20]) == [[0, 1]]  # MAX_FORWARD_TOKENS
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_drafts_split_over_several_forwards_equal_serial_drafts(
+    model: torch.nn.Module, temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a cap of 90 context tokens a forward (batch.MAX_FORWARD_TOKENS; ~32,000 in
+    production, which bounds a forward's memory), the script's steps split their sessions over
+    several forwards, and every draft is the serial one."""
+    monkeypatch.setattr(batch, "MAX_FORWARD_TOKENS", 90)
+    forwards: list[int] = []
+    real = batch.forward_rows
+
+    def counted(m: torch.nn.Module, sessions: list[ModelDraftSession], extra: list[rows.Row]) -> torch.Tensor:
+        forwards.append(len(sessions))
+        return real(m, sessions, extra)
+
+    monkeypatch.setattr(batch, "forward_rows", counted)
+    serial = _run(model, batched=False, temperature=temperature)
+    split = _run(model, batched=True, temperature=temperature)
+    _same(serial, split)
+    assert forwards and max(forwards) < max(split["batch sizes"])  # a step's sessions ran in several forwards
+
+
 @pytest.mark.parametrize("kind", ["tiny-draft", "qwen2-gqa"])
 def test_a_batched_row_equals_a_single_forward(model: torch.nn.Module, kind: str) -> None:
     """forward_rows on rows of different cached lengths and new-token counts gives each row the
