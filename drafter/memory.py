@@ -38,9 +38,12 @@ Terms:
                  waiting prompt starts its prefill only when held + its reserve fits, and the
                  prompts behind it wait, in arrival order (the order the drafter prefills in);
                  a prompt whose reserve alone is over the budget is refused at `open` with
-                 RESOURCE_EXHAUSTED naming the setting, and its gateway decodes it plainly. A
-                 session that waits sends no progress: past drafter_timeout_s after its
-                 target's first token its gateway decodes the request plainly, and closes it
+                 RESOURCE_EXHAUSTED naming the setting, and its gateway decodes it plainly. The
+                 sessions that wait hear so about once a second (DraftProgress.waiting_for_memory),
+                 so their gateways keep them (up to drafter_prefill_timeout_s after the target's
+                 first token) while their requests decode plainly, and they speculate once
+                 admitted and prefilled (before, a waiting session sent nothing, and its gateway
+                 dropped it at drafter_timeout_s: its request never speculated)
     auto         the default budget (kv_cache_mib 0), `auto_budget`: on CUDA, AUTO_SHARE of the
                  device memory free once the model is loaded; on the CPU, AUTO_SHARE of the
                  memory limit of this process's cgroup (a Kubernetes pod's or a container's

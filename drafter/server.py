@@ -5,7 +5,8 @@ round-robin, one token each per step (all of a step's tokens in one batched forw
 drafter.batch), so concurrent generations share the draft model fairly; blocks go
 out as soon as they are due (see drafter.sessions). Prompts are prefilled one at a time,
 in arrival order, and a session waiting for its prefill hears how far the queue ahead of
-it has come (`DraftProgress`), so its gateway tells a slow prefill from a hung drafter.
+it has come, or that the queue waits for memory (`DraftProgress`; drafter.memory), so its
+gateway tells a slow prefill, or one waiting for a session to end, from a hung drafter.
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ class DraftWorker(threading.Thread):
         super().__init__(name="draft-worker", daemon=True)
         # drafter.memory: a session's prefill starts once its reserve fits the budget (None: at once)
         self.kv_budget = kv_budget
+        # the oldest waiting prompt's prefill waits for memory, so the prefill queue does not move
+        # (set by pick_work; its sessions' progress reports say so)
+        self.memory_blocked = False
         self._admissions = itertools.count(1)  # each admitted session's DraftSession.admission
         # called as on_retire(session) on this thread, between steps, for each session its caller
         # removed (not one removed because its step failed): the servicer's prefix cache keeps its
@@ -194,21 +198,24 @@ class DraftWorker(threading.Thread):
                 )
                 active, branchy = self.pick_work()
                 if not active and not branchy:
+                    if self.memory_blocked:  # the prompts waiting for memory hear that they wait
+                        self.report_progress()
                     if not self._retired:
-                        self._cond.wait(timeout=1.0)
+                        self._cond.wait(timeout=self.progress_interval_s if self.memory_blocked else 1.0)
                     continue
-            if not active:  # idle otherwise: one batched step of each session's branches
-                self._branch_steps(branchy)
-                continue
             prefilling = any(not s.ready for s, _ in active)
-            self.advance(active)
-            if prefilling:
+            if active:
+                self.advance(active)
+            else:  # idle otherwise: one batched step of each session's branches
+                self._branch_steps(branchy)
+            if prefilling or self.memory_blocked:
                 self.report_progress()
 
     def pick_work(self) -> tuple[list[tuple[DraftSession, Emit]], list[tuple[DraftSession, Emit]]]:
         """The sessions the next step advances (`work_order`, a prefill only once admitted:
         drafter.memory), and when there are none, those with branches to draft."""
         with self._cond:
+            self.memory_blocked = False  # until _admit finds the oldest prefill does not fit
             # drafter.memory's growth first, in arrival order: an older session's growth comes
             # before a newer session's place, and before a waiting prompt's admission
             for session, _ in list(self._sessions.values()):
@@ -242,6 +249,7 @@ class DraftWorker(threading.Thread):
         if self.metrics is not None:
             self.metrics.kv_cache_bytes.set(held)
         if not self.kv_budget.admits(held, reserve):
+            self.memory_blocked = True
             if not session.kv_waited:
                 session.kv_waited = True
                 if self.metrics is not None:
@@ -304,12 +312,15 @@ class DraftWorker(threading.Thread):
         )
 
     def report_progress(self) -> None:
-        """A `Progress` to each session waiting for its `Ready` that asked for reports, when the
-        prompt tokens left before it is ready went down since its latest report and
-        `progress_interval_s` has passed (sessions in arrival order: the prefill order)."""
+        """A `Progress` to each session waiting for its `Ready` that asked for reports, when
+        `progress_interval_s` has passed since its latest report and either the prompt tokens
+        left before it is ready went down since then, or its prefill waits for memory
+        (`memory_blocked` and not admitted: a report that says so, after which the next one is
+        not compared with it). Sessions in arrival order: the prefill order."""
         now = time.monotonic()
         with self._cond:
             waiting = [(s, e) for s, e in self._sessions.values() if not s.ready and not s.closed]
+            blocked = self.memory_blocked
         queued = 0
         for session, emit in waiting:
             queued += session.prefill_left()
@@ -317,10 +328,11 @@ class DraftWorker(threading.Thread):
                 continue
             if session.progress_at is not None and now - session.progress_at < self.progress_interval_s:
                 continue
-            if session.progress_queued is not None and queued >= session.progress_queued:
+            for_memory = blocked and not session.admitted
+            if not for_memory and session.progress_queued is not None and queued >= session.progress_queued:
                 continue
-            session.progress_at, session.progress_queued = now, queued
-            emit(Progress(session.prefilled(), queued))
+            session.progress_at, session.progress_queued = now, None if for_memory else queued
+            emit(Progress(session.prefilled(), queued, for_memory))
 
     def advance(self, active: list[tuple[DraftSession, Emit]]) -> None:
         """One step of each session in `active`, in order: with `batch`, the model sessions
@@ -703,7 +715,9 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                     continue
                 if isinstance(item, Progress):
                     progress = pb.DraftProgress(
-                        prefilled_tokens=item.prefilled_tokens, queued_tokens=item.queued_tokens
+                        prefilled_tokens=item.prefilled_tokens,
+                        queued_tokens=item.queued_tokens,
+                        waiting_for_memory=item.waiting_for_memory,
                     )
                     await context.write(pb.DraftResponse(progress=progress))
                     continue

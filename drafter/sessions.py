@@ -118,10 +118,12 @@ class Ready:
 
 @dataclass
 class Progress:
-    """The session is still prefilling, and closer to ready than at its previous report."""
+    """The session is still prefilling, and closer to ready than at its previous report; or its
+    prefill waits for memory (drafter.memory: the queue does not move until a session ends)."""
 
     prefilled_tokens: int  # this session's prompt tokens in the draft model's cache
     queued_tokens: int  # prompt tokens to prefill before it is ready: its rest and the sessions' ahead of it
+    waiting_for_memory: bool = False
 
 
 @dataclass

@@ -19,9 +19,12 @@ drafter beside a GPU target): four prompts of 3,000 tokens fell back at 10 s in 
 progress reports (DraftOpen.report_progress), and until the drafter has spoken (`ready` or a
 block) a report answers what it owes, if it shows progress: its `queued_tokens` (prompt tokens
 left before the drafter is ready) below the previous report's; one that does not is a
-violation. A hung drafter reports nothing and still falls back at `drafter_timeout_s`; a
-drafter that keeps reporting falls back at `drafter_prefill_timeout_s` after the first commit
-if it is still not ready then. Meanwhile the target does not wait for it (verifier.proposer).
+violation. A report that says `waiting_for_memory` (the drafter's prefill queue waits for a
+session to end and leave room for keys/values, drafter.memory) answers without progress, and
+the next report is not compared with it. A hung drafter reports nothing and still falls back
+at `drafter_timeout_s`; a drafter that keeps reporting, waiting for memory or not, falls back
+at `drafter_prefill_timeout_s` after the first commit if it is still not ready then.
+Meanwhile the target does not wait for it (verifier.proposer).
 
 Hold: while the verifier's verdicts say `hold_drafts` (adaptive gamma verifies none of this
 request's drafts for now), commits tell the drafter to hold, and a held drafter owes nothing.
@@ -141,6 +144,7 @@ class DrafterRelay:
         self._owed_at = 0  # ... and the position that commit started at
         self._first_owed: float | None = None  # monotonic time of the first commit
         self._queued: int | None = None  # the latest progress report's queued_tokens
+        self._memory_wait = False  # ... which said waiting_for_memory
         self._owing = asyncio.Event()  # set when the drafter starts to owe an answer
         self._blocks_since_commit = 0  # blocks the drafter sent since the latest commit
         self._ready_seen = False
@@ -262,17 +266,20 @@ class DrafterRelay:
         )
 
     def _progress_answers(self, progress: DraftProgress) -> bool:
-        """Whether a progress report is valid (before `ready`, fewer queued tokens than the
-        previous report): then it answers what the drafter owes; else it is a violation."""
+        """Whether a progress report is valid (before `ready`; fewer queued tokens than the
+        previous report, unless this one or that one says waiting_for_memory): then it answers
+        what the drafter owes; else it is a violation. A drafter waiting for memory is bounded
+        by the prefill deadline, as a slow prefill is."""
         if self._spoken:
             self._violation("a progress report after `ready` or a block")
             return False
-        if self._queued is not None and progress.queued_tokens >= self._queued:
+        compare = self._queued is not None and not self._memory_wait and not progress.waiting_for_memory
+        if compare and progress.queued_tokens >= (self._queued or 0):
             self._violation(
                 f"a progress report that shows none (queued_tokens {progress.queued_tokens}, previously {self._queued})"
             )
             return False
-        self._queued = progress.queued_tokens
+        self._queued, self._memory_wait = progress.queued_tokens, progress.waiting_for_memory
         return True
 
     async def _relay(self, call: DraftCall) -> None:
@@ -337,7 +344,8 @@ class DrafterRelay:
             if prefill_end is not None and now >= prefill_end:
                 self.fall_back(
                     f"drafter still prefilling {self.prefill_timeout_s:g} s after the target's first token "
-                    f"(drafter_prefill_timeout_s; {self._queued} prompt tokens queued at its latest report)"
+                    f"(drafter_prefill_timeout_s; {self._queued} prompt tokens queued at its latest report"
+                    f"{', waiting for memory' if self._memory_wait else ''})"
                 )
                 return
             left = since + self.timeout_s - now

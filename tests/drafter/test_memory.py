@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from drafter import memory
 from drafter.kvcache import GrowingCache
 from drafter.server import DraftWorker, Emit
-from drafter.sessions import DraftSession, ModelDraftSession, NgramDraftSession, Ready
+from drafter.sessions import DraftSession, ModelDraftSession, NgramDraftSession, Progress, Ready
 from specdec import telemetry
 from specdec.validation import OverLimit
 
@@ -305,3 +305,36 @@ def test_a_grown_reserve_is_the_next_buffer_and_a_step_past_it_gets_little_spare
     cache.update(torch.zeros(1, 2, 100, 8), torch.zeros(1, 2, 100, 8), 0)  # 151 tokens: past 120
     assert cache.nbytes() == (151 + GROW_SLOTS) * slot
     assert cache.get_seq_length() == 151
+
+
+def test_prompts_waiting_for_memory_hear_that_they_wait() -> None:
+    """While the oldest waiting prompt does not fit, the prefill queue does not move: its
+    sessions' progress reports say waiting_for_memory (without it their queued tokens, which
+    grow with the target's tokens, would show no progress, and their gateways would drop them
+    at drafter_timeout_s). Once a session ends and the prompt is admitted, its next report is a
+    plain one, sent even with more tokens queued than the last."""
+    model = _small_model()
+    reserve = memory.reserve_slots(40, 8, 4) * SMALL_TOKEN_BYTES
+    budget = memory.KVBudget(reserve, SMALL_TOKEN_BYTES)  # one prompt at a time
+    worker = DraftWorker(kv_budget=budget, progress_interval_s=0.0)
+    sessions = [_session(model, 40, i) for i in range(3)]
+    got: dict[int, list[object]] = {i: [] for i in range(3)}
+    for i, s in enumerate(sessions):
+        s.report_progress = True
+        worker.add(s, lambda item, i=i: got[i].append(item))
+    for _ in range(3):  # the first prompt's prefill and `Ready`; the second does not fit
+        _step(worker)
+    assert sessions[0].ready and worker.memory_blocked
+    for _ in range(2):
+        worker.report_progress()
+    for i in (1, 2):
+        reports = [x for x in got[i] if isinstance(x, Progress)]
+        assert len(reports) == 2 and all(r.waiting_for_memory for r in reports)
+        assert reports[0].queued_tokens == reports[1].queued_tokens  # no progress, and still reported
+    sessions[1].commit(40, _generated(5, 1))  # its target decodes meanwhile: more to prefill
+    worker.remove(sessions[0])
+    active, _ = worker.pick_work()
+    assert not worker.memory_blocked and sessions[1] in [s for s, _ in active]
+    worker.report_progress()
+    last = [x for x in got[1] if isinstance(x, Progress)][-1]
+    assert not last.waiting_for_memory and last.queued_tokens > 39  # 44 tokens to prefill now

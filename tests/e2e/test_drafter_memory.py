@@ -13,7 +13,11 @@ holds it and the drafter drafts through every request).
     never passes the budget when the queue ends;
   - a generation past its reserve (512 generated tokens) whose growth does not fit: its session
     ends (RESOURCE_EXHAUSTED naming kv_cache_mib, specdec:drafter_kv_overflows_total), and its
-    request, which speculated until then, decodes the rest plainly and exactly.
+    request, which speculated until then, decodes the rest plainly and exactly;
+  - a prompt that waits for memory longer than its gateway's drafter_timeout_s (2 s, a second
+    gateway: the fixture-only setting that makes the wait outlast it) is kept: its drafter
+    reports that it waits (DraftProgress.waiting_for_memory), and once the session holding the
+    memory ends it is prefilled and speculates; its output is exact.
 Before drafter.memory the drafter took up to max_sessions (256) sessions whatever their prompts,
 and a session grew past its reserve unbudgeted: a queue of long prompts, or long generations, ran
 a drafter pod out of memory (docs/design.md, "The drafter's memory").
@@ -22,7 +26,9 @@ a drafter pod out of memory (docs/design.md, "The drafter's memory").
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,6 +56,11 @@ def small(default_services: Services, log_dir: Path) -> Iterator[Services]:
             "drafter", ["--model", "tiny/draft-same", "--threads", "1", "--kv-cache-mib", str(BUDGET_MIB)]
         )
         s.gateways["small"] = s.start_gateway(s.drafters["small"].address, default_services.verifier.address)
+        # the same drafter behind a gateway that drops a silent drafter sooner (2 s, over the
+        # drafter's 1 s between progress reports): a prompt's wait for memory outlasts it
+        s.gateways["short"] = s.start_gateway(
+            s.drafters["small"].address, default_services.verifier.address, ("--drafter-timeout-s", "2")
+        )
         s.ready()
         yield s
     finally:
@@ -130,3 +141,41 @@ def test_the_default_budget_is_found_from_the_memory_the_drafter_may_use(default
         got = scrape(drafter.metrics_port)
         assert got["specdec:drafter_kv_cache_budget_bytes"] >= 256 << 20  # memory.MIN_AUTO_BYTES at least
         assert got.get("specdec:drafter_kv_cache_bytes", 0.0) <= got["specdec:drafter_kv_cache_budget_bytes"]
+
+
+def _until(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Poll `check` (an observable state: a service's metrics) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_prompt_that_waits_for_memory_is_kept_and_speculates_once_admitted(
+    small: Services, tiny_target: Path
+) -> None:
+    """A long generation (a 20-token prompt, 900 tokens: a reserve of ~566 slots, grown to ~954)
+    holds the drafter while a 400-token prompt (a reserve of ~934) waits: together they do not
+    fit the 1,024 tokens. The waiting prompt's target decodes plainly meanwhile, for longer than
+    its gateway's drafter_timeout_s; its drafter reports that it waits, so the gateway keeps it,
+    and once the long generation ends it is prefilled and speculates."""
+    holder_prompt, waiter_prompt = _ids(tiny_target, 20, 9330), _ids(tiny_target, 400, 9331)
+    address = small.gateways["short"].address
+    waits = _drafter(small).get("specdec:drafter_kv_waits_total", 0.0)
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(generate_all, address, [spec(holder_prompt, 900, ignore_eos=True)], 1)
+        # its drafter session is admitted once the drafter holds keys/values (none else runs here)
+        _until(lambda: _drafter(small).get("specdec:drafter_kv_cache_bytes", 0.0) > 0 or holder.done())
+        (waiter,) = generate_all(address, [spec(waiter_prompt, 500, ignore_eos=True)], concurrency=1)
+        (held,) = holder.result()
+    reference = vllm_reference(
+        tiny_target,
+        [
+            {"prompt_token_ids": holder_prompt, "max_tokens": 900, "ignore_eos": True},
+            {"prompt_token_ids": waiter_prompt, "max_tokens": 500, "ignore_eos": True},
+        ],
+    )
+    assert [list(held.token_ids), list(waiter.token_ids)] == reference
+    assert _drafter(small)["specdec:drafter_kv_waits_total"] > waits  # the second prompt waited
+    assert not waiter.stats.drafter_fallback, waiter.stats.fallback_reason
+    assert waiter.stats.drafter_prefill_ms > 0 and waiter.stats.accepted_tokens > 0

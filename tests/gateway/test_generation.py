@@ -206,6 +206,64 @@ def test_a_drafter_reporting_its_prefill_is_not_hung_past_the_deadline() -> None
     assert drafter.written[0].open.report_progress
 
 
+def _waiting(queued: int) -> "pb.DraftResponse":
+    return pb.DraftResponse(progress=pb.DraftProgress(queued_tokens=queued, waiting_for_memory=True))
+
+
+def test_a_drafter_waiting_for_memory_answers_without_progress_and_speculates_once_admitted() -> None:
+    """The drafter's prefill queue waits for memory (drafter.memory): its reports say so and
+    their queued tokens stay or grow (the context grows with the target's tokens). They answer
+    what it owes, for longer than drafter_timeout_s; the first report after the wait is not
+    compared with them; once ready it speculates. None is a violation."""
+
+    async def scenario() -> Generation:
+        verifier, drafter = FakeCall(), FakeCall()
+        r = _generation(verifier, drafter, max_tokens=4, prefill_timeout_s=60.0)
+        run = asyncio.create_task(_collect(r))
+        verifier.responses.put_nowait(_verdict(3, [10]))
+        await _nth_written(drafter, "commit", 1)  # it owes an answer from here
+        drafter.responses.put_nowait(_waiting(900))
+        drafter.responses.put_nowait(_waiting(900))
+        await asyncio.sleep(3 * TIMEOUT_S)  # its wait outlasts drafter_timeout_s (the target decodes meanwhile)
+        verifier.responses.put_nowait(_verdict(4, [11]))
+        await _nth_written(drafter, "commit", 2)
+        drafter.responses.put_nowait(_waiting(901))
+        drafter.responses.put_nowait(_progress(950))  # admitted: prefilling, with more queued than before
+        drafter.responses.put_nowait(_progress(400))
+        drafter.responses.put_nowait(pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=900.0)))
+        drafter.responses.put_nowait(
+            pb.DraftResponse(block=pb.DraftBlock(start_position=5, token_ids=[12, 13], committed_length=5))
+        )
+        await verifier.written_kind("block")
+        verifier.responses.put_nowait(_verdict(5, [12, 13], finish=True, drafted=2, accepted=2))
+        await run
+        return r
+
+    r = asyncio.run(scenario())
+    assert not r.stats.fallback_reason and r.stats.invalid_blocks == 0
+    assert r.stats.num_accepted_tokens == 2
+
+
+def test_a_drafter_waiting_for_memory_at_the_prefill_deadline_falls_back() -> None:
+    async def scenario() -> Generation:
+        verifier, drafter = FakeCall(), FakeCall()
+        r = _generation(verifier, drafter, max_tokens=4, prefill_timeout_s=3 * TIMEOUT_S)
+        run = asyncio.create_task(_collect(r))
+        verifier.responses.put_nowait(_verdict(3, [10]))
+        await _nth_written(drafter, "commit", 1)
+        drafter.responses.put_nowait(_waiting(900))
+        await asyncio.sleep(3 * TIMEOUT_S)  # past the prefill deadline
+        verifier.responses.put_nowait(_verdict(4, [11]))
+        await verifier.written_kind("end")
+        verifier.responses.put_nowait(_verdict(5, [12, 13], finish=True))
+        await run
+        return r
+
+    r = asyncio.run(scenario())
+    assert "still prefilling 0.6 s" in r.stats.fallback_reason
+    assert "900 prompt tokens queued at its latest report, waiting for memory" in r.stats.fallback_reason
+
+
 def test_a_drafter_still_prefilling_at_the_prefill_deadline_falls_back() -> None:
     async def scenario() -> tuple[Generation, float]:
         verifier, drafter = FakeCall(), FakeCall()
