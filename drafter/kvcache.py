@@ -34,12 +34,28 @@ read are the ones DynamicCache would hold, so drafts are unchanged.
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 # Least spare slots a new buffer gets past the tokens it holds (a prefill chunk's worth).
 GROW_SLOTS = 256
+
+
+def buffer_like(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised tensor of `shape` with `like`'s dtype and device. On the CPU its memory
+    is an anonymous mapping of its own (mmap), not the heap's: its pages become resident as the
+    cache fills them, and they go back to the system when the last view of it is freed. From
+    the heap (glibc malloc), a freed cache's buffers stayed resident as holes that later buffers,
+    a little larger as caches grow, could not reuse: the drafter's memory grew past its budget
+    (drafter.memory) as its sessions' caches grew and ended."""
+    if like.device.type != "cpu":
+        return like.new_empty(shape)
+    count = math.prod(shape)
+    mapping = mmap.mmap(-1, max(1, count * like.element_size()))
+    return torch.frombuffer(mapping, dtype=like.dtype, count=count).view(shape)  # keeps the mapping alive
 
 
 class GrowingLayer(DynamicLayer):
@@ -83,8 +99,8 @@ class GrowingLayer(DynamicLayer):
                 capacity = length + adding
             elif self.reserve:  # a step past a reserve its session had no time to grow: little spare room
                 capacity = length + adding + GROW_SLOTS
-            kb = key_states.new_empty(b, heads, capacity, dim)
-            vb = value_states.new_empty(b, heads, capacity, dim)
+            kb = buffer_like(key_states, (b, heads, capacity, dim))
+            vb = buffer_like(value_states, (b, heads, capacity, dim))
             if length:
                 assert self.keys is not None and self.values is not None
                 kb[:, :, :length] = self.keys
