@@ -43,6 +43,10 @@ StepResult = BlockOut | Ready | None
 # --generate`). At this many (the qwen-coder draft: gathered keys/values ~32 MiB a layer) a
 # forward's weight reads still dwarf a split's extra one below ~10 sessions of 3,000 tokens.
 MAX_FORWARD_TOKENS = 32_768
+# Most tokens one batched forward feeds (its rows' new tokens: one a session in steady state, a
+# commit's worth when a session catches up on its target's tokens): the layers' activations, the
+# MLP's above all (~40 KiB a token for the qwen-coder draft), grow with them.
+MAX_FORWARD_NEW = 1024
 
 
 def session_row(session: ModelDraftSession) -> Row:
@@ -133,24 +137,29 @@ def draft_step(
                     on_forward(1)
                 continue
             reads = [len(s.context) * (1 + len(riders[i])) for i, s in zip(members, batch)]  # context tokens read
-            for group in forward_groups(members, reads):
+            fed = [len(s.context) - s.cached + sum(len(r.new) for r in riders[i]) for i, s in zip(members, batch)]
+            for group in forward_groups(members, reads, fed):
                 _forward_group([sessions[i] for i in group], group, riders, results, on_forward)
     return results
 
 
-def forward_groups(members: list[int], tokens: list[int], most: int | None = None) -> list[list[int]]:
+def forward_groups(
+    members: list[int], tokens: list[int], new: list[int], most: int | None = None, most_new: int | None = None
+) -> list[list[int]]:
     """`members` (sessions' indices, in order) in consecutive groups whose `tokens` (each
-    session's context, once per row it adds) sum to `most` (None: MAX_FORWARD_TOKENS) at most,
-    but for a group of one session over it alone: one forward each."""
+    session's context, once per row it adds) sum to `most` (None: MAX_FORWARD_TOKENS) at most and
+    whose `new` (the tokens each feeds) to `most_new` (None: MAX_FORWARD_NEW), but for a group of
+    one session over them alone: one forward each."""
     most = MAX_FORWARD_TOKENS if most is None else most
+    most_new = MAX_FORWARD_NEW if most_new is None else most_new
     groups: list[list[int]] = [[]]
-    total = 0
-    for i, n in zip(members, tokens, strict=True):
-        if groups[-1] and total + n > most:
+    total = fed = 0
+    for i, n, m in zip(members, tokens, new, strict=True):
+        if groups[-1] and (total + n > most or fed + m > most_new):
             groups.append([])
-            total = 0
+            total = fed = 0
         groups[-1].append(i)
-        total += n
+        total, fed = total + n, fed + m
     return groups
 
 

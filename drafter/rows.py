@@ -55,6 +55,13 @@ Segment = tuple[torch.Tensor, torch.Tensor]  # (keys, values) [1, heads, n, dim]
 # --ride 2 --contexts 150,300,600,900`, docs/batched-drafting.md).
 SHARE_MIN = 768
 
+# Most bytes of attention scores (float32) a batched forward's layer computes at once: past it the
+# step's queries are attended in chunks (`_GatheredLayer.attend`). A step's scores are rows x
+# heads x new tokens x keys: 10 sessions of 3,300 tokens that a commit of 300 tokens each
+# catches up would take ~550 MiB a layer, several copies of it at the softmax, and the heap
+# keeps what it held (`python -m benchmarks.forward_memory`, docs/design.md, "A forward's workspace").
+SCORES_BYTES = 64 << 20
+
 
 def _gather(past: Sequence[Sequence[Segment]], padded: int, keys: torch.Tensor, values: torch.Tensor) -> Segment:
     """Each row's segments in order, zero-padded to `padded` slots, then the step's new keys and
@@ -148,8 +155,7 @@ class _GatheredLayer(CacheLayerMixin):
         rest of each row's cache and the new keys are gathered."""
         assert self.batch is not None
         self.new = (keys, values)
-        b, heads, t, dim = query.shape
-        kv = keys.shape[1]
+        b, heads, t, _ = query.shape
         readers: dict[tuple[int, ...], list[int]] = {}  # a first segment (its storage and strides) -> rows reading it
         for i, segments in enumerate(self.past):
             if segments:
@@ -171,9 +177,44 @@ class _GatheredLayer(CacheLayerMixin):
         padded = max(seen)
         gathered_keys, gathered_values = _gather(rest, padded, keys, values)  # [B, kv, padded + T, dim]
         mask = self.batch.mask(seen, padded)  # [B, 1, T, padded + T]
+        # queries in chunks whose scores [B, heads, chunk, keys] (float32) stay under SCORES_BYTES
+        # (each query's softmax is its own: the same attention, less memory at once)
+        widest = padded + t + max((max(lengths) for _, _, lengths in parts), default=0)
+        chunk = max(1, SCORES_BYTES // (b * heads * widest * 4))
+        if chunk >= t:
+            return self._attend_queries(query, gathered_keys, gathered_values, mask, parts, scale)
+        return torch.cat(
+            [
+                self._attend_queries(
+                    query[:, :, t0 : t0 + chunk],
+                    gathered_keys,
+                    gathered_values,
+                    mask[:, :, t0 : t0 + chunk].contiguous(),
+                    parts,
+                    scale,
+                )
+                for t0 in range(0, t, chunk)
+            ],
+            dim=2,
+        )
+
+    def _attend_queries(
+        self,
+        query: torch.Tensor,
+        gathered_keys: torch.Tensor,
+        gathered_values: torch.Tensor,
+        mask: torch.Tensor,
+        parts: list[tuple[list[int], Segment, tuple[int, ...]]],
+        scale: float,
+    ) -> torch.Tensor:
+        """`attend` for some of the step's queries: query [B, heads, t, dim]; the gathered keys and
+        values [B, kv, S, dim] and their mask's rows for these queries [B, 1, t, S]; the parts
+        (rows, their shared segment, each row's length) -> [B, heads, t, dim]."""
+        assert self.batch is not None
         if not parts:
             return grouped_attention(query, gathered_keys, gathered_values, mask, scale)
-        q = query.reshape(b, kv, heads // kv * t, dim)  # [B, kv, group x T, dim]
+        b, heads, t, dim = query.shape
+        q = query.reshape(b, gathered_keys.shape[1], -1, dim)  # [B, kv, group x t, dim]
         lse, out = _partial_attention(q, gathered_keys, gathered_values, mask, scale, t)
         for rows, (k, v), lengths in parts:
             at = torch.tensor(rows, device=q.device)
@@ -181,7 +222,7 @@ class _GatheredLayer(CacheLayerMixin):
             # merge the two softmaxes by their log-sums (each row is in one part at most)
             both = torch.logaddexp(lse[at], part_lse)
             out[at] = out[at] * torch.exp(lse[at] - both) + part_out * torch.exp(part_lse - both)
-        return out.to(values.dtype).view(b, heads, t, dim)
+        return out.to(gathered_values.dtype).view(b, heads, t, dim)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -361,6 +402,14 @@ def forward(
         )
     finally:
         config._attn_implementation = attention
+    # the views of the rows' caches as they were go before the new keys are appended: an append
+    # that outgrows a cache's buffer moves it to a larger one, and the old one is freed only once
+    # nothing views it (held here, every row's old buffers stayed until the last row's append:
+    # a group's caches twice over at once)
+    del segments
+    for gathered in cache.layers:
+        assert isinstance(gathered, _GatheredLayer)
+        gathered.past = []
     for i, (r, new) in enumerate(zip(rows, news)):
         for layer, gathered in enumerate(cache.layers):
             assert isinstance(gathered, _GatheredLayer) and gathered.new is not None

@@ -105,10 +105,12 @@ def grouped_attention(
     kv = key.shape[1]
     group = heads // kv  # head h uses KV head h // group
     q = query.reshape(b, kv, group * t, dim)  # [B, kv, group * T, dim]
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [B, kv, group * T, S]
+    # in place where that is the same arithmetic: one tensor of scores fewer at a time (a
+    # batched forward's scores are its largest tensors)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float().mul_(scale)  # [B, kv, group * T, S]
     if mask is not None:
         s = scores.shape[-1]
-        scores = (scores.view(b, kv, group, t, s) + mask[:, :, None].float()).view(b, kv, group * t, s)
+        scores.view(b, kv, group, t, s).add_(mask[:, :, None].float())
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     return torch.matmul(probs, value).view(b, heads, t, dim)
 

@@ -139,9 +139,12 @@ def test_batched_drafts_equal_serial_drafts(model: torch.nn.Module, temperature:
 
 
 def test_a_steps_sessions_split_into_forwards_that_read_at_most_the_cap() -> None:
-    assert batch.forward_groups([0, 1, 2, 3], [10, 20, 30, 40], most=50) == [[0, 1], [2], [3]]
-    assert batch.forward_groups([5], [100], most=50) == [[5]]  # a session over the cap alone: its own forward
-    assert batch.forward_groups([0, 1], [10, 20]) == [[0, 1]]  # MAX_FORWARD_TOKENS
+    ones = [1, 1, 1, 1]
+    assert batch.forward_groups([0, 1, 2, 3], [10, 20, 30, 40], ones, most=50) == [[0, 1], [2], [3]]
+    assert batch.forward_groups([5], [100], [1], most=50) == [[5]]  # a session over the cap alone: its own forward
+    assert batch.forward_groups([0, 1], [10, 20], [1, 1]) == [[0, 1]]  # MAX_FORWARD_TOKENS
+    # the tokens fed too: a commit's catch-up is a forward's activations
+    assert batch.forward_groups([0, 1, 2], [10, 10, 10], [300, 300, 5], most_new=400) == [[0], [1, 2]]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
@@ -207,15 +210,19 @@ def test_a_batched_row_equals_a_single_forward(model: torch.nn.Module, kind: str
             torch.testing.assert_close(la.values, lb.values, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("scores_bytes", [rows.SCORES_BYTES, 1], ids=["all-queries", "one-query-at-a-time"])
 @pytest.mark.parametrize("share_min", [0, rows.SHARE_MIN, None], ids=["shared", "default", "gathered"])
 def test_rows_reading_one_cache_equal_their_own_forwards(
-    model: torch.nn.Module, share_min: int | None, monkeypatch: pytest.MonkeyPatch
+    model: torch.nn.Module, share_min: int | None, scores_bytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rows that read one session's cache up to different positions (branch rows: the cache's
     prefix, then keys of their own; a row reading all of it; the session's own row) beside a row
     with a cache of its own, ragged new tokens: each row's logits are its own serial forward's,
-    whether the shared prefix is attended where it lies or gathered per row; and the lean forward
-    reads it in one part for the rows that share it, at the default only from SHARE_MIN tokens."""
+    whether the shared prefix is attended where it lies or gathered per row, and whether the
+    lean forward attends the step's queries all at once or in chunks (rows.SCORES_BYTES: here one
+    query at a time); and the lean forward reads the prefix in one part for the rows that share
+    it, at the default only from SHARE_MIN tokens."""
+    monkeypatch.setattr(rows, "SCORES_BYTES", scores_bytes)
     assert rows.SHARE_MIN > 40  # this test's prefix: the default gathers it
     context = [(7 * j + 3) % VOCAB for j in range(40)]
     other = [(5 * j + 1) % VOCAB for j in range(12)]
@@ -264,7 +271,9 @@ def test_rows_reading_one_cache_equal_their_own_forwards(
     assert [len(r.cache.layers[0].keys[0, 0]) for r in batch_rows] == [32, 4, 2, 4, 12]  # the new keys appended
     layers = int(model.config.num_hidden_layers)
     if isinstance(model, LeanDecoder) and share_min == 0:
-        assert parts == [0, 4] * layers  # per layer: the gathered rest, then the 4 rows reading the session's cache
+        chunks = 4 if scores_bytes == 1 else 1  # one query at a time: the 4 new slots
+        # per layer (and chunk of queries): the gathered rest, then the 4 rows reading the session's cache
+        assert parts == [0, 4] * layers * chunks
     else:
         assert parts == []  # gathered whole (transformers' forward: always; the default: a prefix this short)
 
