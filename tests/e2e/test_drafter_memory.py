@@ -14,10 +14,11 @@ holds it and the drafter drafts through every request).
   - a generation past its reserve (512 generated tokens) whose growth does not fit: its session
     ends (RESOURCE_EXHAUSTED naming kv_cache_mib, specdec:drafter_kv_overflows_total), and its
     request, which speculated until then, decodes the rest plainly and exactly;
-  - a prompt that waits for memory longer than its gateway's drafter_timeout_s (2 s, a second
-    gateway: the fixture-only setting that makes the wait outlast it) is kept: its drafter
-    reports that it waits (DraftProgress.waiting_for_memory), and once the session holding the
-    memory ends it is prefilled and speculates; its output is exact.
+  - a prompt that waits for memory longer than its gateway's drafter_timeout_s (a second drafter,
+    of 8 MiB, behind a gateway with drafter_timeout_s 2 s: the fixture-only settings that make
+    the wait outlast it) is kept: its drafter reports that it waits
+    (DraftProgress.waiting_for_memory), and once the session holding the memory ends it is
+    prefilled and speculates; its output is exact.
 Before drafter.memory the drafter took up to max_sessions (256) sessions whatever their prompts,
 and a session grew past its reserve unbudgeted: a queue of long prompts, or long generations, ran
 a drafter pod out of memory (docs/design.md, "The drafter's memory").
@@ -26,15 +27,19 @@ a drafter pod out of memory (docs/design.md, "The drafter's memory").
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 from conftest import Services, vllm_reference
 from gen import generate_all, scrape, spec
 from transformers import AutoTokenizer
+
+from specdec.wire import pb, rpc
 
 BUDGET_MIB = 2  # 1,024 tokens
 QUEUED = 6
@@ -43,6 +48,11 @@ OVER_TOKENS = 1100  # over the 1,024 tokens alone
 MAX_TOKENS = 32
 # a reserve of 400 + 512 + window + 1 <= 946 tokens fits; 700 generated tokens need up to 1,134
 LONG_PROMPT, LONG_MAX_TOKENS = 400, 700
+ROOMY_MIB = 8  # 4,096 tokens
+# a session of 3,600 prompt tokens (a reserve of 3,675 with max_tokens 64) leaves less than a
+# 20-token prompt's reserve (20 + 512 + window + 1), whose 2,000 tokens then fit alone (<= 2,054)
+HOLDER_TOKENS, WAITER_TOKENS, WAITER_MAX_TOKENS = 3600, 20, 2000
+DRAFTER_TIMEOUT_S = 2.0  # the "short" gateway's
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +66,14 @@ def small(default_services: Services, log_dir: Path) -> Iterator[Services]:
             "drafter", ["--model", "tiny/draft-same", "--threads", "1", "--kv-cache-mib", str(BUDGET_MIB)]
         )
         s.gateways["small"] = s.start_gateway(s.drafters["small"].address, default_services.verifier.address)
-        # the same drafter behind a gateway that drops a silent drafter sooner (2 s, over the
-        # drafter's 1 s between progress reports): a prompt's wait for memory outlasts it
+        # a drafter of 8 MiB (4,096 tokens) behind a gateway that drops a silent drafter sooner
+        # (2 s, over the drafter's 1 s between progress reports): a prompt's wait for memory
+        # outlasts it (test_a_prompt_that_waits_for_memory_is_kept_and_speculates_once_admitted)
+        s.drafters["roomy"] = s._start(
+            "drafter", ["--model", "tiny/draft-same", "--threads", "1", "--kv-cache-mib", str(ROOMY_MIB)]
+        )
         s.gateways["short"] = s.start_gateway(
-            s.drafters["small"].address, default_services.verifier.address, ("--drafter-timeout-s", "2")
+            s.drafters["roomy"].address, default_services.verifier.address, ("--drafter-timeout-s", "2")
         )
         s.ready()
         yield s
@@ -154,28 +168,37 @@ def _until(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
 def test_a_prompt_that_waits_for_memory_is_kept_and_speculates_once_admitted(
     small: Services, tiny_target: Path
 ) -> None:
-    """A long generation (a 20-token prompt, 900 tokens: a reserve of ~566 slots, grown to ~954)
-    holds the drafter while a 400-token prompt (a reserve of ~934) waits: together they do not
-    fit the 1,024 tokens. The waiting prompt's target decodes plainly meanwhile, for longer than
-    its gateway's drafter_timeout_s; its drafter reports that it waits, so the gateway keeps it,
-    and once the long generation ends it is prefilled and speculates."""
-    holder_prompt, waiter_prompt = _ids(tiny_target, 20, 9330), _ids(tiny_target, 400, 9331)
-    address = small.gateways["short"].address
-    waits = _drafter(small).get("specdec:drafter_kv_waits_total", 0.0)
-    with ThreadPoolExecutor(1) as pool:
-        holder = pool.submit(generate_all, address, [spec(holder_prompt, 900, ignore_eos=True)], 1)
-        # its drafter session is admitted once the drafter holds keys/values (none else runs here)
-        _until(lambda: _drafter(small).get("specdec:drafter_kv_cache_bytes", 0.0) > 0 or holder.done())
-        (waiter,) = generate_all(address, [spec(waiter_prompt, 500, ignore_eos=True)], concurrency=1)
-        (held,) = holder.result()
+    """A session opened on the drafter directly (a 3,600-token prompt, never committed: another
+    gateway's request queued at its target) holds the 8 MiB drafter while a request's prompt
+    waits for memory behind it. The request's target decodes plainly meanwhile; the test keeps
+    the session open until drafter_timeout_s + 1.5 s have passed since the request's prompt
+    waited (the wait must outlast the timeout, so this is the scenario's length, not a
+    synchronisation), then ends it. The waiting drafter reported that it waits, so its gateway
+    kept it: once admitted it is prefilled and speculates, and the output is exact. Before
+    DraftProgress.waiting_for_memory the gateway dropped it at 2 s."""
+    drafter = small.drafters["roomy"]
+    holder, waiter_prompt = _ids(tiny_target, HOLDER_TOKENS, 9330), _ids(tiny_target, WAITER_TOKENS, 9331)
+    waits = scrape(drafter.metrics_port).get("specdec:drafter_kv_waits_total", 0.0)
+    release = threading.Event()
+
+    def holder_stream() -> Iterator[pb.DraftRequest]:
+        opened = pb.DraftOpen(prompt_token_ids=holder, gamma=4, sampling=pb.SamplingParams(max_tokens=64))
+        yield pb.DraftRequest(open=opened)
+        release.wait(120)  # the stream stays open until the test ends the session
+
+    with grpc.insecure_channel(drafter.address) as channel, ThreadPoolExecutor(2) as pool:
+        held = pool.submit(lambda: list(rpc.DrafterServiceStub(channel).Draft(holder_stream())))
+        _until(lambda: scrape(drafter.metrics_port).get("specdec:drafter_kv_cache_bytes", 0.0) > 0)  # admitted
+        spec_ = spec(waiter_prompt, WAITER_MAX_TOKENS, ignore_eos=True)
+        waiter_call = pool.submit(generate_all, small.gateways["short"].address, [spec_], 1)
+        _until(lambda: scrape(drafter.metrics_port)["specdec:drafter_kv_waits_total"] > waits)  # the prompt waits
+        time.sleep(DRAFTER_TIMEOUT_S + 1.5)  # the wait's length (see the docstring)
+        release.set()
+        (waiter,) = waiter_call.result()
+        held.result()
     reference = vllm_reference(
-        tiny_target,
-        [
-            {"prompt_token_ids": holder_prompt, "max_tokens": 900, "ignore_eos": True},
-            {"prompt_token_ids": waiter_prompt, "max_tokens": 500, "ignore_eos": True},
-        ],
+        tiny_target, [{"prompt_token_ids": waiter_prompt, "max_tokens": WAITER_MAX_TOKENS, "ignore_eos": True}]
     )
-    assert [list(held.token_ids), list(waiter.token_ids)] == reference
-    assert _drafter(small)["specdec:drafter_kv_waits_total"] > waits  # the second prompt waited
+    assert [list(waiter.token_ids)] == reference
     assert not waiter.stats.drafter_fallback, waiter.stats.fallback_reason
     assert waiter.stats.drafter_prefill_ms > 0 and waiter.stats.accepted_tokens > 0
