@@ -1,11 +1,12 @@
 """What the drafter's batched forwards take past its sessions' keys/values: the peak resident
-memory of the draft worker's steps over many long sessions, with and without the cap on the
-context tokens one forward reads (drafter.batch.MAX_FORWARD_TOKENS).
+memory of the draft worker's steps over many long sessions, with and without the bounds on a
+forward's workspace (drafter.batch.MAX_FORWARD_TOKENS and MAX_FORWARD_NEW, drafter.rows.SCORES_BYTES).
 
     python -m benchmarks.forward_memory [--models qwen-coder] [--sessions 38] [--tokens 3000]
-        [--caps 0,32768] [--commit-tokens 32] [--ride 2] [--out forward-memory.json]
+        [--modes uncapped,default] [--commit-tokens 32] [--ride 2] [--out forward-memory.json]
 
-Per cap (0: none, every session of a step in one forward), a process of its own loads the draft
+Per mode (`uncapped`: the three bounds lifted, every session of a step in one forward and every
+query at once; `default`: as the drafter runs), a process of its own loads the draft
 as the drafter does by default (quantisation, the lean forward; two torch threads), makes
 `--sessions` sessions whose caches already hold `--tokens` cached tokens each (random keys and
 values: what a forward's workspace costs depends on their number, not their values), with
@@ -16,7 +17,7 @@ forward). It reports the resident memory at the start, the peak over it (VmHWM),
 over it at the end, and the steps' time.
 
 Why it matters: the sessions' keys/values have a budget (drafter.memory), the forward's
-workspace does not. Before the cap, 38 sessions of 3,000 tokens took the process 1,755 MiB
+workspace does not. Without the bounds, 38 sessions of 3,000 tokens took the process ~1.7 GiB
 past its resident size, more than the budget leaves, and a drafter in the shipped pod's 6 GiB
 was killed with its keys/values within budget (`python -m benchmarks.drafter_memory --generate`).
 """
@@ -46,9 +47,9 @@ def _status_mib(field: str) -> float:
     return int(match.group(1)) / 1024
 
 
-def measure(models: str, sessions: int, tokens: int, cap: int, commit_tokens: int, ride: int) -> dict[str, Any]:
+def measure(models: str, sessions: int, tokens: int, mode: str, commit_tokens: int, ride: int) -> dict[str, Any]:
     """One configuration, in this process (see the module docstring)."""
-    from drafter import batch, memory
+    from drafter import batch, memory, rows
     from drafter.kvcache import GrowingCache
     from drafter.server import DraftWorker
     from drafter.sessions import ModelDraftSession
@@ -56,10 +57,8 @@ def measure(models: str, sessions: int, tokens: int, cap: int, commit_tokens: in
     from specdec.models import load_causal_lm
     from specdec.models.device import draft_placement
 
-    if cap > 0:
-        batch.MAX_FORWARD_TOKENS = cap
-    else:
-        batch.MAX_FORWARD_TOKENS = 1 << 62  # none: every session of a step in one forward
+    if mode == "uncapped":  # every session of a step in one forward, every query at once
+        batch.MAX_FORWARD_TOKENS = batch.MAX_FORWARD_NEW = rows.SCORES_BYTES = 1 << 62
     torch.set_num_threads(2)
     cfg = DrafterConfig(model=PAIRS[models].draft)
     placement = draft_placement(cfg.device, cfg.dtype, cfg.quantize)
@@ -107,7 +106,7 @@ def measure(models: str, sessions: int, tokens: int, cap: int, commit_tokens: in
             s.commit(s.committed, [12 + r + j for j in range(commit_tokens)])
         steps(6)
     return {
-        "cap": cap,
+        "mode": mode,
         "resident_mib": round(start),
         "peak_over_mib": round(_status_mib("VmHWM") - start),
         "left_over_mib": round(_status_mib("VmRSS") - start),
@@ -121,10 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="qwen-coder", choices=sorted(PAIRS))
     ap.add_argument("--sessions", type=int, default=38)
     ap.add_argument("--tokens", type=int, default=3000, help="cached tokens per session")
-    ap.add_argument("--caps", default="0,32768", help="context tokens a forward reads at most, per run (0: no cap)")
+    ap.add_argument("--modes", default="uncapped,default", help="uncapped: the forward's bounds lifted")
     ap.add_argument("--commit-tokens", type=int, default=32)
     ap.add_argument("--ride", type=int, default=2, help="riding branch rows per session (the drafter's default)")
-    ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: measure this cap
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: measure this mode
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     shape = (args.models, args.sessions, args.tokens)
@@ -132,23 +131,19 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(*shape, args.one, args.commit_tokens, args.ride)))
         return
     results = []
-    for cap in (int(c) for c in args.caps.split(",")):
-        cmd = [sys.executable, "-m", "benchmarks.forward_memory", "--one", str(cap)]
+    for mode in args.modes.split(","):
+        cmd = [sys.executable, "-m", "benchmarks.forward_memory", "--one", mode]
         cmd += ["--models", args.models, "--sessions", str(args.sessions), "--tokens", str(args.tokens)]
         cmd += ["--commit-tokens", str(args.commit_tokens), "--ride", str(args.ride)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps(results[-1]), flush=True)
     print(f"\n{args.sessions} sessions of {args.tokens} cached tokens, riding rows {args.ride} ({args.models} draft)\n")
-    print(
-        "| cap (tokens a forward reads) | resident at the start MiB | peak over it MiB | left over it MiB | seconds |"
-    )
+    print("| mode | resident at the start MiB | peak over it MiB | left over it MiB | seconds |")
     print("| --- | --- | --- | --- | --- |")
     for r in results:
-        capped = "none" if r["cap"] <= 0 else f"{r['cap']:,}"
-        print(
-            f"| {capped} | {r['resident_mib']:,} | {r['peak_over_mib']:,} | {r['left_over_mib']:,} | {r['seconds']} |"
-        )
+        sizes = f"{r['resident_mib']:,} | {r['peak_over_mib']:,} | {r['left_over_mib']:,}"
+        print(f"| {r['mode']} | {sizes} | {r['seconds']} |")
     if args.out:
         args.out.write_text(
             json.dumps(

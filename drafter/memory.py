@@ -45,7 +45,7 @@ Terms:
                  admitted and prefilled (before, a waiting session sent nothing, and its gateway
                  dropped it at drafter_timeout_s: its request never speculated)
     auto         the default budget (kv_cache_mib 0), `auto_budget`: on CUDA, AUTO_SHARE of the
-                 device memory free once the model is loaded; on the CPU, AUTO_SHARE of the
+                 device memory free once the model is loaded; on the CPU, AUTO_SHARE_CGROUP of the
                  memory limit of this process's cgroup (a Kubernetes pod's or a container's
                  memory limit) less what the process holds once loaded; with no limit, a
                  quarter of the host's memory (the drafter shares the host with a verifier).
@@ -64,9 +64,16 @@ import torch
 # context's limit (vLLM's default), and few generations come near it; one that passes its
 # reserve grows its cache and is counted at its size.
 DECODE_RESERVE = 512
-# Share of the memory found free (CUDA) or allowed (a cgroup's limit) that the budget may take:
-# the rest is the forward's activations, the process's allocations and the allocator's slack.
+# Share of the memory found free (CUDA) that the budget may take: the rest is the forward's
+# activations and the caching allocator's slack.
 AUTO_SHARE = 0.85
+# Share of a cgroup's memory limit (the CPU) that what the loaded process holds, the budget and
+# the prefix cache's budget may take together: the rest is the batched forwards' workspace and
+# what glibc's heap keeps of it, which is not the sessions' keys/values. Measured: 39 sessions of
+# 3,000 tokens catching up 32-token commits took the heap from 1,325 to 3,466 MiB (workspace tensors
+# of drifting sizes fragment it), and at 0.85 the drafter was killed in the shipped 6 GiB pod
+# (`python -m benchmarks.drafter_memory --generate 1536 --start-after 420 --prompts 44`).
+AUTO_SHARE_CGROUP = 0.6
 # Least auto budget: room for a few prompts even where the limit leaves less (its log line says so).
 MIN_AUTO_BYTES = 256 << 20
 # A cgroup limit at or above this is no limit (cgroup v1 writes 2^63 rounded to pages).
@@ -169,8 +176,8 @@ def auto_budget(
     else:
         cap, held = limit(), _resident_bytes(statm)
         if cap is not None:
-            budget = int(cap * AUTO_SHARE) - held - other_bytes
-            how = f"{AUTO_SHARE:.0%} of the cgroup's {cap >> 20} MiB limit, less {held >> 20} MiB held"
+            budget = int(cap * AUTO_SHARE_CGROUP) - held - other_bytes
+            how = f"{AUTO_SHARE_CGROUP:.0%} of the cgroup's {cap >> 20} MiB limit, less {held >> 20} MiB held"
         else:
             total = _meminfo_total(meminfo)
             budget, how = total // 4 - other_bytes, f"a quarter of the host's {total >> 20} MiB (no cgroup limit)"

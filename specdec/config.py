@@ -237,7 +237,7 @@ class DrafterConfig(TransportConfig):
     kv_cache_mib: int = setting(
         0,
         "MiB of draft keys/values the live sessions may hold (0: auto, from the memory this process may "
-        "use: 85% of its cgroup's limit, a Kubernetes pod's, less what the loaded model holds; 85% of the "
+        "use: 60% of its cgroup's limit, a Kubernetes pod's, less what the loaded model holds; 85% of the "
         "free memory on CUDA; a quarter of the host's memory with no limit; less prefix_cache_mib). A "
         "prompt's prefill starts when its keys/values (prompt, up to 512 generated tokens, drafts) fit; "
         "until then it waits, in arrival order. A generation past its 512 tokens grows its keys/values within "

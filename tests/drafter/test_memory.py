@@ -83,7 +83,7 @@ def test_the_auto_budget_takes_a_share_of_the_limit_less_what_the_process_holds(
     _write(meminfo, f"MemTotal:       {24 << 20} kB\nMemFree: 1 kB\n")  # 24 GiB
     cpu = torch.device("cpu")
     budget, how = memory.auto_budget(cpu, 512 << 20, lambda: 6 << 30, meminfo, statm)
-    assert budget == int((6 << 30) * memory.AUTO_SHARE) - (1 << 30) - (512 << 20)
+    assert budget == int((6 << 30) * memory.AUTO_SHARE_CGROUP) - (1 << 30) - (512 << 20)
     assert "cgroup" in how and "prefix cache" in how
     budget, how = memory.auto_budget(cpu, 0, lambda: None, meminfo, statm)  # no limit: a quarter of the host
     assert budget == 6 << 30 and "quarter" in how
