@@ -23,8 +23,10 @@ not), and keeps its stream open until the run ends, as a request still being ser
 after the drafter has prefilled the queue is a drafter whose prefill is fast beside its targets'
 decoding (a GPU's): every session it admitted grows at once. The
 sessions' keys/values grow past what a prompt reserves (512 generated tokens). A stream is done
-once it has committed its N tokens; the run ends at the first sample after every stream is done
-or has failed, or when the drafter has died.
+once it has committed its N tokens and, if its drafter drafts for it, the drafter has applied
+them (`applied` in the samples: per stream, where its latest block starts past the prompt); the
+run ends at the first sample after every stream is done or has failed, when nothing moved for
+`--idle` s, or when the drafter has died.
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ async def queue(
     ready: set[int] = set()
     finished: set[int] = set()  # --generate: committed every token
     generated: dict[int, int] = {}
+    reached: dict[int, int] = {}  # --generate: of a ready stream's commits, the tokens its drafter applied
     errors: dict[int, str] = {}
     samples: list[dict[str, Any]] = []
     async with grpc.aio.insecure_channel(svc.address) as channel:
@@ -183,6 +186,8 @@ async def queue(
                 async for reply in stub.Draft(requests()):
                     if reply.HasField("ready"):
                         ready.add(i)
+                    elif reply.HasField("block"):  # drafts after what the drafter has applied of the commits
+                        reached[i] = max(reached.get(i, 0), reply.block.start_position - len(prompts[i]))
             except grpc.aio.AioRpcError as err:
                 errors[i] = f"{err.code().name}: {err.details()}"
             finally:
@@ -200,12 +205,16 @@ async def queue(
                 sample = {"s": round(now - t0, 1), "ready": len(ready), "errors": len(errors), "rss_mib": rss}
                 if generate:
                     sample.update(finished=len(finished), generated=sum(generated.values()))
+                    sample.update(applied=sum(reached.values()))
                 samples.append(sample | gauges(svc.metrics_port))
                 print(json.dumps(samples[-1]), flush=True)
-                progress = (len(ready), len(errors), sum(generated.values()))
+                progress = (len(ready), len(errors), sum(generated.values()) + sum(reached.values()))
                 if progress != state:
                     state, last_change = progress, now
-                done = len(finished if generate else ready) + len(errors)
+                if generate:  # committed, and applied by its drafter if it drafts for it at all
+                    done = sum(1 for i in finished if i not in ready or reached.get(i, 0) >= generate) + len(errors)
+                else:
+                    done = len(ready) + len(errors)
                 # idle only once a prompt is ready (or failed): a slow first prefill is not idle
                 if rss is None or done == len(prompts) or (done and now - last_change > idle_s):
                     break
@@ -218,6 +227,7 @@ async def queue(
         "ready": len(ready),
         "finished": len(finished),
         "generated": sum(generated.values()),
+        "applied": sum(reached.values()),
         "errors": sorted(set(errors.values()))[:3],
         # ended by the drafter's budget (drafter.memory: its gateway decodes the rest plainly)
         "ended_for_memory": sum(1 for e in errors.values() if e.startswith("RESOURCE_EXHAUSTED")),
