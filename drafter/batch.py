@@ -36,12 +36,13 @@ StepResult = BlockOut | Ready | None
 
 # Most context tokens one batched forward reads (each session's context, once per row: its own
 # and its riding branch rows'); a step whose sessions read more runs several forwards. The
-# forward's workspace (the gathered keys/values and the attention scores, one layer at a time)
-# grows with it, and the memory it leaves in the heap is not the sessions' keys/values budget
-# (drafter.memory): 38 sessions of 3,000 tokens (114,000) in one forward took the process ~1 GB
-# past its resident size and the shipped pod's 6 GiB limit (`python -m benchmarks.drafter_memory
-# --generate`). At this many (the qwen-coder draft: gathered keys/values ~32 MiB a layer) a
-# forward's weight reads still dwarf a split's extra one below ~10 sessions of 3,000 tokens.
+# forward's workspace (the gathered keys/values, the attention scores, the activations, one
+# layer at a time) grows with them, and it is not the sessions' keys/values budget
+# (drafter.memory): 36 sessions of 3,000 tokens catching up 300-token commits peaked 3.2 GiB over
+# their start in forwards without this bound, MAX_FORWARD_NEW and rows.SCORES_BYTES, 1.2 GiB with
+# them (`python -m benchmarks.forward_memory --sessions 36 --commit-tokens 300`). At this many
+# (the qwen-coder draft: gathered keys/values ~32 MiB a layer) a split's extra weight reads are
+# small beside the attention.
 MAX_FORWARD_TOKENS = 32_768
 # Most tokens one batched forward feeds (its rows' new tokens: one a session in steady state, a
 # commit's worth when a session catches up on its target's tokens): the layers' activations, the

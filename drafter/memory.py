@@ -69,10 +69,12 @@ DECODE_RESERVE = 512
 AUTO_SHARE = 0.85
 # Share of a cgroup's memory limit (the CPU) that what the loaded process holds, the budget and
 # the prefix cache's budget may take together: the rest is the batched forwards' workspace and
-# what glibc's heap keeps of it, which is not the sessions' keys/values. Measured: 39 sessions of
-# 3,000 tokens catching up 32-token commits took the heap from 1,325 to 3,466 MiB (workspace tensors
-# of drifting sizes fragment it), and at 0.85 the drafter was killed in the shipped 6 GiB pod
-# (`python -m benchmarks.drafter_memory --generate 1536 --start-after 420 --prompts 44`).
+# what glibc's heap keeps of it, which is not the sessions' keys/values. Measured: 36 sessions of
+# 3,000 tokens catching up 300-token commits peaked 1.2 GiB over their start with a forward's
+# bounds (drafter.batch, drafter.rows), and 0.6-1.1 GiB stayed in the heap (`python -m
+# benchmarks.forward_memory`); at 0.85 the drafter was killed in the shipped 6 GiB pod when its
+# queued prompts' requests generated (`python -m benchmarks.drafter_memory --generate 1536
+# --start-after 420 --prompts 44`).
 AUTO_SHARE_CGROUP = 0.6
 # Least auto budget: room for a few prompts even where the limit leaves less (its log line says so).
 MIN_AUTO_BYTES = 256 << 20

@@ -170,6 +170,18 @@ async def _nth_written(call: FakeCall, kind: str, n: int):
         await call.wrote.wait()
 
 
+async def _ready_then_two_drafts_accepted(verifier: FakeCall, drafter: FakeCall, run: asyncio.Task) -> None:
+    """The drafter (3 prompt tokens, committed up to 5) says `ready` after a 900 ms prefill and
+    sends two drafts at 5; the target accepts both and finishes; the generation ends."""
+    drafter.responses.put_nowait(pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=900.0)))
+    drafter.responses.put_nowait(
+        pb.DraftResponse(block=pb.DraftBlock(start_position=5, token_ids=[12, 13], committed_length=5))
+    )
+    await verifier.written_kind("block")
+    verifier.responses.put_nowait(_verdict(5, [12, 13], finish=True, drafted=2, accepted=2))
+    await run
+
+
 def _progress(queued: int, prefilled: int = 0) -> "pb.DraftResponse":
     return pb.DraftResponse(progress=pb.DraftProgress(prefilled_tokens=prefilled, queued_tokens=queued))
 
@@ -191,13 +203,7 @@ def test_a_drafter_reporting_its_prefill_is_not_hung_past_the_deadline() -> None
         verifier.responses.put_nowait(_verdict(4, [11]))
         await _nth_written(drafter, "commit", 2)
         drafter.responses.put_nowait(_progress(400))
-        drafter.responses.put_nowait(pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=900.0)))
-        drafter.responses.put_nowait(
-            pb.DraftResponse(block=pb.DraftBlock(start_position=5, token_ids=[12, 13], committed_length=5))
-        )
-        await verifier.written_kind("block")
-        verifier.responses.put_nowait(_verdict(5, [12, 13], finish=True, drafted=2, accepted=2))
-        await run
+        await _ready_then_two_drafts_accepted(verifier, drafter, run)
         return r, drafter
 
     r, drafter = asyncio.run(scenario())
@@ -230,13 +236,7 @@ def test_a_drafter_waiting_for_memory_answers_without_progress_and_speculates_on
         drafter.responses.put_nowait(_waiting(901))
         drafter.responses.put_nowait(_progress(950))  # admitted: prefilling, with more queued than before
         drafter.responses.put_nowait(_progress(400))
-        drafter.responses.put_nowait(pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=3, prefill_ms=900.0)))
-        drafter.responses.put_nowait(
-            pb.DraftResponse(block=pb.DraftBlock(start_position=5, token_ids=[12, 13], committed_length=5))
-        )
-        await verifier.written_kind("block")
-        verifier.responses.put_nowait(_verdict(5, [12, 13], finish=True, drafted=2, accepted=2))
-        await run
+        await _ready_then_two_drafts_accepted(verifier, drafter, run)
         return r
 
     r = asyncio.run(scenario())
