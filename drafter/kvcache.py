@@ -124,12 +124,12 @@ class GrowingCache(DynamicCache):
 
     def __init__(self, reserve: int = 0) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
-        # transformers makes each new layer as layer_class_to_replicate(), with no arguments
-        self.layer_class_to_replicate = functools.partial(GrowingLayer, reserve)  # type: ignore[assignment]
+        self.reserve(reserve)
 
     def reserve(self, slots: int) -> None:
         """Make `slots` the size of every layer's next buffer (module's terms: a grown reserve;
         the buffers held now stay until a step passes them)."""
+        # transformers makes each new layer as layer_class_to_replicate(), with no arguments
         self.layer_class_to_replicate = functools.partial(GrowingLayer, slots)  # type: ignore[assignment]
         for layer in self.layers:
             assert isinstance(layer, GrowingLayer)  # the only layers this cache makes

@@ -242,8 +242,9 @@ class DraftWorker(threading.Thread):
         if self.kv_budget is None or session.reserve_slots <= 0:
             session.admitted, session.admission = True, next(self._admissions)
             return True
-        if session.slots_wanted() + session.window > session.reserve_slots:
-            session.grow_reserve(session.slots_wanted() + session.window)
+        whole = session.slots_wanted() + session.window
+        if whole > session.reserve_slots:
+            session.grow_reserve(whole)
         reserve = self.kv_budget.need(session.reserve_slots)
         held = self.kv_held()
         if self.metrics is not None:
@@ -283,15 +284,16 @@ class DraftWorker(threading.Thread):
                 ((s, e) for s, e in self._sessions.values() if s.admitted and s.reserve_slots > 0),
                 key=lambda item: item[0].admission,
             )
-            self._overflow(newest, emit, session, session.reserve_slots, grown)
+            self._overflow(newest, emit, session, grown)
             if newest is session:
                 return
 
-    def _overflow(self, session: DraftSession, emit: Emit, grower: DraftSession, reserve: int, grown: int) -> None:
-        """End `session` for `grower`'s growth from `reserve` to `grown` slots (its own, or an
+    def _overflow(self, session: DraftSession, emit: Emit, grower: DraftSession, grown: int) -> None:
+        """End `session` for `grower`'s growth from its reserve to `grown` slots (its own, or an
         older session's): removed (its keys/values go to the prefix cache), counted, and its
         stream ends with RESOURCE_EXHAUSTED naming the setting. Called with `_cond` held."""
         budget = self.kv_budget
+        reserve = grower.reserve_slots
         assert budget is not None  # only a budget ends sessions
         whose = "its own" if session is grower else "an older session's"
         log.warning(
