@@ -122,8 +122,9 @@ class DraftWorker(threading.Thread):
         self.memory_blocked = False
         self._admissions = itertools.count(1)  # each admitted session's DraftSession.admission
         # called as on_retire(session) on this thread, between steps, for each session its caller
-        # removed (not one removed because its step failed): the servicer's prefix cache keeps its
-        # keys/values (drafter.prefix_cache)
+        # removed (not one removed because its step failed), and for each session it preempts
+        # before letting go of its keys/values: the servicer's prefix cache keeps them
+        # (drafter.prefix_cache)
         self.on_retire = on_retire
         self._retired: list[DraftSession] = []
         self.metrics = metrics
@@ -264,8 +265,10 @@ class DraftWorker(threading.Thread):
     def _grow(self, session: DraftSession) -> None:
         """Grow `session`'s reserve when its next step would hold more than it reserved
         (drafter.memory's growth). When the grown reserve does not fit beside what the others
-        hold, the newest admitted sessions are ended, newest first, until it does; `session`
-        itself when it is the newest. Called with `_cond` held."""
+        hold, the newest admitted sessions make room, newest first, until it does; `session`
+        itself when it is the newest. Each is preempted (`_preempt`) when its caller accepts
+        that and what it must reserve to come back fits the budget at all; else it is ended
+        (`_overflow`). Called with `_cond` held."""
         budget = self.kv_budget
         if budget is None or not session.admitted or session.reserve_slots <= 0:
             return
@@ -284,9 +287,44 @@ class DraftWorker(threading.Thread):
                 ((s, e) for s, e in self._sessions.values() if s.admitted and s.reserve_slots > 0),
                 key=lambda item: item[0].admission,
             )
-            self._overflow(newest, emit, session, grown)
+            comeback = grown if newest is session else newest.reserve_slots  # what it reserves again
+            if newest.accepts_preemption and budget.ever_fits(budget.need(comeback)):
+                if newest is session:
+                    session.grow_reserve(grown)  # admitted again only once its growth fits
+                self._preempt(newest, emit, session)
+            else:
+                self._overflow(newest, emit, session, grown)
             if newest is session:
                 return
+
+    def _preempt(self, session: DraftSession, emit: Emit, grower: DraftSession) -> None:
+        """Preempt `session` for `grower`'s growth (its own, or an older session's): its
+        keys/values go to the prefix cache (`on_retire`), it lets go of them
+        (DraftSession.preempt), it is counted, and a ready session's caller hears it (a
+        `Progress` that says `preempted`, then the waiting reports; no block until its next
+        `Ready`). It waits for admission in arrival order, ahead of the prompts that came after
+        it. Called with `_cond` held."""
+        whose = "its own" if session is grower else "an older session's"
+        log.info(
+            "draft session %d preempted for %s growth past %d reserved tokens; it prefills again when it fits",
+            id(session),
+            whose,
+            grower.reserve_slots,
+        )
+        if self.on_retire is not None:
+            try:
+                self.on_retire(session)
+            except Exception:  # noqa: BLE001 - the kept keys/values are an optimisation: it prefills anyway
+                log.exception("keeping a preempted draft session's keys/values failed")
+        with session.lock:  # a commit applying holds it; the worker is between steps
+            was_ready = session.ready
+            session.preempt()
+        if self.metrics is not None:
+            self.metrics.kv_preemptions.inc()
+            self.metrics.kv_cache_bytes.set(self.kv_held())
+        if was_ready:
+            session.progress_at = time.monotonic()
+            emit(Progress(0, session.prefill_left(), waiting_for_memory=True, preempted=True))
 
     def _overflow(self, session: DraftSession, emit: Emit, grower: DraftSession, grown: int) -> None:
         """End `session` for `grower`'s growth from its reserve to `grown` slots (its own, or an
@@ -546,6 +584,8 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         session.flush_ms = self.cfg.flush_ms
         session.prefill_chunk = self.cfg.prefill_chunk
         session.report_progress = req.report_progress
+        # a preemption is announced in a progress report: only to a caller that reads them
+        session.accepts_preemption = req.accepts_preemption and req.report_progress
         session.cache_scope = req.cache_scope
         session.step_hooks = self.step_hooks  # shared: a hook appended later reaches running sessions
         return session
@@ -586,11 +626,13 @@ class DrafterServicer(rpc.DrafterServiceServicer):
         )
 
     def _find_prefix(self, session: ModelDraftSession) -> Prefix | None:
-        """The longest run of keys/values that `session`'s prompt starts with, held by the prefix
-        cache or by another session's prompt (one still drafting, prefilling, or ended and not
-        retired yet: a chat's previous turn as its next one opens; prompts of a queue that share a
-        system prompt). Asked by the session's first prefill step, on the worker's thread."""
-        prompt = np.asarray(session.context[: session.prompt_len], dtype=np.int64)  # once, not per session
+        """The longest run of keys/values that `session`'s context starts with (its prompt, and
+        the target's tokens committed before its prefill began), held by the prefix cache or by
+        another session's prompt (one still drafting, prefilling, or ended and not retired yet: a
+        chat's previous turn as its next one opens; prompts of a queue that share a system prompt;
+        a preempted session's own keys/values as it comes back). Asked by each prefill's first
+        step, on the worker's thread."""
+        prompt = np.asarray(session.context, dtype=np.int64)  # once, not per session (a commit replaces the list)
         best = self.prefix_cache.lookup(prompt, session.cache_scope)
         for other in self.worker.sessions():
             if other is session or not isinstance(other, ModelDraftSession) or other.model is not session.model:
@@ -720,8 +762,11 @@ class DrafterServicer(rpc.DrafterServiceServicer):
                         prefilled_tokens=item.prefilled_tokens,
                         queued_tokens=item.queued_tokens,
                         waiting_for_memory=item.waiting_for_memory,
+                        preempted=item.preempted,
                     )
                     await context.write(pb.DraftResponse(progress=progress))
+                    if item.preempted:
+                        span.add_event("preempted", {"specdec.prefill_tokens": item.queued_tokens})  # to prefill again
                     continue
                 sequence += 1
                 await context.write(pb.DraftResponse(block=_block_pb(item, sequence)))

@@ -9,7 +9,11 @@ Terms:
     prefill     feeding the prompt through the draft model, in chunks of `prefill_chunk`
                 tokens, from `open` on: it runs while the target is queued and prefills,
                 so the first draft needs one draft step after the first commit
-    ready       the prefill is done; announced once (a `Ready`), before any block
+    ready       the prefill is done; announced (a `Ready`) before any block, and again after
+                each preemption
+    preempted   (drafter.memory) the worker let go of the session's model state for an older
+                session's keys/values (`preempt`): its context is cut to what is committed, and
+                it waits for admission and prefills that context again, as a new prompt does
     progress    until then, on request (`report_progress`), a `Progress` now and then: the
                 drafter's worker prefills prompts in arrival order and reports, to each
                 session still waiting, the prompt tokens left before it is ready
@@ -124,6 +128,7 @@ class Progress:
     prefilled_tokens: int  # this session's prompt tokens in the draft model's cache
     queued_tokens: int  # prompt tokens to prefill before it is ready: its rest and the sessions' ahead of it
     waiting_for_memory: bool = False
+    preempted: bool = False  # the first report after the session was preempted (DraftProgress.preempted)
 
 
 @dataclass
@@ -172,6 +177,9 @@ class DraftSession:
         self.kv_waited = False  # its prefill waited for the budget (counted once)
         self.cache_scope = ""  # DraftOpen.cache_scope: whose keys/values it may reuse (drafter.prefix_cache)
         self.report_progress = False  # the caller reads `Progress` (DraftOpen.report_progress)
+        # the caller handles a preemption (DraftOpen.accepts_preemption); else memory ends the session
+        self.accepts_preemption = False
+        self.preemptions = 0  # times the worker preempted it (see the module's terms)
         self.progress_at: float | None = None  # monotonic time of the latest `Progress` sent (None: none yet)
         self.progress_queued: int | None = None  # ... and its queued_tokens (None: none sent yet)
         self.exhausted = False  # the method has nothing more to propose for this context
@@ -564,6 +572,25 @@ class DraftSession:
         """Reserve `slots` (drafter.memory's growth; the worker checked they fit the budget)."""
         self.reserve_slots = slots
 
+    def preempt(self) -> None:
+        """Let go of the model state (see the module's terms): the context is cut to what is
+        committed (drafts past it are unverified), pending drafts and branches are dropped, and
+        the session is neither ready nor admitted, so the worker admits it again, in arrival
+        order, when its reserve fits, and prefills the committed context. Call with the lock
+        held, after taking what the prefix cache keeps of it."""
+        self.context = self.context[: self.committed]  # replaced, not cut in place (prompt_prefix reads it unlocked)
+        self.sent = self.committed
+        self._pending.clear()
+        self._resend = False
+        self._drafted.clear()
+        self._branches.clear()
+        self._branch_job = None
+        self.exhausted = False
+        self.ready = self.admitted = self.kv_waited = False
+        self.prefill_ms, self.reused_tokens = 0.0, 0
+        self.progress_at = self.progress_queued = None
+        self.preemptions += 1
+
     def close(self) -> None:
         self.closed = True
 
@@ -640,7 +667,8 @@ class ModelDraftSession(DraftSession):
         self.reserve_slots = reserve_slots  # (DraftSession's)
         self.cache = GrowingCache(reserve_slots)  # a DynamicCache that appends in place (drafter.kvcache)
         self.cached = 0
-        self._prefixes = prefixes  # None once asked (the first prefill step)
+        self._find_prefix = prefixes
+        self._prefixes = prefixes  # None once asked (each prefill's first step)
         self.temperature = temperature
         self.top_k = top_k
         self.top_p = top_p
@@ -710,6 +738,13 @@ class ModelDraftSession(DraftSession):
 
     def kv_bytes(self) -> int:
         return self.cache.nbytes()
+
+    def preempt(self) -> None:
+        from drafter.kvcache import GrowingCache
+
+        super().preempt()
+        # the prefix cache holds the old buffers' views when it kept them; the prefill asks it again
+        self.cache, self.cached, self._prefixes = GrowingCache(self.reserve_slots), 0, self._find_prefix
 
     def grow_reserve(self, slots: int) -> None:
         super().grow_reserve(slots)

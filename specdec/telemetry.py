@@ -424,6 +424,11 @@ class DrafterMetrics:
                                         sessions ended because their keys/values outgrew their
                                         reserve with no room left in the budget (their requests
                                         decode the rest plainly; drafter.memory's growth)
+        specdec:drafter_kv_preemptions_total
+                                        sessions preempted for room instead: their keys/values
+                                        went to the prefix cache, and they were admitted and
+                                        prefilled again when they fit (their requests decoded
+                                        plainly meanwhile; drafter.memory's growth)
 
     Batch rows: the draft worker's step drafts one token for each session that has one to
     make; with batch_drafts those rows share one forward (drafter.batch), which is observed
@@ -535,6 +540,11 @@ class DrafterMetrics:
         self.kv_overflows = Counter(
             "specdec:drafter_kv_overflows",
             "Sessions ended because their keys/values outgrew their reserve with no room in the budget",
+            registry=registry,
+        )
+        self.kv_preemptions = Counter(
+            "specdec:drafter_kv_preemptions",
+            "Sessions preempted to make room for an older session's keys/values, prefilled again when they fit",
             registry=registry,
         )
 

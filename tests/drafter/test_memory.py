@@ -5,15 +5,18 @@ that generates past its reserve growing it within the budget, or ending."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import model_variants
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
 from drafter import memory
 from drafter.kvcache import GrowingCache
+from drafter.prefix_cache import PrefixCache
 from drafter.server import DraftWorker, Emit
 from drafter.sessions import DraftSession, ModelDraftSession, NgramDraftSession, Progress, Ready
 from specdec import telemetry
@@ -99,7 +102,11 @@ def _small_model() -> torch.nn.Module:
 SMALL_TOKEN_BYTES = 2 * 2 * 2 * 16 * 4
 
 
-def _session(model: torch.nn.Module, prompt_len: int, seed: int, max_tokens: int = 8) -> ModelDraftSession:
+def _session(
+    model: torch.nn.Module, prompt_len: int, seed: int, max_tokens: int = 8, prefixes: PrefixCache | None = None
+) -> ModelDraftSession:
+    """A greedy model session of `prompt_len` prompt tokens (gamma 4, no lookahead), reserving
+    what the servicer would; `prefixes`: the prefix cache its prefills look up (as the servicer's)."""
     slots = memory.reserve_slots(prompt_len, max_tokens, 4)
     session = ModelDraftSession(
         model,
@@ -113,6 +120,7 @@ def _session(model: torch.nn.Module, prompt_len: int, seed: int, max_tokens: int
         q_top_k=4,
         prefill_chunk=prompt_len,
         reserve_slots=slots,
+        prefixes=None if prefixes is None else lambda s: prefixes.lookup(np.asarray(s.context, dtype=np.int64)),
     )
     session.slot_cap = memory.cap_slots(prompt_len, max_tokens, 4)
     return session
@@ -208,18 +216,30 @@ def _generated(n: int, seed: int) -> list[int]:
     return [3 + (seed * 5 + j) % 50 for j in range(n)]
 
 
-def _two_long_generations(room: int) -> tuple[DraftWorker, list[ModelDraftSession], dict[int, list[object]]]:
+def _two_long_generations(
+    room: int, cache: PrefixCache | None = None
+) -> tuple[DraftWorker, list[ModelDraftSession], dict[int, list[object]]]:
     """A worker (stepped here) with two ready sessions of 40-token prompts and max_tokens 2,000,
     each admitted with its reserve (prompt + 512 + window + 1), under a budget of both reserves
-    and `room` slots more; and what each session's stream got."""
+    and `room` slots more; and what each session's stream got. With `cache`, the sessions'
+    callers accept preemption (as the gateway does), and `cache` is the servicer's prefix cache:
+    a retired or preempted session's keys/values go there, and prefills look there."""
     model = _small_model()
-    sessions = [_session(model, 40, i, max_tokens=2000) for i in range(2)]
+    sessions = [_session(model, 40, i, max_tokens=2000, prefixes=cache) for i in range(2)]
     reserve = sessions[0].reserve_slots
     assert reserve == 40 + memory.DECODE_RESERVE + 4 + 1
     budget = memory.KVBudget((2 * reserve + room) * SMALL_TOKEN_BYTES, SMALL_TOKEN_BYTES)
-    worker = DraftWorker(metrics=telemetry.DrafterMetrics(CollectorRegistry()), kv_budget=budget)
+
+    def retire(session: DraftSession) -> None:  # the servicer's, for a model session
+        assert cache is not None and isinstance(session, ModelDraftSession)
+        with session.lock:
+            cache.store(*session.kv_prefix())
+
+    metrics = telemetry.DrafterMetrics(CollectorRegistry())
+    worker = DraftWorker(metrics=metrics, kv_budget=budget, on_retire=None if cache is None else retire)
     got: dict[int, list[object]] = {0: [], 1: []}
     for i, s in enumerate(sessions):
+        s.accepts_preemption = s.report_progress = cache is not None
         worker.add(s, lambda item, i=i: got[i].append(item))
     for _ in range(2):  # both prefill and are ready
         _step(worker)
@@ -272,6 +292,99 @@ def test_an_older_sessions_growth_ends_the_newest_session() -> None:
     (err,) = [x for x in got[1] if isinstance(x, BaseException)]
     assert isinstance(err, OverLimit) and "an older session's" in str(err)
     assert worker.kv_budget is not None and worker.kv_held() <= worker.kv_budget.budget_bytes
+
+
+def _preemptions(worker: DraftWorker) -> float | None:
+    assert worker.metrics is not None
+    return worker.metrics.registry.get_sample_value("specdec:drafter_kv_preemptions_total")
+
+
+def _steps_until(worker: DraftWorker, done: Callable[[], bool], most: int = 20) -> None:
+    for _ in range(most):
+        if done():
+            return
+        _step(worker)
+    assert done()
+
+
+def _drafted(session: ModelDraftSession) -> list[int]:
+    """The tokens `session` drafted past its committed context."""
+    return session.context[session.committed :]
+
+
+def test_the_newest_session_is_preempted_for_an_older_ones_growth_and_comes_back_when_it_fits() -> None:
+    """As vLLM's scheduler preempts its newest request: no room past the two reserves, and the
+    older session generates past its own. The newer session's caller accepts preemption: its
+    keys/values go to the prefix cache, it lets go of them and of its unverified drafts, and its
+    caller hears it (a report that says preempted and waiting_for_memory; no error). It waits
+    while the older one holds the memory; once that ends it is admitted again, prefills its
+    committed context from the prefix cache, says `ready`, and drafts what a session that never
+    left would have drafted."""
+    cache = PrefixCache(64 << 20, min_tokens=8)
+    worker, sessions, got = _two_long_generations(0, cache)
+    older, newer = sessions
+    reserve = older.reserve_slots
+    newer.commit(40, _generated(8, 1))
+    _steps_until(worker, lambda: len(_drafted(newer)) >= 2)  # it drafts past its committed 48 tokens
+    older.commit(40, _generated(reserve - 40 + 1, 0))
+    _step(worker)
+    assert older.reserve_slots == reserve + memory.DECODE_RESERVE and not older.closed
+    assert not newer.closed and not newer.ready and not newer.admitted and newer.kv_bytes() == 0
+    assert len(newer.context) == newer.committed == 48  # its drafts were dropped with its keys/values
+    preempted = [x for x in got[1] if isinstance(x, Progress)]
+    assert [(p.preempted, p.waiting_for_memory) for p in preempted] == [(True, True)]
+    assert not any(isinstance(x, BaseException) for x in got[1])
+    assert _preemptions(worker) == 1 and not _overflows(worker) and len(cache) == 1
+    budget = worker.kv_budget
+    assert budget is not None and worker.kv_held() <= budget.budget_bytes
+    for _ in range(3):  # the older one's memory is still held: the newer one waits
+        _step(worker)
+    assert not newer.admitted and newer.cached == 0
+
+    worker.remove(older)
+    _steps_until(worker, lambda: newer.ready and len(_drafted(newer)) >= 3)
+    ready = [x for x in got[1] if isinstance(x, Ready)]
+    assert len(ready) == 2 and ready[1].prefilled_tokens == 48 and ready[1].reused_tokens >= 39
+    assert worker.kv_held() <= budget.budget_bytes
+    # drafts as from a session that prefilled the same 48 tokens and never left (greedy: the same ids)
+    fresh = _session(newer.model, 47, 0)
+    fresh.context = fresh.context[:0] + newer.context[:47]
+    fresh.commit(47, [newer.context[47]])
+    while len(_drafted(fresh)) < 3:
+        fresh.step()
+    assert _drafted(newer)[:3] == _drafted(fresh)[:3]
+
+
+def test_a_session_whose_own_growth_does_not_fit_is_preempted_until_its_grown_reserve_does() -> None:
+    """The newest session generates past its reserve while an older one holds the rest: it
+    preempts itself, reserving its grown size, and is admitted again only once that fits."""
+    cache = PrefixCache(64 << 20, min_tokens=8)
+    worker, sessions, got = _two_long_generations(0, cache)
+    older, newer = sessions
+    reserve = newer.reserve_slots
+    older.commit(40, _generated(8, 0))
+    newer.commit(40, _generated(reserve - 40 + 1, 1))
+    _step(worker)
+    assert not newer.admitted and newer.reserve_slots == reserve + memory.DECODE_RESERVE
+    assert older.admitted and older.reserve_slots == reserve
+    assert any(isinstance(x, Progress) and x.preempted for x in got[1]) and _preemptions(worker) == 1
+    worker.remove(older)
+    _steps_until(worker, lambda: newer.ready)
+    assert newer.admitted and newer.kv_bytes() == SMALL_TOKEN_BYTES * (reserve + memory.DECODE_RESERVE)
+
+
+def test_a_growth_that_could_never_fit_ends_the_session_though_its_caller_accepts_preemption() -> None:
+    """Preempted, it would never come back: its stream ends, as for a caller that does not
+    accept preemption (RESOURCE_EXHAUSTED naming kv_cache_mib)."""
+    worker, sessions, got = _two_long_generations(0, PrefixCache(64 << 20, min_tokens=8))
+    budget = worker.kv_budget
+    assert budget is not None
+    newer = sessions[1]
+    newer.commit(40, _generated(budget.budget_bytes // SMALL_TOKEN_BYTES, 1))  # more than the whole budget
+    _step(worker)
+    assert newer.closed and _overflows(worker) == 1 and not _preemptions(worker)
+    (err,) = [x for x in got[1] if isinstance(x, BaseException)]
+    assert isinstance(err, OverLimit) and "kv_cache_mib" in str(err)
 
 
 def test_a_context_that_grew_while_its_prompt_waited_is_reserved_whole() -> None:

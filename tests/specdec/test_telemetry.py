@@ -118,6 +118,7 @@ FAMILIES = {
         "specdec:drafter_kv_cache_budget_bytes",
         "specdec:drafter_kv_waits_total",
         "specdec:drafter_kv_overflows_total",
+        "specdec:drafter_kv_preemptions_total",
     },
     "verifier": {
         "specdec:verifier_sessions",
