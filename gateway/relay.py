@@ -3,10 +3,11 @@
 A drafter is untrusted input: each of its replies is checked before it is relayed
 (specdec.validation.check_draft_block: ids in the vocabulary, at most gamma tokens, positions
 after the prompt and within reach of the committed context, at most max_blocks_per_commit
-blocks between two commits, one `ready`). A bad block is dropped (a long one trimmed to gamma)
-and counted; at MAX_DRAFTER_VIOLATIONS the drafter is treated as failed (fallback, with the
-violation as the reason). So a misbehaving drafter can neither fail a request nor flood the
-verifier: the verifier only ever sees valid blocks, at a bounded rate.
+blocks between two commits, one `ready`, and one more after each preemption). A bad block is
+dropped (a long one trimmed to gamma) and counted; at MAX_DRAFTER_VIOLATIONS the drafter is
+treated as failed (fallback, with the violation as the reason). So a misbehaving drafter can
+neither fail a request nor flood the verifier: the verifier only ever sees valid blocks, at a
+bounded rate.
 
 The drafter's deadline measures the drafter alone: it owes an answer from each commit on
 (the first one carries the target's first token), and falls back when it stays silent
@@ -25,6 +26,14 @@ the next report is not compared with it. A hung drafter reports nothing and stil
 at `drafter_timeout_s`; a drafter that keeps reporting, waiting for memory or not, falls back
 at `drafter_prefill_timeout_s` after the first commit if it is still not ready then.
 Meanwhile the target does not wait for it (verifier.proposer).
+
+Preemption: when a drafter's memory for keys/values runs short it may preempt the session
+(DraftOpen.accepts_preemption, which the relay sets; drafter.memory): a report that says
+`preempted`, after `ready`. The relay tells the verifier (VerifyRequest.pause: its steps stop
+waiting for drafts, and the target decodes plainly), and the drafter is back where it was before
+its `ready`: its progress reports answer what it owes, a new `ready` (one per preemption) lets
+the verifier wait for its drafts again, and the prefill deadline counts again from the
+preemption. At most one preemption between two commits; another is a violation.
 
 Hold: while the verifier's verdicts say `hold_drafts` (adaptive gamma verifies none of this
 request's drafts for now), commits tell the drafter to hold, and a held drafter owes nothing.
@@ -142,7 +151,10 @@ class DrafterRelay:
         # monotonic time of the oldest commit the drafter has not answered yet (None: it owes nothing)
         self._owed_since: float | None = None
         self._owed_at = 0  # ... and the position that commit started at
-        self._first_owed: float | None = None  # monotonic time of the first commit
+        # monotonic time the prefill deadline counts from: the first commit, then each preemption
+        self._prefill_from: float | None = None
+        self._preempted = False  # the drafter preempted the session since its latest `ready`
+        self._preempted_since_commit = False  # ... since the latest commit (at most one)
         self._queued: int | None = None  # the latest progress report's queued_tokens
         self._memory_wait = False  # ... which said waiting_for_memory
         self._owing = asyncio.Event()  # set when the drafter starts to owe an answer
@@ -178,6 +190,7 @@ class DrafterRelay:
                     method=p.drafter,
                     trace_context=trace_context,
                     report_progress=True,
+                    accepts_preemption=True,  # memory short: preempted and prefilled again, not ended
                     cache_scope=p.tenant,  # no tenant reuses another's prompts' keys (DraftOpen.cache_scope)
                 )
             )
@@ -282,6 +295,27 @@ class DrafterRelay:
         self._queued, self._memory_wait = progress.queued_tokens, progress.waiting_for_memory
         return True
 
+    def _on_preempted(self, progress: DraftProgress) -> None:
+        """The drafter preempted the session (see the module docstring): valid after `ready`,
+        at most once between two commits."""
+        if not self._spoken or self._preempted_since_commit:
+            what = "a preemption before `ready`" if not self._spoken else "a second preemption before a commit"
+            self._violation(what)
+            return
+        n = self.stats.drafter_preempted()
+        log.info(
+            "request %s: the drafter preempted its session (%d so far); plain decoding until it is ready again",
+            self.plan.request_id,
+            n,
+        )
+        self._spoken = self._ready_seen = self._window = False
+        self._preempted = self._preempted_since_commit = True
+        self._queued, self._memory_wait = progress.queued_tokens, True  # the next report is not compared
+        self._owed_since = None  # answered: it owes progress reports from the next commit on
+        self._prefill_from = time.monotonic()
+        reason = f"drafter preempted the session at position {self._committed} (its kv_cache_mib ran short)"
+        self._to_verifier.put(pb.VerifyRequest(pause=pb.DraftPause(reason=reason)))
+
     async def _relay(self, call: DraftCall) -> None:
         """drafter -> verifier: check `ready` and each block as they arrive, relay the valid ones."""
         if self.vocab_size is None:
@@ -299,6 +333,9 @@ class DrafterRelay:
                     what = " and ".join(kinds) if kinds else "no block, `ready` or progress"
                     self._violation(f"a reply with {what}")
                     continue
+                if kinds == ["progress"] and resp.progress.preempted:
+                    self._on_preempted(resp.progress)
+                    continue
                 if kinds == ["progress"]:
                     if self._progress_answers(resp.progress):
                         self._owed_since = None  # it is prefilling: what it owed is answered
@@ -306,6 +343,7 @@ class DrafterRelay:
                 self._owed_since = None  # a block or `ready` answers what the drafter owed
                 self._spoken = True
                 if resp.HasField("ready"):
+                    self._preempted = False
                     ready = self._checked_ready(resp.ready)
                     if ready is not None:
                         self.stats.observe_ready(ready)
@@ -339,11 +377,12 @@ class DrafterRelay:
             now = time.monotonic()
             # a drafter still prefilling that reports its progress: also the prefill deadline
             prefill_end = None
-            if not self._spoken and self._queued is not None and self._first_owed is not None:
-                prefill_end = self._first_owed + self.prefill_timeout_s
+            if not self._spoken and self._queued is not None and self._prefill_from is not None:
+                prefill_end = self._prefill_from + self.prefill_timeout_s
             if prefill_end is not None and now >= prefill_end:
+                after = "its preemption" if self._preempted else "the target's first token"
                 self.fall_back(
-                    f"drafter still prefilling {self.prefill_timeout_s:g} s after the target's first token "
+                    f"drafter still prefilling {self.prefill_timeout_s:g} s after {after} "
                     f"(drafter_prefill_timeout_s; {self._queued} prompt tokens queued at its latest report"
                     f"{', waiting for memory' if self._memory_wait else ''})"
                 )
@@ -389,10 +428,11 @@ class DrafterRelay:
             self._owed_since = None
         elif self._owed_since is None:
             self._owed_since, self._owed_at = time.monotonic(), step.start_position + skip
-            if self._first_owed is None:
-                self._first_owed = self._owed_since
+            if self._prefill_from is None:
+                self._prefill_from = self._owed_since
             self._owing.set()
         self._blocks_since_commit = 0
+        self._preempted_since_commit = False
         self._to_drafter.put(
             pb.DraftRequest(
                 commit=pb.DraftCommit(

@@ -1,8 +1,8 @@
 """One generation's speculative-decoding figures, counted in one place.
 
 `SpecStats` is the one accumulator: the gateway calls `observe(verdict)` once per target step
-(and `observe_block`, `observe_ready`, `invalid_reply`, `fell_back`, `migrated` for what the
-drafter side adds); every figure that leaves the gateway is read from it:
+(and `observe_block`, `observe_ready`, `invalid_reply`, `fell_back`, `drafter_preempted`,
+`migrated` for what the drafter side adds); every figure that leaves the gateway is read from it:
 
     the gRPC response's SpeculationStats      SpecStats.to_pb()
     the REST response's usage / metrics       SpecStats.from_pb(...).vllm_metrics()  (and to_pb's fields)
@@ -105,6 +105,7 @@ class SpecStats:
     draft_ms: float = 0.0  # drafter compute time for the blocks received
     drafter_prefill_ms: float = 0.0
     drafter_reused_tokens: int = 0  # prompt tokens the drafter took from its prefix cache
+    drafter_preemptions: int = 0  # times the drafter preempted the session (DraftProgress.preempted)
     invalid_blocks: int = 0  # drafter replies dropped or trimmed as invalid (not relayed as sent)
     migrations: int = 0  # times the generation moved to another verifier (or the same one, back)
     branches_drafted: int = 0  # pre-drafted branches relayed
@@ -192,6 +193,11 @@ class SpecStats:
         self.fallback_reason = reason
         return True
 
+    def drafter_preempted(self) -> int:
+        """The drafter preempted the session (DraftProgress.preempted); returns how many times so far."""
+        self.drafter_preemptions += 1
+        return self.drafter_preemptions
+
     def migrated(self) -> int:
         """The generation moves to another verifier; returns the migrations so far."""
         self.migrations += 1
@@ -270,6 +276,7 @@ class SpecStats:
             "specdec.confidence_cuts": self.confidence_cuts,
             "specdec.mean_tau": self.mean_tau,
             "specdec.migrations": self.migrations,
+            "specdec.drafter_preemptions": self.drafter_preemptions,
         }
         if self.fallback_reason:
             attributes["specdec.fallback_reason"] = self.fallback_reason
@@ -300,6 +307,7 @@ class SpecStats:
             max_draft_wait_ms=self.max_draft_wait_ms,
             drafter_prefill_ms=self.drafter_prefill_ms,
             drafter_reused_tokens=self.drafter_reused_tokens,
+            drafter_preemptions=self.drafter_preemptions,
             migrations=self.migrations,
             branches_drafted=self.branches_drafted,
             branches_used=self.branches_used,
@@ -333,6 +341,7 @@ class SpecStats:
             draft_ms=s.draft_ms,
             drafter_prefill_ms=s.drafter_prefill_ms,
             drafter_reused_tokens=s.drafter_reused_tokens,
+            drafter_preemptions=s.drafter_preemptions,
             migrations=s.migrations,
             branches_drafted=s.branches_drafted,
             branches_used=s.branches_used,

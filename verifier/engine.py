@@ -281,6 +281,10 @@ class TargetEngine:
         """The request's drafter has prefilled the prompt (see DraftBoard.ready)."""
         self._call_or_keep(request_id, lambda engine_id: self.board.ready(engine_id, pace_ms))
 
+    def pause_drafts(self, request_id: str) -> None:
+        """The request's drafter drafts nothing until its next `ready` (see DraftBoard.pause)."""
+        self._call_or_keep(request_id, self.board.pause)
+
     def end_drafts(self, request_id: str) -> None:
         self._call_or_keep(request_id, self.board.end, end=True)
 

@@ -15,7 +15,9 @@ request's row to the board (`preview`, then `propose_batch`), which:
      ended, and the wait stays within the drafts' expected arrival (missing tokens x the
      drafter's pace x (1 + slack), plus a margin; a drafter that has not announced `ready`
      yet, i.e. is still prefilling or is stalled, gets the margin alone, once: after that
-     wait expired it is `late` and not waited for until its `ready`); the whole step
+     wait expired it is `late` and not waited for until its `ready`; one that paused, having
+     preempted the session for memory (`pause`), is `late` at once, until its next `ready`);
+     the whole step
      waits at most `wait_s`, and with `adaptive` only while the missing drafts are worth
      the wait and no prefill waits behind the step (`queued`: requests not scheduled yet,
      or prefilled in chunks with one still to come; or submitted and not yet added to the
@@ -175,6 +177,20 @@ class DraftBoard:
                 e.ready = True
                 e.late = False  # its drafts can come now: worth waiting for
                 e.pace_ms = e.pace_ms or reported_ms(pace_ms)
+            self._cond.notify_all()
+
+    def pause(self, req_id: str) -> None:
+        """The request's drafter preempted its session (VerifyRequest.pause): it drafts nothing
+        until its next `ready`. Its chain and branches are dropped, and steps do not wait for it
+        (`late`, and not ready: not even the margin), nor count a miss against its acceptance
+        (not `delivering`), until that `ready` or a block with drafts."""
+        with self._cond:
+            e = self._entries.get(req_id)
+            if e is not None:
+                e.ready = e.delivering = False
+                e.late = True
+                e.chain_start, e.chain, e.branches, e.final_end = e.committed, [], [], -1
+                e.broken = (0, [])
             self._cond.notify_all()
 
     def end(self, req_id: str) -> None:

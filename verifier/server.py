@@ -152,7 +152,7 @@ class VerifierServicer(rpc.VerifierServiceServicer):
             before relaying them): a block is trimmed to the session's gamma, and one with an id
             outside the vocabulary is dropped and ends the drafts of this session, which goes on
             as plain decoding: a bad draft never fails the request. Only a message that is not a
-            block, `ready` or `end` (a broken caller, not a drafter) ends the call."""
+            block, `ready`, `pause` or `end` (a broken caller, not a drafter) ends the call."""
             spoiled = False  # an invalid block came: no more drafts for this session
             try:
                 while True:
@@ -166,8 +166,12 @@ class VerifierServicer(rpc.VerifierServiceServicer):
                     if kind == "ready":
                         self.engine.drafter_ready(req.request_id, reported_ms(msg.ready.draft_ms_per_token))
                         continue
+                    if kind == "pause":
+                        self.engine.pause_drafts(req.request_id)
+                        span.add_event("drafts_paused", {"specdec.reason": msg.pause.reason[:200]})
+                        continue
                     if kind != "block":
-                        raise InvalidField("block", "only blocks, `ready` or `end` may follow `open`")
+                        raise InvalidField("block", "only blocks, `ready`, `pause` or `end` may follow `open`")
                     if spoiled:
                         continue
                     b = msg.block

@@ -264,6 +264,90 @@ def test_a_drafter_waiting_for_memory_at_the_prefill_deadline_falls_back() -> No
     assert "900 prompt tokens queued at its latest report, waiting for memory" in r.stats.fallback_reason
 
 
+def _preempted(queued: int) -> "pb.DraftResponse":
+    progress = pb.DraftProgress(queued_tokens=queued, waiting_for_memory=True, preempted=True)
+    return pb.DraftResponse(progress=progress)
+
+
+def _ready(prefilled: int) -> "pb.DraftResponse":
+    return pb.DraftResponse(ready=pb.DraftReady(prefilled_tokens=prefilled, prefill_ms=5.0))
+
+
+def _block(start: int, tokens: list[int]) -> "pb.DraftResponse":
+    return pb.DraftResponse(block=pb.DraftBlock(start_position=start, token_ids=tokens, committed_length=start))
+
+
+async def _speculated_then_preempted(verifier: FakeCall, drafter: FakeCall) -> "pb.VerifyRequest":
+    """The drafter says `ready`, its two drafts at 4 are accepted (the context is 6 long), then
+    it preempts the session; returns the `pause` the relay wrote to the verifier."""
+    await drafter.written_kind("open")
+    drafter.responses.put_nowait(_ready(3))
+    verifier.responses.put_nowait(_verdict(3, [10]))
+    await _nth_written(drafter, "commit", 1)
+    drafter.responses.put_nowait(_block(4, [11, 12]))
+    await verifier.written_kind("block")
+    verifier.responses.put_nowait(_verdict(4, [11, 12], drafted=2, accepted=2))
+    await _nth_written(drafter, "commit", 2)
+    drafter.responses.put_nowait(_preempted(6))
+    return await verifier.written_kind("pause")
+
+
+def test_a_preempted_session_pauses_the_verifier_and_speculates_again_after_its_next_ready() -> None:
+    """The drafter preempts the session (drafter.memory: an older session's keys/values grew):
+    the verifier is told to stop waiting for its drafts (`pause`), and the target decodes
+    plainly. The drafter owes only its waiting and prefill reports meanwhile, for longer than
+    drafter_timeout_s; its second `ready` is relayed (not a violation), and it speculates again.
+    The relay accepted preemption in `open`."""
+
+    async def scenario() -> tuple[Generation, FakeCall, FakeCall, "pb.VerifyRequest"]:
+        verifier, drafter = FakeCall(), FakeCall()
+        r = _generation(verifier, drafter, max_tokens=6, prefill_timeout_s=60.0)
+        run = asyncio.create_task(_collect(r))
+        pause = await _speculated_then_preempted(verifier, drafter)
+        await asyncio.sleep(3 * TIMEOUT_S)  # preempted for longer than drafter_timeout_s: it owes nothing yet
+        verifier.responses.put_nowait(_verdict(6, [13]))  # a plain step
+        await _nth_written(drafter, "commit", 3)  # owed: answered by its reports
+        drafter.responses.put_nowait(_waiting(7))
+        await asyncio.sleep(3 * TIMEOUT_S)
+        drafter.responses.put_nowait(_progress(7))  # admitted again: prefilling (not compared with the wait)
+        drafter.responses.put_nowait(_ready(7))
+        await _nth_written(verifier, "ready", 2)
+        drafter.responses.put_nowait(_block(7, [14, 15]))
+        await _nth_written(verifier, "block", 2)
+        verifier.responses.put_nowait(_verdict(7, [14, 15], finish=True, drafted=2, accepted=2))
+        await run
+        return r, verifier, drafter, pause
+
+    r, verifier, drafter, pause = asyncio.run(scenario())
+    assert not r.stats.fallback_reason and r.stats.invalid_blocks == 0
+    assert r.stats.drafter_preemptions == 1 and r.stats.to_pb().drafter_preemptions == 1
+    assert r.stats.num_accepted_tokens == 4 and r.stats.completion_tokens == 6
+    assert "preempted the session at position 6" in pause.pause.reason
+    assert drafter.written[0].open.accepts_preemption and drafter.written[0].open.report_progress
+    kinds = [m.WhichOneof("kind") for m in verifier.written]
+    assert kinds.index("pause") < len(kinds) - 1 - kinds[::-1].index("ready")  # the second `ready` after it
+
+
+def test_a_preempted_drafter_still_prefilling_at_the_prefill_deadline_falls_back() -> None:
+    """The prefill deadline counts again from the preemption."""
+
+    async def scenario() -> Generation:
+        verifier, drafter = FakeCall(), FakeCall()
+        r = _generation(verifier, drafter, max_tokens=6, prefill_timeout_s=3 * TIMEOUT_S)
+        run = asyncio.create_task(_collect(r))
+        await _speculated_then_preempted(verifier, drafter)
+        await asyncio.sleep(3 * TIMEOUT_S)  # past the prefill deadline
+        verifier.responses.put_nowait(_verdict(6, [13]))
+        await verifier.written_kind("end")
+        verifier.responses.put_nowait(_verdict(7, [14, 15], finish=True))
+        await run
+        return r
+
+    r = asyncio.run(scenario())
+    assert "still prefilling 0.6 s after its preemption" in r.stats.fallback_reason, r.stats.fallback_reason
+    assert r.stats.drafter_preemptions == 1 and r.stats.completion_tokens == 6
+
+
 def test_a_drafter_still_prefilling_at_the_prefill_deadline_falls_back() -> None:
     async def scenario() -> tuple[Generation, float]:
         verifier, drafter = FakeCall(), FakeCall()
@@ -296,6 +380,8 @@ def test_a_drafter_still_prefilling_at_the_prefill_deadline_falls_back() -> None
             "a progress report after `ready` or a block",
         ),
         ([pb.DraftResponse(progress=pb.DraftProgress(), block=pb.DraftBlock())], "a reply with block and progress"),
+        ([_preempted(3)], "a preemption before `ready`"),
+        ([_ready(3), _preempted(3), _ready(3), _preempted(3)], "a second preemption before a commit"),
     ],
 )
 def test_a_bad_progress_report_is_a_violation_and_no_answer(

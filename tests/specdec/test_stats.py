@@ -48,6 +48,7 @@ def test_stats_definitions() -> None:
 
 def test_the_wire_the_span_and_vllms_names_read_the_same_figures() -> None:
     s = _observed()
+    assert s.drafter_preempted() == 1
     p = s.to_pb()
     assert (p.speculative_steps, p.drafted_tokens, p.accepted_tokens) == (3, 12, 7)
     assert list(p.accepted_per_position) == s.num_accepted_tokens_per_pos
@@ -62,6 +63,7 @@ def test_the_wire_the_span_and_vllms_names_read_the_same_figures() -> None:
         "held_steps",
         "branches_used",
         "migrations",
+        "drafter_preemptions",
     ):
         assert span[f"specdec.{name}"] == getattr(p, name), name
     assert span["specdec.acceptance_rate"] == pytest.approx(p.acceptance_rate)
@@ -69,6 +71,7 @@ def test_the_wire_the_span_and_vllms_names_read_the_same_figures() -> None:
     back = SpecStats.from_pb(p)
     assert back.vllm_metrics() == s.vllm_metrics()
     assert back.to_pb().acceptance_rate == p.acceptance_rate and back.target_steps == s.target_steps
+    assert back.drafter_preemptions == p.drafter_preemptions == 1
     vllm = s.vllm_metrics()
     assert (vllm["num_spec_steps"], vllm["num_draft_tokens"], vllm["num_accepted_draft_tokens"]) == (3, 12, 7)
     assert sum(vllm["acceptance_histogram"]) == vllm["num_spec_steps"]

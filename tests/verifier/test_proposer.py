@@ -148,6 +148,22 @@ def test_a_drafter_still_prefilling_costs_one_margin_then_none_until_its_ready()
     assert len(waits) == 1
 
 
+def test_a_paused_drafter_is_not_waited_for_until_its_next_ready() -> None:
+    """The drafter preempted the session for memory (VerifyRequest.pause): its chain is dropped
+    (the drafter let go of it), and steps do not wait for it at all, not even the margin, until
+    its next `ready`; then it is waited for again."""
+    b = _board(wait_s=5.0)
+    b.offer("r", 3, [4, 4, 4])
+    b.pause("r")
+    never_waits(b)
+    for ctx in ([1, 2, 5], [1, 2, 5, 6]):  # the chain agreed with the first context: dropped
+        assert b.propose_batch([("r", np.array(ctx))], 8) == [[]]
+    b.ready("r", 10.0)
+    waits = during_wait(b, lambda: b.offer("r", 5, [4, 4, 4]))
+    assert b.propose_batch([("r", np.array([1, 2, 5, 6, 7]))], 8) == [[4, 4, 4]]
+    assert len(waits) == 1
+
+
 def test_the_wait_is_capped_by_the_drafters_pace() -> None:
     """3 missing drafts at 20 ms each: the step waits 3 x 20 x 1.5 + 50 = 140 ms, not wait_s (5 s)."""
     b = _board(wait_s=5.0, pace_ms=20.0)
