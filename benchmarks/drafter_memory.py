@@ -27,6 +27,13 @@ once it has committed its N tokens and, if its drafter drafts for it, the drafte
 them (`applied` in the samples: per stream, where its latest block starts past the prompt); the
 run ends at the first sample after every stream is done or has failed, when nothing moved for
 `--idle` s, or when the drafter has died.
+
+Each stream accepts preemption, as the gateway's do (DraftOpen.accepts_preemption): a session
+whose keys/values the drafter lets go of for an older one's growth hears so
+(DraftProgress.preempted), keeps committing, and drafts again after its next `ready`. The table
+counts the preemptions and the streams that came back; a stream preempted when its commits end
+is done (its generation would end there), and one whose drafter ends it (RESOURCE_EXHAUSTED:
+it could never fit) is "ended for memory".
 """
 
 from __future__ import annotations
@@ -149,6 +156,9 @@ async def queue(
     finished: set[int] = set()  # --generate: committed every token
     generated: dict[int, int] = {}
     reached: dict[int, int] = {}  # --generate: of a ready stream's commits, the tokens its drafter applied
+    paused: set[int] = set()  # streams preempted and not ready again yet
+    preemptions: dict[int, int] = {}  # per stream, times the drafter preempted it
+    back: set[int] = set()  # streams ready again after a preemption
     errors: dict[int, str] = {}
     samples: list[dict[str, Any]] = []
     async with grpc.aio.insecure_channel(svc.address) as channel:
@@ -161,6 +171,7 @@ async def queue(
                 gamma=GAMMA,
                 sampling=pb.SamplingParams(max_tokens=max_tokens if generate else MAX_TOKENS),
                 report_progress=True,
+                accepts_preemption=True,  # as the gateway's streams
             )
             commits: asyncio.Queue[pb.DraftRequest] = asyncio.Queue()
 
@@ -186,6 +197,12 @@ async def queue(
                 async for reply in stub.Draft(requests()):
                     if reply.HasField("ready"):
                         ready.add(i)
+                        if i in paused:
+                            paused.discard(i)
+                            back.add(i)
+                    elif reply.HasField("progress") and reply.progress.preempted:
+                        paused.add(i)
+                        preemptions[i] = preemptions.get(i, 0) + 1
                     elif reply.HasField("block"):  # drafts after what the drafter has applied of the commits
                         reached[i] = max(reached.get(i, 0), reply.block.start_position - len(prompts[i]))
             except grpc.aio.AioRpcError as err:
@@ -208,11 +225,12 @@ async def queue(
                     sample.update(applied=sum(reached.values()))
                 samples.append(sample | gauges(svc.metrics_port))
                 print(json.dumps(samples[-1]), flush=True)
-                progress = (len(ready), len(errors), sum(generated.values()) + sum(reached.values()))
+                progress = (len(ready), len(errors), sum(generated.values()) + sum(reached.values()) + len(back))
                 if progress != state:
                     state, last_change = progress, now
                 if generate:  # committed, and applied by its drafter if it drafts for it at all
-                    done = sum(1 for i in finished if i not in ready or reached.get(i, 0) >= generate) + len(errors)
+                    drafts = ready - paused
+                    done = sum(1 for i in finished if i not in drafts or reached.get(i, 0) >= generate) + len(errors)
                 else:
                     done = len(ready) + len(errors)
                 # idle only once a prompt is ready (or failed): a slow first prefill is not idle
@@ -232,6 +250,9 @@ async def queue(
         # ended by the drafter's budget (drafter.memory: its gateway decodes the rest plainly)
         "ended_for_memory": sum(1 for e in errors.values() if e.startswith("RESOURCE_EXHAUSTED")),
         "failed": sum(1 for e in errors.values() if not e.startswith("RESOURCE_EXHAUSTED")),
+        "preemptions": sum(preemptions.values()),
+        "preempted_streams": len(preemptions),
+        "back_after_preemption": len(back),
     }
 
 
@@ -277,14 +298,16 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"{args.limit_mib} MiB memory cgroup",
         "",
         "| mode | budget MiB | prompts ready | streams done | streams ended for memory | failed streams "
-        "| peak resident MiB | peak keys/values MiB | prompts that waited | drafter alive |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| preemptions (streams, back) | peak resident MiB | peak keys/values MiB | prompts that waited "
+        "| drafter alive |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         budget = "none" if r["mode"] == "unbounded" else f"{r['budget_mib']:.0f}"
         done = r["finished"] if args.generate else r["ready"]
         lines.append(
             f"| {r['mode']} | {budget} | {r['ready']} | {done} | {r['ended_for_memory']} | {r['failed']} "
+            f"| {r['preemptions']} ({r['preempted_streams']}, {r['back_after_preemption']}) "
             f"| {r['peak_rss_mib']:.0f} "
             f"| {r['peak_kv_mib']:.0f} | {r['waits']:.0f} | {'yes' if r['alive'] else 'no'} |"
         )

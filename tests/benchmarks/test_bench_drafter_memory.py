@@ -55,3 +55,28 @@ def test_long_generations_grow_within_the_budget(tmp_path: Path, run_module: Run
     (result,) = json.loads(out.read_text())["results"]
     assert result["alive"] and result["failed"] == 0 and result["finished"] + result["ended_for_memory"] >= 2
     assert result["generated"] >= 600 and result["peak_kv_mib"] <= 2
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(_cgroup_unavailable(), reason="needs root and a memory cgroup it can make")
+def test_a_growth_beside_another_session_preempts_the_newest_and_nothing_ends(
+    tmp_path: Path, run_module: RunModule
+) -> None:
+    """At a 3 MiB budget (1,536 tokens of the tiny draft) two reserves of 200 + 512 + window + 1
+    fit, and one of them grown (to 200 + 900 + window + 1) beside the other does not: the
+    newest session is preempted (the streams accept it, as the gateway's do), and no stream is
+    ended or fails. The older one never ends (the streams stay open), so the preempted one stays
+    paused: done once it committed its tokens."""
+    out = tmp_path / "preempt.json"
+    stdout = run_module(
+        "benchmarks.drafter_memory",
+        *("--models", "tiny", "--limit-mib", "3072", "--prompts", "2", "--tokens", "200", "--modes", "auto"),
+        *("--generate", "800", "--max-tokens", "900", "--rate", "1000", "--commit-tokens", "50"),
+        *("--drafter-args", "--kv-cache-mib 3", "--threads", "1", "--interval", "1", "--idle", "5"),
+        *("--logs", str(tmp_path / "logs"), "--out", str(out)),
+    )
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["alive"] and result["failed"] == 0 and result["ended_for_memory"] == 0
+    assert result["ready"] == 2 and result["finished"] == 2 and result["preemptions"] == 1
+    assert "| 1 (1, 0) |" in stdout
+    assert result["peak_kv_mib"] <= 3

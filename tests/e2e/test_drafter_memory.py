@@ -11,11 +11,16 @@ holds it and the drafter drafts through every request).
   - a queue of prompts of which two fit at once: every output is exact, no request fails, the
     third prompt's prefill waited (specdec:drafter_kv_waits_total), and what the sessions hold
     never passes the budget when the queue ends;
-  - a generation past its reserve (512 generated tokens) whose growth does not fit: its session
-    ends (RESOURCE_EXHAUSTED naming kv_cache_mib, specdec:drafter_kv_overflows_total), and its
-    request, which speculated until then, decodes the rest plainly and exactly;
+  - a generation past its reserve (512 generated tokens) whose growth could never fit the budget:
+    its session ends (RESOURCE_EXHAUSTED naming kv_cache_mib, specdec:drafter_kv_overflows_total),
+    and its request, which speculated until then, decodes the rest plainly and exactly;
+  - a generation past its reserve whose growth does not fit beside an older session (a second
+    drafter, of 8 MiB, behind a gateway at its defaults): its session is preempted
+    (DraftProgress.preempted, specdec:drafter_kv_preemptions_total), its request decodes plainly
+    meanwhile, and once the older session ends it is prefilled again from its own keys/values
+    and speculates; its output is exact;
   - a prompt that waits for memory longer than its gateway's drafter_timeout_s (a second drafter,
-    of 8 MiB, behind a gateway with drafter_timeout_s 2 s: the fixture-only settings that make
+    of 8 MiB, behind a second gateway with drafter_timeout_s 2 s: the fixture-only settings that make
     the wait outlast it) is kept: its drafter reports that it waits
     (DraftProgress.waiting_for_memory), and once the session holding the memory ends it is
     prefilled and speculates; its output is exact.
@@ -53,6 +58,10 @@ ROOMY_MIB = 8  # 4,096 tokens
 # 20-token prompt's reserve (20 + 512 + window + 1), whose 2,000 tokens then fit alone (<= 2,054)
 HOLDER_TOKENS, WAITER_TOKENS, WAITER_MAX_TOKENS = 3600, 20, 2000
 DRAFTER_TIMEOUT_S = 2.0  # the "short" gateway's
+# an older session of 3,000 prompt tokens (a reserve of 3,074 with gamma 4 and max_tokens 64) leaves
+# room for a request of 200 prompt tokens at the gateway's defaults (gamma 4: a reserve of
+# 200 + 512 + 9 + 1 = 722 tokens), not for its growth past it (by 512)
+OLDER_TOKENS, GROWER_TOKENS, GROWER_MAX_TOKENS = 3000, 200, 1800
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +84,7 @@ def small(default_services: Services, log_dir: Path) -> Iterator[Services]:
         s.gateways["short"] = s.start_gateway(
             s.drafters["roomy"].address, default_services.verifier.address, ("--drafter-timeout-s", "2")
         )
+        s.gateways["roomy"] = s.start_gateway(s.drafters["roomy"].address, default_services.verifier.address)
         s.ready()
         yield s
     finally:
@@ -163,6 +173,61 @@ def _until(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def _held_session(address: str, prompt: list[int], release: threading.Event) -> Iterator[pb.DraftResponse]:
+    """A session opened on the drafter directly (gamma 4, max_tokens 64: another gateway's request
+    queued at its target), never committed, open until `release` is set."""
+
+    def requests() -> Iterator[pb.DraftRequest]:
+        opened = pb.DraftOpen(prompt_token_ids=prompt, gamma=4, sampling=pb.SamplingParams(max_tokens=64))
+        yield pb.DraftRequest(open=opened)
+        release.wait(120)
+
+    with grpc.insecure_channel(address) as channel:
+        yield from rpc.DrafterServiceStub(channel).Draft(requests())
+
+
+def test_a_generation_whose_growth_does_not_fit_is_preempted_and_speculates_again(
+    small: Services, tiny_target: Path
+) -> None:
+    """An older session (opened on the drafter directly) holds 3,074 of the 8 MiB drafter's
+    4,096 tokens while a request generates; past its reserve (about 513 generated tokens) its
+    growth does not fit, and its session, the newest, is preempted. The test ends the older
+    session once the drafter counted the preemption (polling its metrics): the request's session
+    is admitted again, prefilled from its own keys/values (the prefix cache), and its gateway
+    relays its second `ready`, and it speculates again. Its output is exact, and it never fell
+    back. The request must outlast the older session's end: about 1,280 tokens of plain decoding
+    after the preemption are the room for it (the tiny target's 2,048 positions leave no more)."""
+    drafter = small.drafters["roomy"]
+    older, prompt = _ids(tiny_target, OLDER_TOKENS, 9340), _ids(tiny_target, GROWER_TOKENS, 9341)
+    before = scrape(drafter.metrics_port)
+    release = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        held = pool.submit(lambda: list(_held_session(drafter.address, older, release)))
+        _until(lambda: scrape(drafter.metrics_port).get("specdec:drafter_kv_cache_bytes", 0.0) > 0)  # admitted
+        spec_ = spec(prompt, GROWER_MAX_TOKENS, ignore_eos=True)
+        call = pool.submit(generate_all, small.gateways["roomy"].address, [spec_], 1)
+        preempted = "specdec:drafter_kv_preemptions_total"
+        _until(lambda: scrape(drafter.metrics_port).get(preempted, 0.0) > before.get(preempted, 0.0))
+        release.set()
+        (out,) = call.result()
+        held.result()
+    reference = vllm_reference(
+        tiny_target, [{"prompt_token_ids": prompt, "max_tokens": GROWER_MAX_TOKENS, "ignore_eos": True}]
+    )
+    assert [list(out.token_ids)] == reference
+    assert not out.stats.drafter_fallback, out.stats.fallback_reason
+    assert out.stats.drafter_preemptions == 1
+    # the second `ready`: its committed context (over 700 tokens) came back from the prefix cache
+    assert out.stats.drafter_reused_tokens > 700, out.stats
+    after = scrape(drafter.metrics_port)
+    assert after[preempted] == before.get(preempted, 0.0) + 1
+    assert after.get("specdec:drafter_kv_overflows_total", 0.0) == before.get("specdec:drafter_kv_overflows_total", 0.0)
+    assert after["specdec:drafter_kv_cache_bytes"] <= ROOMY_MIB << 20
+    # it speculated after it came back: before the preemption its context, drafts included, was
+    # within its reserve of 722 tokens, so at most 522 tokens were committed and 9 more drafted
+    assert out.stats.accepted_tokens > 722 - GROWER_TOKENS + 9, out.stats.accepted_tokens
 
 
 def test_a_prompt_that_waits_for_memory_is_kept_and_speculates_once_admitted(
