@@ -133,7 +133,13 @@ def gauges(port: int) -> dict[str, float]:
     except OSError:
         return {}
     out = {}
-    for name in ("kv_cache_bytes", "kv_cache_budget_bytes", "kv_waits_total", "kv_overflows_total"):
+    for name in (
+        "kv_cache_bytes",
+        "kv_cache_budget_bytes",
+        "kv_waits_total",
+        "kv_overflows_total",
+        "kv_preemptions_total",
+    ):
         match = re.search(rf"^specdec:drafter_{name} (\S+)", text, re.M)
         if match:
             out[name] = float(match.group(1))

@@ -408,7 +408,8 @@ class DrafterMetrics:
         specdec:drafter_block_tau       histogram: tau of each block sent with confidence on
         specdec:drafter_prompt_tokens_total
                                         prompt tokens of the sessions that became ready (their
-                                        prompts in the draft model's cache)
+                                        prompts in the draft model's cache; a preempted session's
+                                        committed context again when it comes back)
         specdec:drafter_prefix_reused_tokens_total
                                         ... of which the prefix cache supplied (copied, not
                                         computed; drafter.prefix_cache)
