@@ -179,7 +179,6 @@ class DraftSession:
         self.report_progress = False  # the caller reads `Progress` (DraftOpen.report_progress)
         # the caller handles a preemption (DraftOpen.accepts_preemption); else memory ends the session
         self.accepts_preemption = False
-        self.preemptions = 0  # times the worker preempted it (see the module's terms)
         self.progress_at: float | None = None  # monotonic time of the latest `Progress` sent (None: none yet)
         self.progress_queued: int | None = None  # ... and its queued_tokens (None: none sent yet)
         self.exhausted = False  # the method has nothing more to propose for this context
@@ -589,7 +588,6 @@ class DraftSession:
         self.ready = self.admitted = self.kv_waited = False
         self.prefill_ms, self.reused_tokens = 0.0, 0
         self.progress_at = self.progress_queued = None
-        self.preemptions += 1
 
     def close(self) -> None:
         self.closed = True
@@ -667,7 +665,7 @@ class ModelDraftSession(DraftSession):
         self.reserve_slots = reserve_slots  # (DraftSession's)
         self.cache = GrowingCache(reserve_slots)  # a DynamicCache that appends in place (drafter.kvcache)
         self.cached = 0
-        self._find_prefix = prefixes
+        self._prefix_source = prefixes
         self._prefixes = prefixes  # None once asked (each prefill's first step)
         self.temperature = temperature
         self.top_k = top_k
@@ -744,7 +742,7 @@ class ModelDraftSession(DraftSession):
 
         super().preempt()
         # the prefix cache holds the old buffers' views when it kept them; the prefill asks it again
-        self.cache, self.cached, self._prefixes = GrowingCache(self.reserve_slots), 0, self._find_prefix
+        self.cache, self.cached, self._prefixes = GrowingCache(self.reserve_slots), 0, self._prefix_source
 
     def grow_reserve(self, slots: int) -> None:
         super().grow_reserve(slots)
