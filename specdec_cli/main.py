@@ -239,6 +239,8 @@ def format_stats(stats: pb.SpeculationStats, usage: pb.Usage, total_ms: float, f
         f"  branches: drafted={s.branches_drafted} used={s.branches_used} missed={s.branch_misses} "
         f"hit_rate={s.branch_hit_rate:.2f}" + (f" held_steps={s.held_steps}" if s.held_steps else ""),
     ]
+    if s.drafter_preemptions:
+        lines.append(f"  drafter preemptions: {s.drafter_preemptions} (plain decoding until it was ready again)")
     if s.drafter_fallback:
         lines.append(f"  drafter fallback: {s.fallback_reason}")
     return "\n".join(lines)

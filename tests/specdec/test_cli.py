@@ -307,3 +307,16 @@ def test_models_pull_makes_its_tmpdir_and_pulls_one_role(
     assert cli.main(["models", "pull", "tiny/target"]) == 0
     assert staging.is_dir()
     assert Path(capsys.readouterr().out.strip()) == resolve("tiny/target")
+
+
+def test_the_generate_summary_says_when_the_drafter_preempted_the_request_and_when_it_fell_back() -> None:
+    from specdec.wire import pb
+    from specdec_cli.main import format_stats
+
+    usage = pb.Usage(prompt_tokens=10, completion_tokens=33)
+    plain = format_stats(pb.SpeculationStats(gamma=4), usage, 2000.0, 500.0)
+    assert "preemptions" not in plain and "fallback" not in plain
+    stats = pb.SpeculationStats(gamma=4, drafter_preemptions=2, drafter_fallback=True, fallback_reason="drafter gone")
+    text = format_stats(stats, usage, 2000.0, 500.0)
+    assert "drafter preemptions: 2" in text and "drafter fallback: drafter gone" in text
+    assert "33 generated from 10 prompt tokens in 2.00 s (first token 500 ms, 21.3 tok/s after it)" in text
