@@ -245,14 +245,8 @@ def test_a_prompt_that_waits_for_memory_is_kept_and_speculates_once_admitted(
     holder, waiter_prompt = _ids(tiny_target, HOLDER_TOKENS, 9330), _ids(tiny_target, WAITER_TOKENS, 9331)
     waits = scrape(drafter.metrics_port).get("specdec:drafter_kv_waits_total", 0.0)
     release = threading.Event()
-
-    def holder_stream() -> Iterator[pb.DraftRequest]:
-        opened = pb.DraftOpen(prompt_token_ids=holder, gamma=4, sampling=pb.SamplingParams(max_tokens=64))
-        yield pb.DraftRequest(open=opened)
-        release.wait(120)  # the stream stays open until the test ends the session
-
-    with grpc.insecure_channel(drafter.address) as channel, ThreadPoolExecutor(2) as pool:
-        held = pool.submit(lambda: list(rpc.DrafterServiceStub(channel).Draft(holder_stream())))
+    with ThreadPoolExecutor(2) as pool:
+        held = pool.submit(lambda: list(_held_session(drafter.address, holder, release)))
         _until(lambda: scrape(drafter.metrics_port).get("specdec:drafter_kv_cache_bytes", 0.0) > 0)  # admitted
         spec_ = spec(waiter_prompt, WAITER_MAX_TOKENS, ignore_eos=True)
         waiter_call = pool.submit(generate_all, small.gateways["short"].address, [spec_], 1)
