@@ -17,12 +17,11 @@ request's row to the board (`preview`, then `propose_batch`), which:
      yet, i.e. is still prefilling or is stalled, gets the margin alone, once: after that
      wait expired it is `late` and not waited for until its `ready`; one that paused, having
      preempted the session for memory (`pause`), is `late` at once, until its next `ready`);
-     the whole step
-     waits at most `wait_s`, and with `adaptive` only while the missing drafts are worth
-     the wait and no prefill waits behind the step (`queued`: requests not scheduled yet,
-     or prefilled in chunks with one still to come; or submitted and not yet added to the
-     engine, `arrival`). One request
-     never holds the others up: once any row of the batch has its
+     the whole step waits at most `wait_s`, and with `adaptive` only while the missing drafts
+     are worth the wait and no prefill waits behind the step (`queued`: requests not
+     scheduled yet, or prefilled in chunks with one still to come; or submitted and not yet
+     added to the engine, `arrival`). One request never holds the others up: once any row
+     of the batch has its
      drafts (or needs none), the rows still missing theirs are waited for at most the
      margin from the step's start, and in a batch of more than one a row whose drafter let
      a wait expire with nothing usable (`late`, until a block with drafts arrives) is not
