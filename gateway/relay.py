@@ -108,6 +108,23 @@ async def verifier_vocab_size(stub: rpc.VerifierServiceAsyncStub) -> int:
     return info.vocab_size
 
 
+# How long a failed write waits for the drafter call's status (it has normally ended already).
+STATUS_WAIT_S = 1.0
+
+
+async def _ended_status(call: Any) -> str | None:
+    """`call`'s final status as a fallback reason ("drafter CODE: details"), when it ended with
+    an error within STATUS_WAIT_S; else None."""
+    try:
+        code = await asyncio.wait_for(call.code(), STATUS_WAIT_S)
+        details = await call.details()
+    except Exception:  # noqa: BLE001 - no status to tell: the write's own error is the reason
+        return None
+    if not isinstance(code, grpc.StatusCode) or code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+        return None
+    return f"drafter {code.name}: {details}"
+
+
 class DrafterRelay:
     """One generation's drafter side: opens the Draft call, checks each reply and relays the
     valid ones into `to_verifier`, commits the target's tokens to the drafter (with the hold),
@@ -226,7 +243,9 @@ class DrafterRelay:
         try:
             await self._to_drafter.write_all(call)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError) as err:
-            self.fall_back(f"drafter write failed: {err}")
+            # a write fails once the drafter has ended the call: its status says why (say
+            # RESOURCE_EXHAUSTED naming kv_cache_mib), as the reader would report it, not the write
+            self.fall_back(await _ended_status(call) or f"drafter write failed: {err}")
 
     def _violation(self, what: str) -> None:
         """The drafter sent something invalid (dropped or trimmed): count it; at

@@ -465,6 +465,45 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
+class EndedCall(FakeCall):
+    """A drafter call the drafter has ended with `code` (say it ended the session for memory):
+    writes fail, as gRPC's do once the call is over, and its status says why."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__()
+        self._code, self._details = code, details
+
+    async def write(self, msg) -> None:
+        await super().write(msg)
+        if msg.WhichOneof("kind") == "commit":
+            raise _rpc_error(grpc.StatusCode.INTERNAL, "Internal error from Core")
+
+    async def code(self) -> grpc.StatusCode:
+        return self._code
+
+    async def details(self) -> str:
+        return self._details
+
+
+def test_a_write_to_a_drafter_that_ended_the_call_falls_back_with_the_drafters_status() -> None:
+    """The writer can learn the call is over before the reader does (a commit sent just as the
+    drafter ended the session): the fallback reason is still the drafter's status, not the
+    failed write's."""
+
+    async def scenario() -> Generation:
+        verifier, drafter = FakeCall(), EndedCall(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room: kv_cache_mib")
+        r = _generation(verifier, drafter)
+        run = asyncio.create_task(_collect(r))
+        verifier.responses.put_nowait(_verdict(3, [10]))
+        await verifier.written_kind("end")
+        verifier.responses.put_nowait(_verdict(4, [11, 12], finish=True))
+        await run
+        return r
+
+    r = asyncio.run(scenario())
+    assert r.stats.fallback_reason == "drafter RESOURCE_EXHAUSTED: no room: kv_cache_mib"
+
+
 def test_a_verifier_error_ends_the_generation_with_its_status() -> None:
     """The Generation raises the verifier's error (the gateway then migrates on UNAVAILABLE, or ends
     the call with the status: GatewayServicer._chunks) and releases both calls."""
