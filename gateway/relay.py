@@ -112,6 +112,11 @@ async def verifier_vocab_size(stub: rpc.VerifierServiceAsyncStub) -> int:
 STATUS_WAIT_S = 1.0
 
 
+def status_reason(code: grpc.StatusCode, details: str | None) -> str:
+    """The fallback reason for a drafter call that ended with `code`: "drafter CODE: details"."""
+    return f"drafter {code.name}: {details}"
+
+
 async def _ended_status(call: Any) -> str | None:
     """`call`'s final status as a fallback reason ("drafter CODE: details"), when it ended with
     an error within STATUS_WAIT_S; else None."""
@@ -122,7 +127,7 @@ async def _ended_status(call: Any) -> str | None:
         return None
     if not isinstance(code, grpc.StatusCode) or code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
         return None
-    return f"drafter {code.name}: {details}"
+    return status_reason(code, details)
 
 
 class DrafterRelay:
@@ -381,7 +386,7 @@ class DrafterRelay:
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE and self.on_unavailable is not None:
                 self.on_unavailable()
-            self.fall_back(f"drafter {err.code().name}: {err.details()}")
+            self.fall_back(status_reason(err.code(), err.details()))
 
     async def _watch(self) -> None:
         """Fall back when the drafter stays silent for timeout_s while it owes an answer, or is
