@@ -9,7 +9,9 @@ the memory controller, or v1), as a Kubernetes pod's container runs under its me
 (6,144 MiB: deploy/k8s/base/drafter.yaml). Then `--prompts` Draft streams open at once, each a
 different `--tokens`-token prompt cut from real source files (the standard library's, or
 `--sources`), with max_tokens 64, and never commit: the drafter prefills them in arrival order
-and keeps their keys/values, as it does for a queue whose requests wait for their target. Every
+and keeps their keys/values, as it does for a queue whose requests wait for their target. (At
+once, and in order: each stream opens as soon as the drafter has answered the one before, its
+first report within a step, so that arrival order is stream order in every run.) Every
 `--interval` s it records how many are ready, the drafter's resident memory and its keys/values
 gauges, until every prompt is ready, the drafter has died, or, once a prompt is ready, nothing
 changed for `--idle` s.
@@ -34,6 +36,15 @@ whose keys/values the drafter lets go of for an older one's growth hears so
 counts the preemptions and the streams that came back; a stream preempted when its commits end
 is done (its generation would end there), and one whose drafter ends it (RESOURCE_EXHAUSTED:
 it could never fit) is "ended for memory".
+
+With `--close`, each stream closes once it has committed its tokens, as its gateway closes the
+stream when the request ends (at its last commit, whatever the drafter has applied): its
+keys/values go to the drafter's prefix cache and its budget to the sessions waiting, preempted
+ones first. With `--generate-min M` the streams commit different numbers of tokens, spread
+evenly from M to `--generate` in a fixed shuffled order, so their requests end at different
+times. Together they measure coming back: per stream, how often it was preempted, how long each
+pause lasted (preempted to ready again), and whether it drafted again once back; and how many
+tokens the prefix cache gave back (the drafter's specdec:drafter_prefix_reused_tokens_total).
 """
 
 from __future__ import annotations
@@ -44,7 +55,9 @@ import contextlib
 import inspect
 import json
 import os
+import random
 import re
+import statistics
 import subprocess
 import time
 import urllib.request
@@ -139,6 +152,7 @@ def gauges(port: int) -> dict[str, float]:
         "kv_waits_total",
         "kv_overflows_total",
         "kv_preemptions_total",
+        "prefix_reused_tokens_total",
     ):
         match = re.search(rf"^specdec:drafter_{name} (\S+)", text, re.M)
         if match:
@@ -156,8 +170,11 @@ async def queue(
     commit_tokens: int = 32,
     rate: float = 8.0,
     start_after: float = 0.0,
+    generate_min: int = 0,
+    close: bool = False,
 ) -> dict[str, Any]:
     """Open every prompt's stream at once and sample until done (module docstring)."""
+    lengths = stream_lengths(len(prompts), generate_min or generate, generate)
     ready: set[int] = set()
     finished: set[int] = set()  # --generate: committed every token
     generated: dict[int, int] = {}
@@ -165,12 +182,21 @@ async def queue(
     paused: set[int] = set()  # streams preempted and not ready again yet
     preemptions: dict[int, int] = {}  # per stream, times the drafter preempted it
     back: set[int] = set()  # streams ready again after a preemption
+    preempted_at: dict[int, float] = {}  # a paused stream's latest preemption (monotonic s)
+    pauses: list[float] = []  # s from a preemption to the stream's next ready
+    paused_to_end: list[float] = []  # s from a preemption to the stream's close, never ready again
+    drafted_back: set[int] = set()  # streams that drafted a block after coming back
+    closed: set[int] = set()  # --close: streams whose call ended after they closed it
     errors: dict[int, str] = {}
     samples: list[dict[str, Any]] = []
     async with grpc.aio.insecure_channel(svc.address) as channel:
         stub = rpc.DrafterServiceStub(channel)
 
+        heard = [asyncio.Event() for _ in prompts]  # the drafter answered stream i: it has arrived
+
         async def one(i: int) -> None:
+            if i:
+                await heard[i - 1].wait()  # arrival order is stream order (module docstring)
             opened = pb.DraftOpen(
                 request_id=f"q{i}",
                 prompt_token_ids=prompts[i],
@@ -179,41 +205,52 @@ async def queue(
                 report_progress=True,
                 accepts_preemption=True,  # as the gateway's streams
             )
-            commits: asyncio.Queue[pb.DraftRequest] = asyncio.Queue()
+            commits: asyncio.Queue[pb.DraftRequest | None] = asyncio.Queue()
 
             async def requests() -> Any:
                 yield pb.DraftRequest(open=opened)
-                while True:  # open until the run ends, as a request still being served
-                    yield await commits.get()
+                while (commit := await commits.get()) is not None:  # None: --close, the request ended
+                    yield commit
 
             async def generating() -> None:
                 """The target's tokens, paced at `rate` (the prompt's own, over again: real text)."""
-                n = len(prompts[i])
+                n, length = len(prompts[i]), lengths[i]
                 await asyncio.sleep(start_after)  # the target's queue and prefill, not a synchronisation
-                for start in range(0, generate, commit_tokens):
+                for start in range(0, length, commit_tokens):
                     await asyncio.sleep(commit_tokens / rate)  # the target decoding, not a synchronisation
-                    chunk = [prompts[i][(start + k) % n] for k in range(min(commit_tokens, generate - start))]
+                    chunk = [prompts[i][(start + k) % n] for k in range(min(commit_tokens, length - start))]
                     commit = pb.DraftCommit(start_position=n + start, token_ids=chunk)
                     commits.put_nowait(pb.DraftRequest(commit=commit))
                     generated[i] = start + len(chunk)
                 finished.add(i)
+                if close:
+                    commits.put_nowait(None)
 
             target = asyncio.create_task(generating()) if generate else None
             try:
                 async for reply in stub.Draft(requests()):
+                    heard[i].set()
                     if reply.HasField("ready"):
                         ready.add(i)
                         if i in paused:
                             paused.discard(i)
                             back.add(i)
+                            pauses.append(time.monotonic() - preempted_at.pop(i))
                     elif reply.HasField("progress") and reply.progress.preempted:
                         paused.add(i)
                         preemptions[i] = preemptions.get(i, 0) + 1
+                        preempted_at[i] = time.monotonic()
                     elif reply.HasField("block"):  # drafts after what the drafter has applied of the commits
                         reached[i] = max(reached.get(i, 0), reply.block.start_position - len(prompts[i]))
+                        if i in back:
+                            drafted_back.add(i)
+                if i in preempted_at:  # closed while paused: its request decoded plainly to its end
+                    paused_to_end.append(time.monotonic() - preempted_at.pop(i))
+                closed.add(i)
             except grpc.aio.AioRpcError as err:
                 errors[i] = f"{err.code().name}: {err.details()}"
             finally:
+                heard[i].set()  # failed or ended before a reply: the next one opens anyway
                 if target is not None:
                     target.cancel()
 
@@ -234,9 +271,11 @@ async def queue(
                 progress = (len(ready), len(errors), sum(generated.values()) + sum(reached.values()) + len(back))
                 if progress != state:
                     state, last_change = progress, now
-                if generate:  # committed, and applied by its drafter if it drafts for it at all
+                if close:  # closed by the stream once committed (its request ended), or failed
+                    done = len(closed) + len(errors)
+                elif generate:  # committed, and applied by its drafter if it drafts for it at all
                     drafts = ready - paused
-                    done = sum(1 for i in finished if i not in drafts or reached.get(i, 0) >= generate) + len(errors)
+                    done = sum(1 for i in finished if i not in drafts or reached.get(i, 0) >= lengths[i]) + len(errors)
                 else:
                     done = len(ready) + len(errors)
                 # idle only once a prompt is ready (or failed): a slow first prefill is not idle
@@ -259,7 +298,21 @@ async def queue(
         "preemptions": sum(preemptions.values()),
         "preempted_streams": len(preemptions),
         "back_after_preemption": len(back),
+        "most_preemptions_per_stream": max(preemptions.values(), default=0),
+        "drafted_after_coming_back": len(drafted_back),
+        "pauses_s": [round(p, 1) for p in pauses],
+        "paused_to_end_s": [round(p, 1) for p in paused_to_end],
+        "closed": len(closed),
     }
+
+
+def stream_lengths(n: int, low: int, high: int) -> list[int]:
+    """Tokens each of `n` streams commits: spread evenly from `low` to `high`, in an order shuffled
+    with a fixed seed (the same for every mode and run), so that requests end at different times
+    and not in arrival order."""
+    spread = [high if n == 1 else round(low + (high - low) * k / (n - 1)) for k in range(n)]
+    random.Random(0).shuffle(spread)
+    return spread
 
 
 def run_mode(mode: str, args: argparse.Namespace, prompts: list[list[int]], logs: Path) -> dict[str, Any]:
@@ -278,7 +331,8 @@ def run_mode(mode: str, args: argparse.Namespace, prompts: list[list[int]], logs
         try:
             svc.wait_ready(600)
             loaded = resident_mib(svc.proc.pid)
-            pace = {k: getattr(args, k) for k in ("generate", "max_tokens", "commit_tokens", "rate", "start_after")}
+            knobs = ("generate", "max_tokens", "commit_tokens", "rate", "start_after", "generate_min", "close")
+            pace = {k: getattr(args, k) for k in knobs}
             result = asyncio.run(queue(svc, prompts, args.interval, args.idle, **pace))
             result["alive"] = svc.proc.poll() is None
         finally:
@@ -298,26 +352,34 @@ def run_mode(mode: str, args: argparse.Namespace, prompts: list[list[int]], logs
 
 
 def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    growing = f", each committing {args.generate} tokens from {args.start_after:g} s on" if args.generate else ""
+    tokens = f"{args.generate_min} to {args.generate}" if args.generate_min else f"{args.generate}"
+    ending = ", then closing" if args.close else ""
+    growing = f", each committing {tokens} tokens from {args.start_after:g} s on{ending}" if args.generate else ""
     lines = [
         f"{args.prompts} prompts of {args.tokens} tokens at once{growing}, one drafter ({args.models}) in a "
         f"{args.limit_mib} MiB memory cgroup",
         "",
         "| mode | budget MiB | prompts ready | streams done | streams ended for memory | failed streams "
-        "| preemptions (streams, back) | peak resident MiB | peak keys/values MiB | prompts that waited "
-        "| drafter alive |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| preemptions (streams, most per stream, back, drafted again) | pause s (median, max) "
+        "| peak resident MiB | peak keys/values MiB | prompts that waited | drafter alive |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         budget = "none" if r["mode"] == "unbounded" else f"{r['budget_mib']:.0f}"
         done = r["finished"] if args.generate else r["ready"]
         lines.append(
             f"| {r['mode']} | {budget} | {r['ready']} | {done} | {r['ended_for_memory']} | {r['failed']} "
-            f"| {r['preemptions']} ({r['preempted_streams']}, {r['back_after_preemption']}) "
+            f"| {r['preemptions']} ({r['preempted_streams']}, {r['most_preemptions_per_stream']}, "
+            f"{r['back_after_preemption']}, {r['drafted_after_coming_back']}) | {pauses(r['pauses_s'])} "
             f"| {r['peak_rss_mib']:.0f} "
             f"| {r['peak_kv_mib']:.0f} | {r['waits']:.0f} | {'yes' if r['alive'] else 'no'} |"
         )
     return "\n".join(lines)
+
+
+def pauses(seconds: list[float]) -> str:
+    """A table cell: the median and the longest pause, or '–' when none ended."""
+    return f"{statistics.median(seconds):.0f}, {max(seconds):.0f}" if seconds else "–"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -332,6 +394,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--commit-tokens", type=int, default=32, help="with --generate: tokens per commit")
     ap.add_argument("--rate", type=float, default=8.0, help="with --generate: tokens a second per stream")
     ap.add_argument("--start-after", type=float, default=0.0, help="with --generate: seconds before the first commit")
+    ap.add_argument(
+        "--generate-min",
+        type=int,
+        default=0,
+        help="with --generate: the fewest tokens a stream commits (streams spread from it to --generate; 0: all equal)",
+    )
+    ap.add_argument("--close", action="store_true", help="with --generate: a stream closes once committed (it ended)")
     ap.add_argument("--threads", type=int, default=2, help="the drafter's torch threads")
     ap.add_argument("--drafter-args", default="", help="more drafter flags, one string (e.g. '--kv-cache-mib 1024')")
     ap.add_argument("--sources", type=Path, default=Path(inspect.getfile(json)).parent.parent)

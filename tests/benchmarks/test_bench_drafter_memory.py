@@ -78,5 +78,34 @@ def test_a_growth_beside_another_session_preempts_the_newest_and_nothing_ends(
     (result,) = json.loads(out.read_text())["results"]
     assert result["alive"] and result["failed"] == 0 and result["ended_for_memory"] == 0
     assert result["ready"] == 2 and result["finished"] == 2 and result["preemptions"] == 1
-    assert "| 1 (1, 0) |" in stdout
+    assert "| 1 (1, 1, 0, 0) | – |" in stdout  # preempted once, never back: no pause ended
     assert result["peak_kv_mib"] <= 3
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(_cgroup_unavailable(), reason="needs root and a memory cgroup it can make")
+def test_a_preempted_session_comes_back_once_an_older_request_ends(tmp_path: Path, run_module: RunModule) -> None:
+    """`--close --generate-min`: at a 4 MiB budget (2,048 tokens of the tiny draft) two streams
+    of 200 prompt tokens commit 1,000 and 1,600 tokens (the stream lengths' fixed order gives
+    the older one 1,000) and close. Both grow past their first reserve at ~512 tokens, where
+    two grown reserves do not fit: the newer one is preempted. When the older one closes, the
+    newer one comes back (prefilled again), drafts again, and closes at its end. Nothing ends for
+    memory and nothing fails. Its one dependence on pace: the newer stream's last 600 tokens
+    (6 s at 100 tokens a second) outlast its prefill of ~1,200 tokens of the tiny draft."""
+    out = tmp_path / "comeback.json"
+    stdout = run_module(
+        "benchmarks.drafter_memory",
+        *("--models", "tiny", "--limit-mib", "3072", "--prompts", "2", "--tokens", "200", "--modes", "auto"),
+        *("--generate", "1600", "--generate-min", "1000", "--close", "--max-tokens", "1700"),
+        *("--rate", "100", "--commit-tokens", "50"),
+        *("--drafter-args", "--kv-cache-mib 4", "--threads", "1", "--interval", "1", "--idle", "30"),
+        *("--logs", str(tmp_path / "logs"), "--out", str(out)),
+    )
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["alive"] and result["failed"] == 0 and result["ended_for_memory"] == 0
+    assert result["closed"] == 2 and result["generated"] == 2600
+    assert result["preemptions"] == 1 and result["back_after_preemption"] == 1
+    assert result["drafted_after_coming_back"] == 1
+    assert len(result["pauses_s"]) == 1 and result["paused_to_end_s"] == []
+    assert "| 1 (1, 1, 1, 1) |" in stdout
+    assert result["peak_kv_mib"] <= 4
