@@ -17,7 +17,9 @@ Terms:
                  generate up to DECODE_RESERVE (SamplingParams.max_tokens; unset: DECODE_RESERVE),
                  and its window (gamma + lookahead) and one; its cache allocates them at once
                  (drafter.kvcache), and their bytes are reserved of the budget before its
-                 prefill starts
+                 prefill starts. A context that grew while it waited for admission (its target
+                 decoded meanwhile: a queued prompt, a preempted session) is reserved as a prompt
+                 of its length would be (`admitted_slots`)
     held         per admitted session, the larger of its reserve and the bytes its cache holds
                  (a commit that lands while the worker steps the session can add tokens its
                  reserve was not grown for: they are counted until the next step's growth)
@@ -25,15 +27,19 @@ Terms:
                  past its 512 reserved tokens) first grows its reserve by DECODE_RESERVE more slots
                  (`grown_slots`, at most its cap: prompt + max_tokens + window + 1), if they fit
                  beside what the others hold; its cache's next buffer has exactly that many
-                 slots. If they do not fit, the newest admitted sessions are ended, newest first,
-                 until they do (the session itself, if it is the newest), as vLLM's scheduler
-                 preempts its newest request: an ended session's stream gets RESOURCE_EXHAUSTED
-                 naming the setting, its keys/values go to the prefix cache, and its gateway
-                 decodes the rest of that request plainly. Growth comes before a waiting
-                 prompt's admission (the worker grows the sessions, in arrival order, before it
-                 admits). Before, a session grew past its reserve unbudgeted (half again of its
-                 cache each time), and long generations ran a drafter that had admitted a full
-                 budget of prompts out of memory
+                 slots. If they do not fit, the newest admitted sessions make room, newest
+                 first, until they do (the session itself, if it is the newest), as vLLM's
+                 scheduler preempts its newest request. Each is preempted (DraftWorker._preempt)
+                 when its caller accepts that (DraftOpen.accepts_preemption) and what it must
+                 reserve to come back fits the budget at all: its keys/values go to the prefix
+                 cache, its request decodes plainly meanwhile, and it waits for admission again,
+                 ahead of the prompts that came after it. Otherwise it is ended: its stream gets
+                 RESOURCE_EXHAUSTED naming the setting, and its gateway decodes the rest of that
+                 request plainly. Growth comes before a waiting prompt's admission (the worker
+                 grows the sessions, in arrival order, before it admits). Before, a session grew
+                 past its reserve unbudgeted (half again of its cache each time), and long
+                 generations ran a drafter that had admitted a full budget of prompts out of
+                 memory
     budget       bytes the admitted sessions may hold (DrafterConfig.kv_cache_mib): the oldest
                  waiting prompt starts its prefill only when held + its reserve fits, and the
                  prompts behind it wait, in arrival order (the order the drafter prefills in);
@@ -99,6 +105,21 @@ def grown_slots(reserve: int, wanted: int, cap: int) -> int:
     least, at most `cap`, 0: no cap; never under `wanted`)."""
     grown = max(wanted, reserve + DECODE_RESERVE)
     return max(wanted, min(grown, cap)) if cap > 0 else grown
+
+
+def admitted_slots(reserve: int, wanted: int, cap: int, most: int = 0) -> int:
+    """A session's reserve as it is admitted with `wanted` slots (its context and window): at
+    least DECODE_RESERVE + 1 more, as a prompt reserves (module's terms), and never under
+    `reserve`; at most `cap` (0: no cap) and `most` (the budget's slots; 0: no budget), never
+    under `wanted`. A context that grew while it waited (its target decoded meanwhile: a queued
+    prompt, a preempted session coming back) is admitted with room for what it generates next,
+    not only for what it holds: admitted without it, it would grow at its next step, and when that
+    growth does not fit, the newest admitted session, itself, is preempted again."""
+    ahead = wanted + 1 + DECODE_RESERVE
+    for bound in (cap, most):
+        if bound > 0:
+            ahead = min(ahead, bound)
+    return max(reserve, wanted, ahead)
 
 
 def token_bytes(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:

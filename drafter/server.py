@@ -237,15 +237,20 @@ class DraftWorker(threading.Thread):
     def _admit(self, session: DraftSession) -> bool:
         """Whether `session`'s prefill may start: it was admitted, or its reserve fits beside the
         admitted sessions' now (then it is admitted). A context that grew while it waited (its
-        gateway committed the target's tokens meanwhile) is reserved whole. Called with `_cond` held."""
+        gateway committed the target's tokens meanwhile: a queued prompt, a preempted session) is
+        reserved whole, with room for what it generates next (drafter.memory.admitted_slots).
+        Called with `_cond` held."""
         if session.admitted:
             return True
         if self.kv_budget is None or session.reserve_slots <= 0:
             session.admitted, session.admission = True, next(self._admissions)
             return True
-        whole = session.slots_wanted() + session.window
-        if whole > session.reserve_slots:
-            session.grow_reserve(whole)
+        budget = self.kv_budget
+        most = budget.budget_bytes // budget.token_bytes if budget.budget_bytes > 0 else 0
+        wanted = session.slots_wanted() + session.window
+        slots = memory.admitted_slots(session.reserve_slots, wanted, session.slot_cap, most)
+        if slots > session.reserve_slots:
+            session.grow_reserve(slots)
         reserve = self.kv_budget.need(session.reserve_slots)
         held = self.kv_held()
         if self.metrics is not None:

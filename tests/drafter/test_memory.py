@@ -38,6 +38,16 @@ def test_a_reserve_grows_by_the_decode_reserve_up_to_what_the_session_can_ever_h
     assert memory.grown_slots(reserve, reserve + 2000, 0) == reserve + 2000  # a commit of many tokens
 
 
+def test_an_admitted_context_reserves_room_for_its_next_generation_within_its_cap_and_the_budget() -> None:
+    """As a prompt of its context's length would (module's terms), never under its reserve."""
+    ahead = memory.DECODE_RESERVE + 1
+    assert memory.admitted_slots(3522, 3009, 0) == 3522  # a new prompt: its reserve already holds it
+    assert memory.admitted_slots(3522, 3809, 0) == 3809 + ahead  # a preempted session's grown context
+    assert memory.admitted_slots(3522, 3809, 3809 + 100) == 3809 + 100  # its generation ends sooner
+    assert memory.admitted_slots(3522, 3809, 0, most=4000) == 4000  # what the budget can ever hold
+    assert memory.admitted_slots(3522, 3809, 0, most=3700) == 3809  # no less than its context
+
+
 def test_one_tokens_bytes_are_its_keys_and_values_in_every_layer() -> None:
     cache = GrowingCache()
     for layer in range(3):  # [1, 2 KV heads, 5 tokens, 8 dims], float32
@@ -357,7 +367,8 @@ def test_the_newest_session_is_preempted_for_an_older_ones_growth_and_comes_back
 
 def test_a_session_whose_own_growth_does_not_fit_is_preempted_until_its_grown_reserve_does() -> None:
     """The newest session generates past its reserve while an older one holds the rest: it
-    preempts itself, reserving its grown size, and is admitted again only once that fits."""
+    preempts itself, reserving its grown size (at least: as it waits for admission, its context
+    and DECODE_RESERVE + 1 more), and is admitted again only once that fits."""
     cache = PrefixCache(64 << 20, min_tokens=8)
     worker, sessions, got = _two_long_generations(0, cache)
     older, newer = sessions
@@ -365,12 +376,41 @@ def test_a_session_whose_own_growth_does_not_fit_is_preempted_until_its_grown_re
     older.commit(40, _generated(8, 0))
     newer.commit(40, _generated(reserve - 40 + 1, 1))
     _step(worker)
-    assert not newer.admitted and newer.reserve_slots == reserve + memory.DECODE_RESERVE
+    assert not newer.admitted and newer.reserve_slots >= reserve + memory.DECODE_RESERVE
+    assert newer.reserve_slots == memory.admitted_slots(0, len(newer.context) + newer.window, newer.slot_cap)
     assert older.admitted and older.reserve_slots == reserve
     assert any(isinstance(x, Progress) and x.preempted for x in got[1]) and _preemptions(worker) == 1
     worker.remove(older)
     _steps_until(worker, lambda: newer.ready)
-    assert newer.admitted and newer.kv_bytes() == SMALL_TOKEN_BYTES * (reserve + memory.DECODE_RESERVE)
+    assert newer.admitted and newer.kv_bytes() == SMALL_TOKEN_BYTES * newer.reserve_slots
+
+
+@pytest.mark.parametrize("room", [100, 0])
+def test_a_session_comes_back_with_room_for_its_next_tokens_and_is_not_preempted_again_at_once(room: int) -> None:
+    """The newer session is preempted for the older one's growth, and its target decodes 600
+    tokens while it waits. When the older one ends, it comes back reserving its context and
+    DECODE_RESERVE + 1 more, as a prompt of that length would (with `room` 0 the budget holds
+    less: all of it), so its next commits need no growth. (Reserving only its context, it would
+    grow at its first step past it, and where that growth did not fit, the newest admitted
+    session, itself, would be preempted again.)"""
+    cache = PrefixCache(64 << 20, min_tokens=8)
+    worker, sessions, got = _two_long_generations(room, cache)
+    older, newer = sessions
+    budget = worker.kv_budget
+    assert budget is not None
+    older.commit(40, _generated(older.reserve_slots - 40 + 1, 0))
+    _step(worker)
+    assert not newer.admitted and _preemptions(worker) == 1
+    newer.commit(40, _generated(600, 1))  # its target decodes on while it waits
+    worker.remove(older)
+    _steps_until(worker, lambda: newer.ready)
+    most = budget.budget_bytes // budget.token_bytes
+    assert newer.reserve_slots == min(40 + 600 + newer.window + 1 + memory.DECODE_RESERVE, most)
+    assert newer.kv_bytes() == budget.need(newer.reserve_slots)  # one buffer of it
+    newer.commit(640, _generated(min(300, most - 640 - newer.window - 1), 2))
+    _steps_until(worker, lambda: len(_drafted(newer)) >= 2)
+    assert newer.admitted and _preemptions(worker) == 1 and worker.kv_held() <= budget.budget_bytes
+    assert sum(isinstance(x, Ready) for x in got[1]) == 2
 
 
 def test_a_growth_that_could_never_fit_ends_the_session_though_its_caller_accepts_preemption() -> None:
