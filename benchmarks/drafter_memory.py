@@ -43,8 +43,10 @@ keys/values go to the drafter's prefix cache and its budget to the sessions wait
 ones first. With `--generate-min M` the streams commit different numbers of tokens, spread
 evenly from M to `--generate` in a fixed shuffled order, so their requests end at different
 times. Together they measure coming back: per stream, how often it was preempted, how long each
-pause lasted (preempted to ready again), and whether it drafted again once back; and how many
-tokens the prefix cache gave back (the drafter's specdec:drafter_prefix_reused_tokens_total).
+pause lasted (preempted to ready again) and how much of it the drafter reported it waiting for
+memory (`waiting_for_memory`; the rest is the prefills ahead of it and its own), and whether it
+drafted again once back; and how many tokens the prefix cache gave back (the drafter's
+specdec:drafter_prefix_reused_tokens_total).
 """
 
 from __future__ import annotations
@@ -184,6 +186,10 @@ async def queue(
     back: set[int] = set()  # streams ready again after a preemption
     preempted_at: dict[int, float] = {}  # a paused stream's latest preemption (monotonic s)
     pauses: list[float] = []  # s from a preemption to the stream's next ready
+    # of each pause, s until the drafter's first report that the stream no longer waits for
+    # memory (the rest: the prefills ahead of it in arrival order, and its own)
+    memory_waits: list[float] = []
+    room_at: dict[int, float] = {}  # a paused stream's first such report (monotonic s)
     paused_to_end: list[float] = []  # s from a preemption to the stream's close, never ready again
     drafted_back: set[int] = set()  # streams that drafted a block after coming back
     closed: set[int] = set()  # --close: streams whose call ended after they closed it
@@ -235,17 +241,23 @@ async def queue(
                         if i in paused:
                             paused.discard(i)
                             back.add(i)
-                            pauses.append(time.monotonic() - preempted_at.pop(i))
+                            now = time.monotonic()
+                            since = preempted_at.pop(i)
+                            pauses.append(now - since)
+                            memory_waits.append(room_at.pop(i, now) - since)
                     elif reply.HasField("progress") and reply.progress.preempted:
                         paused.add(i)
                         preemptions[i] = preemptions.get(i, 0) + 1
                         preempted_at[i] = time.monotonic()
+                    elif reply.HasField("progress") and i in paused and not reply.progress.waiting_for_memory:
+                        room_at.setdefault(i, time.monotonic())
                     elif reply.HasField("block"):  # drafts after what the drafter has applied of the commits
                         reached[i] = max(reached.get(i, 0), reply.block.start_position - len(prompts[i]))
                         if i in back:
                             drafted_back.add(i)
                 if i in preempted_at:  # closed while paused: its request decoded plainly to its end
                     paused_to_end.append(time.monotonic() - preempted_at.pop(i))
+                    room_at.pop(i, None)
                 closed.add(i)
             except grpc.aio.AioRpcError as err:
                 errors[i] = f"{err.code().name}: {err.details()}"
@@ -301,6 +313,7 @@ async def queue(
         "most_preemptions_per_stream": max(preemptions.values(), default=0),
         "drafted_after_coming_back": len(drafted_back),
         "pauses_s": [round(p, 1) for p in pauses],
+        "pauses_waiting_for_memory_s": [round(p, 1) for p in memory_waits],
         "paused_to_end_s": [round(p, 1) for p in paused_to_end],
         "closed": len(closed),
     }

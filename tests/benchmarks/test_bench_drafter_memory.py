@@ -107,5 +107,6 @@ def test_a_preempted_session_comes_back_once_an_older_request_ends(tmp_path: Pat
     assert result["preemptions"] == 1 and result["back_after_preemption"] == 1
     assert result["drafted_after_coming_back"] == 1
     assert len(result["pauses_s"]) == 1 and result["paused_to_end_s"] == []
+    assert 0 <= result["pauses_waiting_for_memory_s"][0] <= result["pauses_s"][0]
     assert "| 1 (1, 1, 1, 1) |" in stdout
     assert result["peak_kv_mib"] <= 4
