@@ -181,10 +181,9 @@ async def queue(
     finished: set[int] = set()  # --generate: committed every token
     generated: dict[int, int] = {}
     reached: dict[int, int] = {}  # --generate: of a ready stream's commits, the tokens its drafter applied
-    paused: set[int] = set()  # streams preempted and not ready again yet
     preemptions: dict[int, int] = {}  # per stream, times the drafter preempted it
     back: set[int] = set()  # streams ready again after a preemption
-    preempted_at: dict[int, float] = {}  # a paused stream's latest preemption (monotonic s)
+    preempted_at: dict[int, float] = {}  # streams preempted and not ready again yet: when (monotonic s)
     pauses: list[float] = []  # s from a preemption to the stream's next ready
     # of each pause, s until the drafter's first report that the stream no longer waits for
     # memory (the rest: the prefills ahead of it in arrival order, and its own)
@@ -238,18 +237,16 @@ async def queue(
                     heard[i].set()
                     if reply.HasField("ready"):
                         ready.add(i)
-                        if i in paused:
-                            paused.discard(i)
+                        if i in preempted_at:
                             back.add(i)
                             now = time.monotonic()
                             since = preempted_at.pop(i)
                             pauses.append(now - since)
                             memory_waits.append(room_at.pop(i, now) - since)
                     elif reply.HasField("progress") and reply.progress.preempted:
-                        paused.add(i)
                         preemptions[i] = preemptions.get(i, 0) + 1
                         preempted_at[i] = time.monotonic()
-                    elif reply.HasField("progress") and i in paused and not reply.progress.waiting_for_memory:
+                    elif reply.HasField("progress") and i in preempted_at and not reply.progress.waiting_for_memory:
                         room_at.setdefault(i, time.monotonic())
                     elif reply.HasField("block"):  # drafts after what the drafter has applied of the commits
                         reached[i] = max(reached.get(i, 0), reply.block.start_position - len(prompts[i]))
@@ -286,7 +283,7 @@ async def queue(
                 if close:  # closed by the stream once committed (its request ended), or failed
                     done = len(closed) + len(errors)
                 elif generate:  # committed, and applied by its drafter if it drafts for it at all
-                    drafts = ready - paused
+                    drafts = ready - preempted_at.keys()
                     done = sum(1 for i in finished if i not in drafts or reached.get(i, 0) >= lengths[i]) + len(errors)
                 else:
                     done = len(ready) + len(errors)
