@@ -19,6 +19,10 @@ the same target model and dtype, the same prompts. Workloads (`--workloads`):
     serve-long  (not in the default set) the same client and servers, 4 long prompts sent
             together: the openings of Python standard-library modules, about
             SERVE_LONG_TOKENS tokens each (or what the target's context leaves room for)
+    serve-queue  (not in the default set) the same client and servers, a queue: serve-c8's 8
+            excerpts and the 8 openings of c8, 16 requests arriving one by one as a Poisson
+            process of --serve-rate requests a second (vLLM's client's --request-rate, seed 0:
+            the same arrival times for both servers)
 
 Systems:
 
@@ -151,6 +155,7 @@ C8_PROMPT_TOKENS = 250
 C8_SOURCES = ("textwrap.py", "heapq.py", "bisect.py", "fnmatch.py", "shlex.py", "csv.py", "glob.py", "json/decoder.py")
 SERVE_LONG_TOKENS = 3000  # past the 2,048-token context the verifier ran on the CPU before
 SERVE_LONG_SOURCES = ("typing.py", "dataclasses.py", "pathlib.py", "subprocess.py")
+SERVE_QUEUE_PROMPT_TOKENS = 260  # serve-queue's stdlib openings: about serve-c8's excerpts' length
 GOALS = {  # performance rounds 2 and 3 (issues 15 and 24); batch 1: the best specdec row at any setting
     "batch1_speedup_vs_target_only": 2.8,
     "batch1_speedup_vs_vllm_draft_model": 1.8,  # vLLM's draft_model on the target's one core
@@ -235,7 +240,11 @@ def workload_prompts(
     if name in SERVE_WORKLOADS:
         from benchmarks.serve import load_prompts as load_serve_prompts
 
-        return load_serve_prompts()
+        ids, texts = load_serve_prompts()
+        if name == "serve-queue":  # a queue of 16: the excerpts, then c8's openings of about 260 tokens
+            ids = [*ids, *C8_SOURCES]
+            texts = [*texts, *(source_prompt(f, tokenizer, SERVE_QUEUE_PROMPT_TOKENS) for f in C8_SOURCES)]
+        return ids, texts
     raise ValueError(f"unknown workload {name!r}; known: {', '.join((*WORKLOADS, *SERVE_WORKLOADS))}")
 
 
@@ -931,8 +940,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--serve-vllm-dtype",
         metavar="DTYPE",
-        help="serve-c8, serve-c1, serve-long: vLLM's server's dtype (default: --dtype); "
+        help="serve-c8, serve-c1, serve-long, serve-queue: vLLM's server's dtype (default: --dtype); "
         "`auto` is what `vllm serve` takes when not told: bfloat16 on the CPU",
+    )
+    p.add_argument(
+        "--serve-rate",
+        type=float,
+        default=None,
+        metavar="RPS",
+        help="serve-queue: requests a second, arriving as a Poisson process (default "
+        "benchmarks.serve.QUEUE_RATE, 0.1: about what vLLM target-only serves on one core here)",
     )
     p.add_argument("--out", default="bench-results", help="folder for bench.json, outputs.json, bench.png, logs/")
     p.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens: a smoke run (CI)")
@@ -968,6 +985,12 @@ def main(args: argparse.Namespace) -> int:
         for k, v in QUICK.items():
             if k != "workloads" or args.workloads is None:  # --quick keeps the workloads asked for
                 setattr(args, k, v)
+    if args.serve_rate is not None and not args.serve_rate > 0:
+        from specdec.errors import UserError
+
+        raise UserError(
+            f"--serve-rate must be above 0 requests a second, not {args.serve_rate:g}", "e.g. --serve-rate 0.1"
+        )
     t_start = time.time()
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -1097,6 +1120,7 @@ def main(args: argparse.Namespace) -> int:
             out=out,
             verifier_args=QUICK_VERIFIER_ARGS if args.quick else (),
             prompts={w: texts[w] for w in asked},
+            **({"rate": args.serve_rate} if args.serve_rate else {}),
         )
     rows.extend(summarise(run, r) for i, run in enumerate(runs) for r in results_of.get(i, []))
     relate(rows, prompts)

@@ -1,11 +1,13 @@
-"""The `serve-c8`, `serve-c1` and `serve-long` workloads of `specdec bench`: vLLM's own client
-against two OpenAI servers.
+"""The `serve-c8`, `serve-c1`, `serve-long` and `serve-queue` workloads of `specdec bench`:
+vLLM's own client against two OpenAI servers.
 
 As a new user would measure it: `vllm bench serve` (vLLM's benchmark client, unmodified;
 backend `openai`, /v1/completions, streaming, greedy, `--ignore-eos`) sends the workload's
 prompts (`serve-c8`: all at once, `--max-concurrency` = the number of prompts, request rate
 inf; `serve-c1`: the same prompts one at a time, `--max-concurrency 1`; `serve-long`: long
-prompts, all at once) to
+prompts, all at once; `serve-queue`: 16 prompts arriving one by one, a Poisson process of
+`--serve-rate` requests a second, vLLM's client's own `--request-rate` with its seed 0, so both
+servers get the same arrivals, none held back by a concurrency cap) to
 
     target-only  vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`,
                  what `vllm serve` runs) on the target alone, pinned to the target's core
@@ -27,7 +29,8 @@ the measured runs start (vLLM's ready check is skipped: the warm-up did it).
 
 The prompts of serve-c8 and serve-c1 (PROMPTS_FILE): 8 excerpts of about 260 tokens of real
 source files (C, JS, Rust, Python), each cut mid-file at a line end; their origin is in each line
-of the file. serve-long's (benchmarks.bench.SERVE_LONG_SOURCES): the openings of 4 Python
+of the file. serve-queue's: those 8, then 8 openings of Python standard-library modules of about
+260 tokens (benchmarks.bench.C8_SOURCES). serve-long's (benchmarks.bench.SERVE_LONG_SOURCES): the openings of 4 Python
 standard-library modules, about 3,000 tokens each (past the 2,048-token context the verifier ran
 on the CPU before it took the model's), or what the target's context leaves room for.
 
@@ -87,7 +90,13 @@ from specdec.errors import exit_status
 
 NAME = "serve-c8"  # the first workload (its name was the module's only one)
 # workload -> vllm bench serve's --max-concurrency (None: every prompt at once)
-WORKLOADS: dict[str, int | None] = {"serve-c8": None, "serve-c1": 1, "serve-long": None}
+WORKLOADS: dict[str, int | None] = {"serve-c8": None, "serve-c1": 1, "serve-long": None, "serve-queue": None}
+# workloads whose requests arrive as a Poisson process (vllm bench serve's --request-rate) rather than at once
+ARRIVING = ("serve-queue",)
+# serve-queue's default arrival rate, requests a second: about what vLLM target-only serves of
+# 64-token requests on one core of the reference VMs (serve-c8: 6-7 output tok/s, ~0.1 request/s),
+# so the queue is near its capacity, where specdec must not be slower
+QUEUE_RATE = 0.1
 PROMPTS_FILE = Path(__file__).with_name("serve_c8_prompts.jsonl")
 WARMUP_TOKENS = 8
 READY_TIMEOUT_S = 900.0
@@ -447,10 +456,12 @@ def bench_serve_command(
     result_dir: Path,
     filename: str,
     concurrency: int | None = None,
+    request_rate: float | None = None,
 ) -> list[str]:
     """`vllm bench serve` arguments: every prompt of `dataset` in file order, `concurrency` at a
     time (None: all `n` at once), greedy, exactly `output_len` tokens each, per-request results
-    saved."""
+    saved. `request_rate`: requests arrive as a Poisson process of that many a second (vLLM's
+    client's, seeded with 0: the same arrival times for every server); None: all at once."""
     return [
         "bench",
         "serve",
@@ -477,7 +488,9 @@ def bench_serve_command(
         "--max-concurrency",
         str(concurrency or n),
         "--request-rate",
-        "inf",
+        "inf" if request_rate is None else f"{request_rate:g}",
+        "--seed",
+        "0",
         "--temperature",
         "0",
         "--ignore-eos",
@@ -581,8 +594,13 @@ def table(report: dict[str, Any]) -> str:
         return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
 
     lines = [
-        f"{report.get('workload', NAME)}: vllm bench serve, c = {report['concurrency']}, "
-        f"{report['output_len']} tokens each",
+        f"{report.get('workload', NAME)}: vllm bench serve, "
+        + (
+            f"{len(report['prompts'])} requests arriving at {report['request_rate']:g}/s (Poisson, seed 0), "
+            if report.get("request_rate")
+            else f"c = {report['concurrency']}, "
+        )
+        + f"{report['output_len']} tokens each",
         "| system | " + " | ".join(h for _, h, _ in cols) + " |",
         "|---|" + "---|" * len(cols),
     ]
@@ -623,13 +641,14 @@ def run_workloads(
     vllm_dtype: str | None = None,
     verifier_args: Sequence[str] = (),
     prompts: dict[str, tuple[list[str], list[str]]] | None = None,
+    rate: float = QUEUE_RATE,
 ) -> dict[str, dict[str, Any]]:
     """Both systems, one after the other, each running every workload of `names` (WORKLOADS) on
     one server; per workload, the report: rows, ratios, exact, and the command per row.
     `prompts`: each workload's (ids, texts); a workload without them takes PROMPTS_FILE's.
 
     dtype: the services' and (unless `vllm_dtype`) vLLM's server's; cores: (the target's core,
-    the drafter's core, where the client runs too)."""
+    the drafter's core, where the client runs too); rate: the ARRIVING workloads' requests a second."""
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown serve workload {unknown[0]!r}; known: {', '.join(WORKLOADS)}")
@@ -662,6 +681,7 @@ def run_workloads(
                 out / name,
                 f"{system}.json",
                 WORKLOADS[name],
+                rate if name in ARRIVING else None,
             )
             commands[name][system] = ["vllm", *args]
             result = run_bench_serve(args, cores[1], logs / f"{name}-client.log", out / name / f"{system}.json")
@@ -690,6 +710,7 @@ def run_workloads(
             "workload": name,
             "prompts": texts_of[name][0],
             "concurrency": WORKLOADS[name] or len(texts_of[name][1]),
+            "request_rate": rate if name in ARRIVING else None,
             "output_len": output_len,
             "dtype": {"target-only": vllm_dtype or dtype, "specdec": dtype},
             "cores": {"target": cores[0], "drafter_and_client": cores[1]},

@@ -103,7 +103,15 @@ def test_the_client_sends_every_prompt_at_once_greedy_in_file_order(tmp_path: Pa
     one = serve.bench_serve_command("http://h:1", "m", "tok", tmp_path / "d.json", 8, 64, tmp_path, "r.json", 1)
     flags = dict(zip(one[:-1], one[1:], strict=True))
     assert (flags["--num-prompts"], flags["--max-concurrency"]) == ("8", "1")  # serve-c1: one at a time
-    assert serve.WORKLOADS == {"serve-c8": None, "serve-c1": 1, "serve-long": None}
+    queue = serve.bench_serve_command(
+        "http://h:1", "m", "tok", tmp_path / "d.json", 16, 64, tmp_path, "r.json", None, 0.25
+    )
+    flags = dict(zip(queue[:-1], queue[1:], strict=True))
+    # serve-queue: Poisson arrivals, seeded alike for both servers, no concurrency cap holding them back
+    assert (flags["--num-prompts"], flags["--max-concurrency"], flags["--request-rate"]) == ("16", "16", "0.25")
+    assert flags["--seed"] == "0" and "--burstiness" not in flags  # vLLM's default: 1.0, Poisson
+    assert serve.WORKLOADS == {"serve-c8": None, "serve-c1": 1, "serve-long": None, "serve-queue": None}
+    assert serve.ARRIVING == ("serve-queue",)
     assert set(serve.WORKLOADS) == set(bench.SERVE_WORKLOADS)
 
 
@@ -206,7 +214,8 @@ def test_where_specdecs_ttft_goes_from_its_first_rounds(tmp_path: Path) -> None:
 @pytest.mark.e2e  # vLLM's server, the three services and vLLM's client, on the tiny pair
 def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
     """Both rows, the ratios, exactness and where the TTFT goes, from one `specdec bench --quick
-    --workloads serve-c8,serve-c1,serve-long` (each server runs every workload)."""
+    --workloads serve-c8,serve-c1,serve-long,serve-queue --serve-rate 4` (each server runs every
+    workload)."""
     out = tmp_path / "out"
     proc = subprocess.run(
         [
@@ -216,7 +225,9 @@ def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
             "bench",
             "--quick",
             "--workloads",
-            "serve-c8,serve-c1,serve-long",
+            "serve-c8,serve-c1,serve-long,serve-queue",
+            "--serve-rate",
+            "4",
             "--out",
             str(out),
         ],
@@ -226,7 +237,12 @@ def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = json.loads((out / "bench.json").read_text())["serve"]
-    assert list(reports) == ["serve-c8", "serve-c1", "serve-long"]
+    assert list(reports) == ["serve-c8", "serve-c1", "serve-long", "serve-queue"]
+    queue = reports["serve-queue"]  # 16 requests arriving at 4 a second, the same arrivals for both
+    assert queue["prompts"] == [*serve.load_prompts()[0], *bench.C8_SOURCES] and queue["request_rate"] == 4.0
+    assert queue["exact"] == 1.0 and [(r["completed"], r["failed"]) for r in queue["rows"]] == [(16, 0), (16, 0)]
+    assert queue["rows"][1]["fallbacks"] == 0 and queue["rows"][1]["counters"]["drafts"] > 0
+    assert "serve-queue: vllm bench serve, 16 requests arriving at 4/s (Poisson, seed 0)" in proc.stdout
     long = reports["serve-long"]  # prompts as long as the tiny target's context leaves room for
     lengths = json.loads((out / "bench.json").read_text())["meta"]["workloads"]["serve-long"]["prompt_tokens"]
     assert long["prompts"] == list(bench.SERVE_LONG_SOURCES) and len(lengths) == 4, long["prompts"]
