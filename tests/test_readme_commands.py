@@ -72,7 +72,8 @@ _VOCAB = (
 _BENCH = "the full benchmark takes minutes even on tiny; `specdec bench --quick` runs in tests/benchmarks/test_bench.py"
 _SERVE_C8 = (
     "starts vLLM's OpenAI server and the services on the real pair (minutes); "
-    "tests/benchmarks/test_serve.py runs the serve-c8, serve-c1 and serve-long workloads end to end on tiny"
+    "tests/benchmarks/test_serve.py runs the serve-c8, serve-c1, serve-long and serve-queue workloads end to end "
+    "on tiny"
 )
 _LINK = (
     "makes network namespaces and runs the benchmark across them (minutes); `specdec bench-link --quick` "
@@ -138,6 +139,10 @@ NOT_RUN = {
     "--out bench-serve-c8": _SERVE_C8,
     "specdec bench --models qwen-coder --workloads serve-c1 --max-tokens 64 --dtype auto "
     "--out bench-serve-c1": _SERVE_C8,
+    "specdec bench --models qwen-coder --workloads serve-queue --max-tokens 64 --dtype float32 "
+    "--out bench-serve-queue": _SERVE_C8,
+    "specdec bench --models qwen-coder --workloads serve-queue --max-tokens 64 --dtype float32 --serve-rate 0.05 "
+    "--out bench-serve-queue-0.05": _SERVE_C8,
     "specdec bench --models qwen-coder --systems target-only,specdec --workloads code --gammas 4 --concurrency 4,16 "
     "--dtype auto --out bench-load": _BENCH,
     "SPECDEC_MAX_NUM_BATCHED_TOKENS=512 specdec bench --models qwen-coder --workloads serve-long --max-tokens 64 "
