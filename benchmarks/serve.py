@@ -30,9 +30,10 @@ the measured runs start (vLLM's ready check is skipped: the warm-up did it).
 The prompts of serve-c8 and serve-c1 (PROMPTS_FILE): 8 excerpts of about 260 tokens of real
 source files (C, JS, Rust, Python), each cut mid-file at a line end; their origin is in each line
 of the file. serve-queue's: those 8, then 8 openings of Python standard-library modules of about
-260 tokens (benchmarks.bench.C8_SOURCES). serve-long's (benchmarks.bench.SERVE_LONG_SOURCES): the openings of 4 Python
-standard-library modules, about 3,000 tokens each (past the 2,048-token context the verifier ran
-on the CPU before it took the model's), or what the target's context leaves room for.
+260 tokens (benchmarks.bench.C8_SOURCES). serve-long's (benchmarks.bench.SERVE_LONG_SOURCES): the
+openings of 4 Python standard-library modules, about 3,000 tokens each (past the 2,048-token
+context the verifier ran on the CPU before it took the model's), or what the target's context
+leaves room for.
 
 Figures per system, as vLLM's client computes them (vllm/benchmarks/serve.py):
     TTFT        request sent to the first streamed event with a `choices` entry

@@ -115,6 +115,20 @@ def test_the_client_sends_every_prompt_at_once_greedy_in_file_order(tmp_path: Pa
     assert set(serve.WORKLOADS) == set(bench.SERVE_WORKLOADS)
 
 
+@pytest.mark.parametrize("rate", ["0", "-1"])
+def test_a_serve_rate_that_is_not_above_zero_is_refused_in_one_line(tmp_path: Path, rate: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "bench", "--models", "tiny", "--workloads", "serve-queue"]
+        + ["--serve-rate", rate, "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"--serve-rate must be above 0 requests a second, not {rate}" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
 _METRICS = """\
 # HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
