@@ -129,6 +129,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.serve import QUEUE_RATE
 from benchmarks.serve import WORKLOADS as SERVE_CONCURRENCY  # serve workload -> its client concurrency
 from specdec.acceptance import expected_tokens  # E(alpha, gamma): tokens per target step
 from specdec.models import check_pair, choose
@@ -946,10 +947,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--serve-rate",
         type=float,
-        default=None,
+        default=QUEUE_RATE,
         metavar="RPS",
-        help="serve-queue: requests a second, arriving as a Poisson process (default "
-        "benchmarks.serve.QUEUE_RATE, 0.1: about what vLLM target-only serves on one core here)",
+        help="serve-queue: requests a second, arriving as a Poisson process (default %(default)s: about "
+        "what vLLM target-only serves on one core here)",
     )
     p.add_argument("--out", default="bench-results", help="folder for bench.json, outputs.json, bench.png, logs/")
     p.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens: a smoke run (CI)")
@@ -985,7 +986,7 @@ def main(args: argparse.Namespace) -> int:
         for k, v in QUICK.items():
             if k != "workloads" or args.workloads is None:  # --quick keeps the workloads asked for
                 setattr(args, k, v)
-    if args.serve_rate is not None and not args.serve_rate > 0:
+    if not args.serve_rate > 0:
         from specdec.errors import UserError
 
         raise UserError(
@@ -1120,7 +1121,7 @@ def main(args: argparse.Namespace) -> int:
             out=out,
             verifier_args=QUICK_VERIFIER_ARGS if args.quick else (),
             prompts={w: texts[w] for w in asked},
-            **({"rate": args.serve_rate} if args.serve_rate else {}),
+            rate=args.serve_rate,
         )
     rows.extend(summarise(run, r) for i, run in enumerate(runs) for r in results_of.get(i, []))
     relate(rows, prompts)
