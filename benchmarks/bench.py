@@ -22,7 +22,8 @@ the same target model and dtype, the same prompts. Workloads (`--workloads`):
     serve-queue  (not in the default set) the same client and servers, a queue: serve-c8's 8
             excerpts and the 8 openings of c8, 16 requests arriving one by one as a Poisson
             process of --serve-rate requests a second (vLLM's client's --request-rate, seed 0:
-            the same arrival times for both servers)
+            the same arrival times for both servers); by default QUEUE_LOAD of target-only's
+            capacity, measured first: its request throughput with those prompts sent at once
 
 Systems:
 
@@ -129,7 +130,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serve import QUEUE_RATE
+from benchmarks.serve import QUEUE_LOAD
 from benchmarks.serve import WORKLOADS as SERVE_CONCURRENCY  # serve workload -> its client concurrency
 from specdec.acceptance import expected_tokens  # E(alpha, gamma): tokens per target step
 from specdec.models import check_pair, choose
@@ -947,10 +948,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--serve-rate",
         type=float,
-        default=QUEUE_RATE,
         metavar="RPS",
-        help="serve-queue: requests a second, arriving as a Poisson process (default %(default)s: about "
-        "what vLLM target-only serves on one core here)",
+        help="serve-queue: requests a second, arriving as a Poisson process (default: "
+        f"{QUEUE_LOAD:.0%} of target-only's capacity, measured first in the same run: its request "
+        "throughput with the queue's prompts sent at once)",
     )
     p.add_argument("--out", default="bench-results", help="folder for bench.json, outputs.json, bench.png, logs/")
     p.add_argument("--quick", action="store_true", help="tiny pair, 2 prompts x 16 tokens: a smoke run (CI)")
@@ -986,7 +987,7 @@ def main(args: argparse.Namespace) -> int:
         for k, v in QUICK.items():
             if k != "workloads" or args.workloads is None:  # --quick keeps the workloads asked for
                 setattr(args, k, v)
-    if not args.serve_rate > 0:
+    if args.serve_rate is not None and not args.serve_rate > 0:
         from specdec.errors import UserError
 
         raise UserError(

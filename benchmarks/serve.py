@@ -7,7 +7,9 @@ prompts (`serve-c8`: all at once, `--max-concurrency` = the number of prompts, r
 inf; `serve-c1`: the same prompts one at a time, `--max-concurrency 1`; `serve-long`: long
 prompts, all at once; `serve-queue`: 16 prompts arriving one by one, a Poisson process of
 `--serve-rate` requests a second, vLLM's client's own `--request-rate` with its seed 0, so both
-servers get the same arrivals, none held back by a concurrency cap) to
+servers get the same arrivals, none held back by a concurrency cap; unless `--serve-rate` is
+given, the rate is QUEUE_LOAD of target-only's capacity, measured first on its server: the
+request throughput of the same 16 prompts sent at once) to
 
     target-only  vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`,
                  what `vllm serve` runs) on the target alone, pinned to the target's core
@@ -94,10 +96,13 @@ NAME = "serve-c8"  # the first workload (its name was the module's only one)
 WORKLOADS: dict[str, int | None] = {"serve-c8": None, "serve-c1": 1, "serve-long": None, "serve-queue": None}
 # workloads whose requests arrive as a Poisson process (vllm bench serve's --request-rate) rather than at once
 ARRIVING = ("serve-queue",)
-# serve-queue's default arrival rate, requests a second: about what vLLM target-only serves of
-# 64-token requests on one core of the reference VMs (serve-c8: 6-7 output tok/s, ~0.1 request/s),
-# so the queue is near its capacity, where specdec must not be slower
-QUEUE_RATE = 0.1
+# serve-queue's arrival rate unless --serve-rate names one: this fraction of target-only's
+# capacity, measured in the same run (CAPACITY_FILE: vLLM's client sends the queue's prompts to
+# target-only all at once, and its request throughput is the capacity). A queue near capacity,
+# where specdec must not be slower, on any machine: a rate fixed for one CPU VM would leave a GPU
+# serving each request alone, and overrun a slower VM
+QUEUE_LOAD = 0.8
+CAPACITY_FILE = "capacity.json"
 PROMPTS_FILE = Path(__file__).with_name("serve_c8_prompts.jsonl")
 WARMUP_TOKENS = 8
 READY_TIMEOUT_S = 900.0
@@ -597,7 +602,14 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         f"{report.get('workload', NAME)}: vllm bench serve, "
         + (
-            f"{len(report['prompts'])} requests arriving at {report['request_rate']:g}/s (Poisson, seed 0), "
+            f"{len(report['prompts'])} requests arriving at {report['request_rate']:.3g}/s (Poisson, seed 0"
+            + (
+                f"; {report['capacity']['load']:.0%} of target-only's {report['capacity']['request_throughput']:.3g}/s "
+                "with every prompt sent at once"
+                if report.get("capacity")
+                else ""
+            )
+            + "), "
             if report.get("request_rate")
             else f"c = {report['concurrency']}, "
         )
@@ -642,14 +654,16 @@ def run_workloads(
     vllm_dtype: str | None = None,
     verifier_args: Sequence[str] = (),
     prompts: dict[str, tuple[list[str], list[str]]] | None = None,
-    rate: float = QUEUE_RATE,
+    rate: float | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Both systems, one after the other, each running every workload of `names` (WORKLOADS) on
     one server; per workload, the report: rows, ratios, exact, and the command per row.
     `prompts`: each workload's (ids, texts); a workload without them takes PROMPTS_FILE's.
 
     dtype: the services' and (unless `vllm_dtype`) vLLM's server's; cores: (the target's core,
-    the drafter's core, where the client runs too); rate: the ARRIVING workloads' requests a second."""
+    the drafter's core, where the client runs too); rate: the ARRIVING workloads' requests a second
+    (None: QUEUE_LOAD x target-only's capacity, measured first on target-only's server, per
+    workload: `capacity` in its report)."""
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown serve workload {unknown[0]!r}; known: {', '.join(WORKLOADS)}")
@@ -665,11 +679,32 @@ def run_workloads(
         datasets[name] = out / name / "prompts.jsonl"
         custom_dataset(texts_of[name][1], datasets[name])
     trace_file = logs / "serve-trace.jsonl"
+    rates: dict[str, float | None] = {n: (rate if n in ARRIVING else None) for n in names}  # None: all at once
+    capacity: dict[str, dict[str, Any]] = {}  # ARRIVING workload -> its measured capacity (rate None)
+
+    def measure_capacity(name: str, url: str, model: str) -> None:
+        """target-only's requests a second on the workload's prompts sent at once; rates[name]:
+        QUEUE_LOAD of it."""
+        n = len(texts_of[name][1])
+        args = bench_serve_command(url, model, tokenizer, datasets[name], n, output_len, out / name, CAPACITY_FILE)
+        result = run_bench_serve(args, cores[1], logs / f"{name}-client.log", out / name / CAPACITY_FILE)
+        if result["completed"] != n or not result["request_throughput"] > 0:
+            raise RuntimeError(f"{name}: target-only completed {result['completed']} of {n} prompts sent at once")
+        rates[name] = QUEUE_LOAD * result["request_throughput"]
+        capacity[name] = {
+            "request_throughput": result["request_throughput"],
+            "output_tok_s": result["output_throughput"],
+            "duration_s": result["duration"],
+            "load": QUEUE_LOAD,
+            "command": ["vllm", *args],
+        }
 
     def measure(system: str, url: str) -> None:
         model = served_model(url)
         warmup_ms = warm_up(url, model, texts_of[names[0]][1][0])
         for name in names:
+            if name in ARRIVING and rates[name] is None:  # target-only's server runs first
+                measure_capacity(name, url, model)
             before = scrape(url)
             since = time.time_ns()
             args = bench_serve_command(
@@ -682,7 +717,7 @@ def run_workloads(
                 out / name,
                 f"{system}.json",
                 WORKLOADS[name],
-                rate if name in ARRIVING else None,
+                rates[name],
             )
             commands[name][system] = ["vllm", *args]
             result = run_bench_serve(args, cores[1], logs / f"{name}-client.log", out / name / f"{system}.json")
@@ -711,7 +746,8 @@ def run_workloads(
             "workload": name,
             "prompts": texts_of[name][0],
             "concurrency": WORKLOADS[name] or len(texts_of[name][1]),
-            "request_rate": rate if name in ARRIVING else None,
+            "request_rate": rates[name],
+            "capacity": capacity.get(name),  # None: no capacity run (a given rate, or all at once)
             "output_len": output_len,
             "dtype": {"target-only": vllm_dtype or dtype, "specdec": dtype},
             "cores": {"target": cores[0], "drafter_and_client": cores[1]},

@@ -139,7 +139,7 @@ NOT_RUN = {
     "--out bench-serve-c8": _SERVE_C8,
     "specdec bench --models qwen-coder --workloads serve-c1 --max-tokens 64 --dtype auto "
     "--out bench-serve-c1": _SERVE_C8,
-    "specdec bench --models qwen-coder --workloads serve-queue --max-tokens 64 --dtype float32 "
+    "specdec bench --models qwen-coder --workloads serve-queue --max-tokens 64 --dtype float32 --serve-rate 0.1 "
     "--out bench-serve-queue": _SERVE_C8,
     "specdec bench --models qwen-coder --workloads serve-queue --max-tokens 64 --dtype float32 --serve-rate 0.05 "
     "--out bench-serve-queue-0.05": _SERVE_C8,

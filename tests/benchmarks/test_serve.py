@@ -88,6 +88,16 @@ def test_rows_ratios_and_exactness_from_known_results() -> None:
     text = serve.table(report)
     assert "| target-only |" in text and "| specdec |" in text and "| specdec / target-only |" in text
     assert "exact: 50%" in text
+    # a queue: its rate in the header, and where it came from when the bench measured it
+    queue = {**report, "workload": "serve-queue", "prompts": ["p0", "p1"], "request_rate": 0.4, "capacity": None}
+    assert "serve-queue: vllm bench serve, 2 requests arriving at 0.4/s (Poisson, seed 0), 4 tokens" in serve.table(
+        queue
+    )
+    queue["capacity"] = {"request_throughput": 0.5, "load": serve.QUEUE_LOAD}
+    assert serve.QUEUE_LOAD == 0.8 and (
+        "2 requests arriving at 0.4/s (Poisson, seed 0; 80% of target-only's 0.5/s with every prompt sent at once)"
+        in serve.table(queue)
+    )
 
 
 def test_the_client_sends_every_prompt_at_once_greedy_in_file_order(tmp_path: Path) -> None:
@@ -228,8 +238,8 @@ def test_where_specdecs_ttft_goes_from_its_first_rounds(tmp_path: Path) -> None:
 @pytest.mark.e2e  # vLLM's server, the three services and vLLM's client, on the tiny pair
 def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
     """Both rows, the ratios, exactness and where the TTFT goes, from one `specdec bench --quick
-    --workloads serve-c8,serve-c1,serve-long,serve-queue --serve-rate 4` (each server runs every
-    workload)."""
+    --workloads serve-c8,serve-c1,serve-long,serve-queue` (each server runs every workload; the
+    queue at its default rate, measured from target-only's capacity)."""
     out = tmp_path / "out"
     proc = subprocess.run(
         [
@@ -240,8 +250,6 @@ def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
             "--quick",
             "--workloads",
             "serve-c8,serve-c1,serve-long,serve-queue",
-            "--serve-rate",
-            "4",
             "--out",
             str(out),
         ],
@@ -252,11 +260,18 @@ def test_serve_workload_end_to_end_on_the_tiny_pair(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = json.loads((out / "bench.json").read_text())["serve"]
     assert list(reports) == ["serve-c8", "serve-c1", "serve-long", "serve-queue"]
-    queue = reports["serve-queue"]  # 16 requests arriving at 4 a second, the same arrivals for both
-    assert queue["prompts"] == [*serve.load_prompts()[0], *bench.C8_SOURCES] and queue["request_rate"] == 4.0
+    queue = reports["serve-queue"]  # 16 requests arriving one by one, the same arrivals for both
+    assert queue["prompts"] == [*serve.load_prompts()[0], *bench.C8_SOURCES]
+    # the default rate: QUEUE_LOAD of target-only's capacity, its result saved beside the rows'
+    capacity = queue["capacity"]
+    saved = json.loads((out / "serve-queue" / serve.CAPACITY_FILE).read_text())
+    assert (saved["completed"], saved["max_concurrency"]) == (16, 16), saved
+    assert capacity["request_throughput"] == saved["request_throughput"] > 0
+    assert queue["request_rate"] == pytest.approx(serve.QUEUE_LOAD * capacity["request_throughput"])
     assert queue["exact"] == 1.0 and [(r["completed"], r["failed"]) for r in queue["rows"]] == [(16, 0), (16, 0)]
     assert queue["rows"][1]["fallbacks"] == 0 and queue["rows"][1]["counters"]["drafts"] > 0
-    assert "serve-queue: vllm bench serve, 16 requests arriving at 4/s (Poisson, seed 0)" in proc.stdout
+    assert f"serve-queue: vllm bench serve, 16 requests arriving at {queue['request_rate']:.3g}/s" in proc.stdout
+    assert reports["serve-c8"]["capacity"] is None and reports["serve-c8"]["request_rate"] is None
     long = reports["serve-long"]  # prompts as long as the tiny target's context leaves room for
     lengths = json.loads((out / "bench.json").read_text())["meta"]["workloads"]["serve-long"]["prompt_tokens"]
     assert long["prompts"] == list(bench.SERVE_LONG_SOURCES) and len(lengths) == 4, long["prompts"]
