@@ -143,6 +143,8 @@ NOT_RUN = {
     "--out bench-serve-queue": _SERVE_C8,
     "specdec bench --models qwen-coder --workloads serve-queue --max-tokens 64 --dtype float32 --serve-rate 0.05 "
     "--out bench-serve-queue-0.05": _SERVE_C8,
+    "specdec bench --models qwen-coder --workloads serve-queue --max-tokens 64 --dtype float32 "
+    "--out bench-serve-queue-auto": _SERVE_C8,
     "specdec bench --models qwen-coder --systems target-only,specdec --workloads code --gammas 4 --concurrency 4,16 "
     "--dtype auto --out bench-load": _BENCH,
     "SPECDEC_MAX_NUM_BATCHED_TOKENS=512 specdec bench --models qwen-coder --workloads serve-long --max-tokens 64 "
