@@ -14,10 +14,10 @@ Phases (each line {"phase": ..., ...}):
     exact       the prompts through the gateway Service's REST port: token ids per prompt
     scale-out   one more drafter pod and verifier pod; requests until both served one;
                 seconds from their Ready to that, and generations per pod
-    roll        8 streams, sized from their measured pace to last through the gateway's
-                preStop sleep and half its drain; once each has its first tokens, one pod of
-                each Deployment is deleted as Kubernetes does; token ids per stream and broken
-                streams
+    roll        8 streams of stream_tokens each; once each has its first tokens, one pod of
+                each Deployment is deleted as Kubernetes does. Per stream: token ids, error,
+                when it ended and when its last tokens came (seconds after the deletion);
+                when SIGTERM went out and how many streams were open then
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ class Client:
             raise RuntimeError(f"{r.status_code}: {r.text}")
         return list(r.json()["choices"][0]["token_ids"])
 
-    async def stream(self, prompt: list[int], max_tokens: int, first: asyncio.Event) -> dict[str, Any]:
-        """One streamed completion: {"ids", "finish", "error"}; `first` is set at its first tokens."""
+    async def stream(self, prompt: list[int], max_tokens: int, progress: list[tuple[float, int]]) -> dict[str, Any]:
+        """One streamed completion: {"ids", "finish", "error", "ended"} (`ended`: time.monotonic()
+        at its end). `progress` gets (time.monotonic(), tokens so far) at each chunk."""
         ids: list[int] = []
         finish = None
         try:
@@ -119,15 +120,18 @@ class Client:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    choice = json.loads(line[len("data: ") :])["choices"][0]
+                    event = json.loads(line[len("data: ") :])
+                    if "error" in event:  # an error after the first byte (the status line is gone)
+                        error = f"error event: {event['error']}"
+                        return {"ids": ids, "finish": finish, "error": error, "ended": time.monotonic()}
+                    choice = event["choices"][0]
                     ids += choice.get("token_ids") or []
                     finish = choice.get("finish_reason") or finish
-                    if ids:
-                        first.set()
+                    progress.append((time.monotonic(), len(ids)))
         except Exception as err:  # noqa: BLE001 (a broken stream is what this counts)
-            first.set()
-            return {"ids": ids, "finish": finish, "error": f"{type(err).__name__}: {err}"}
-        return {"ids": ids, "finish": finish, "error": None if finish else "the stream ended with no finish_reason"}
+            return {"ids": ids, "finish": finish, "error": f"{type(err).__name__}: {err}", "ended": time.monotonic()}
+        error = None if finish else "the stream ended with no finish_reason"
+        return {"ids": ids, "finish": finish, "error": error, "ended": time.monotonic()}
 
 
 def drain_window(deployment: dict[str, Any]) -> tuple[float, float]:
@@ -139,13 +143,6 @@ def drain_window(deployment: dict[str, Any]) -> tuple[float, float]:
     sleep = float(command[1]) if command[:1] == ["sleep"] else 0.0
     env = {e["name"]: e.get("value") for e in container.get("env", [])}
     return sleep, float(env.get("SPECDEC_SHUTDOWN_TIMEOUT_S") or 30.0)
-
-
-def stream_length(tokens_per_s: float, pre_stop_s: float, drain_s: float, most: int) -> int:
-    """Tokens for a roll's streams: measured at `tokens_per_s` per stream, a stream then lasts
-    through the preStop sleep and half the drain, so it is open at SIGTERM and done well inside
-    the drain on a machine of any speed (`most`: the model's limit)."""
-    return max(16, min(most, int(tokens_per_s * (pre_stop_s + drain_s / 2))))
 
 
 async def main(cfg: dict[str, Any]) -> None:
@@ -212,19 +209,16 @@ async def main(cfg: dict[str, Any]) -> None:
             served={p.name: served(p) - before.get(p.name, 0.0) for p in cluster.pods.values()},
         )
 
-        # the roll's streams: 8 at once, timed at this moment's pace (a loaded machine is slower)
-        probe = [asyncio.Event() for _ in cfg["prompts"][:8]]
-        t0 = time.monotonic()
-        timed = await asyncio.gather(*(client.stream(p, 64, e) for p, e in zip(cfg["prompts"][:8], probe, strict=True)))
-        pace = 64 / (time.monotonic() - t0)  # tokens per second per stream, 8 streams at once
-        assert all(r["error"] is None for r in timed), timed
+        # the roll: 8 streams as long as the model allows, so they outlast the preStop sleep
         pre_stop_s, drain_s = drain_window(cluster.deployments["gateway"])
-        tokens = stream_length(pace, pre_stop_s, drain_s, cfg["stream_tokens"])
-        firsts = [asyncio.Event() for _ in cfg["prompts"][:8]]
+        tokens = cfg["stream_tokens"]
+        progress: list[list[tuple[float, int]]] = [[] for _ in range(8)]
         streams = [
-            asyncio.create_task(client.stream(p, tokens, e)) for p, e in zip(cfg["prompts"][:8], firsts, strict=True)
+            asyncio.create_task(client.stream(p, tokens, log))
+            for p, log in zip(cfg["prompts"][:8], progress, strict=True)
         ]
-        await asyncio.gather(*(e.wait() for e in firsts))
+        while not all(log or t.done() for log, t in zip(progress, streams, strict=True)):
+            await asyncio.sleep(0.05)  # sampling the streams' progress: each has its first tokens
         victims = [
             min((p for p in cluster.pods.values() if p.deployment == d), key=lambda p: p.name)
             for d in ("drafter", "verifier", "gateway")
@@ -237,16 +231,21 @@ async def main(cfg: dict[str, Any]) -> None:
             return sum(not t.done() for t in streams)
 
         watch = asyncio.create_task(open_at_sigterm())
+        deleted_at = time.monotonic()
         await asyncio.gather(*(cluster.delete_pod(v.name) for v in victims))
         results = await asyncio.gather(*streams)
+        gateway_sigterm = f"{victims[-1].name}/gateway SIGTERM"  # the kubelet's event: "<time> <pod>/<c> SIGTERM"
+        sigterm_at = next(float(e.split()[0]) for e in cluster.events if e.endswith(gateway_sigterm))
         emit(
             "roll",
             deleted=[v.name for v in victims],
             tokens=tokens,
-            pace=round(pace, 1),
             window=[pre_stop_s, drain_s],
             open_at_delete=open_at_delete,
             open_at_sigterm=await watch,
+            sigterm=round(sigterm_at - deleted_at, 1),  # the gateway's; seconds after the deletion, as the rest
+            ended=[round(r["ended"] - deleted_at, 1) for r in results],
+            last_tokens=[round(log[-1][0] - deleted_at, 1) if log else None for log in progress],
             ids=[r["ids"] for r in results],
             errors=[r["error"] for r in results],
             events=cluster.events[-40:],
