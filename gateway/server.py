@@ -185,7 +185,14 @@ async def rest_bridge(cfg: GatewayConfig, core: GatewayCore, stop: asyncio.Event
             cfg.rest_port,
         )
     tls: dict[str, Any] = {"ssl_context_factory": lambda config, default: context} if context is not None else {}
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.rest_port, log_level="warning", **tls)
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.rest_port,
+        log_level="warning",
+        timeout_keep_alive=max(1, round(cfg.rest_keepalive_s)),
+        **tls,
+    )
     server = Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     reload = asyncio.create_task(_reload_rest_certificates(context)) if context is not None else None

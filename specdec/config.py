@@ -490,6 +490,13 @@ class GatewayConfig(TransportConfig):
         "OpenAI-compatible REST bridge (/v1/completions, /v1/chat/completions, /v1/models, /health, "
         "/metrics) port (0: off).",
     )
+    rest_keepalive_s: float = setting(
+        75.0,
+        "Seconds the REST bridge keeps an idle HTTP keep-alive connection open. Longer than the idle "
+        "timeout of whatever sits in front (load balancers: 60 s is common), so the server never closes a "
+        "connection as a client or proxy sends on it (the request would fail with no response); uvicorn's and "
+        "vLLM's 5 s invite that race.",
+    )
     health_every_s: float = setting(
         1.0,
         "Seconds between the gRPC health checks of every drafter and verifier replica (gateway.pool); a "

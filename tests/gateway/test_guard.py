@@ -598,3 +598,47 @@ def test_rest_passes_its_clients_deadline_to_the_gateway_call(tiny_target: Path)
     results = asyncio.run(run())
     assert results[:4] == [(504, None, 0)] * 4, results
     assert results[4:] == [(400, "x-request-timeout", 0)] * 2 + [(400, "x-stainless-timeout", 0)] * 2, results
+
+
+def test_the_rest_bridge_keeps_idle_connections_for_rest_keepalive_s(tiny_target: Path) -> None:
+    """The REST bridge (uvicorn) closes an idle keep-alive connection after rest_keepalive_s, not
+    uvicorn's 5 s: at 1 s the server closes the connection after a request (EOF); at the default
+    (longer than a load balancer's usual 60 s idle timeout, so the server does not close a
+    connection as a proxy in front sends on it) it is still open past uvicorn's 5 s."""
+    from gateway.server import rest_bridge
+
+    async def idle(keepalive_s: float, watch_s: float) -> bool:
+        """Whether the server closed the connection within `watch_s` of a request's answer."""
+        async with gateway(tiny_target, rest_keepalive_s=keepalive_s) as gw:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            stop = asyncio.Event()
+            serving = asyncio.create_task(rest_bridge(gw.core.cfg, gw.core, stop, sock))
+            try:
+                for _ in range(600):  # bounded: until the bridge listens
+                    with contextlib.suppress(ConnectionRefusedError):
+                        reader, writer = await asyncio.open_connection(*sock.getsockname())
+                        break
+                    await asyncio.sleep(0.05)
+                writer.write(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
+                await writer.drain()
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+                assert head.startswith(b"HTTP/1.1 "), head
+                length = int(
+                    next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1]
+                )
+                await reader.readexactly(length)
+                try:
+                    closed = await asyncio.wait_for(reader.read(1), watch_s) == b""
+                except TimeoutError:
+                    closed = False
+                writer.close()
+                return closed
+            finally:
+                stop.set()
+                await asyncio.wait_for(serving, 30)
+
+    assert asyncio.run(idle(1.0, 30.0))  # closed after 1 s (30 s: a bound, not the expectation)
+    default = GatewayConfig().rest_keepalive_s
+    assert default > 60
+    assert not asyncio.run(idle(default, 7.0))  # uvicorn's own 5 s would have closed it
