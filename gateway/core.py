@@ -237,7 +237,10 @@ class GatewayCore:
         telemetry.setup_tracing("gateway")  # a Generation takes its tracer from the provider
         self.metrics = metrics
         self.spikes = telemetry.SpikeDetector(
-            factor=cfg.spike_factor, min_ms=cfg.spike_min_ms, absolute_ms=cfg.spike_ms
+            factor=cfg.spike_factor,
+            min_ms=cfg.spike_min_ms,
+            absolute_ms=cfg.spike_ms,
+            log_every_s=cfg.spike_log_every_s,
         )
         self.tokenizer = tokenizer
         self.vocabulary = compat.from_tokenizer(self.tokenizer, cfg.tokenizer)

@@ -112,14 +112,20 @@ class StatsObserver:
                 self.metrics.spikes.labels(stage).inc()
             if spiked:
                 span.set_attribute("specdec.spike.stage", ",".join(spiked))
-                log.warning(
-                    "latency spike in %s: request %s round %d trace %s stages %s",
-                    ",".join(spiked),
-                    self.plan.request_id,
-                    number,
-                    telemetry.trace_id_hex(span),
-                    {k: round(ms, 1) for k, ms in stages.items()},
-                )
+                unlogged = self.spikes.loggable()
+                if unlogged is not None:
+                    log.warning(
+                        "latency spike in %s: request %s round %d trace %s stages %s%s",
+                        ",".join(spiked),
+                        self.plan.request_id,
+                        number,
+                        telemetry.trace_id_hex(span),
+                        {k: round(ms, 1) for k, ms in stages.items()},
+                        f" ({unlogged} more spiked rounds since the last line: span events, "
+                        "specdec:latency_spikes_total)"
+                        if unlogged
+                        else "",
+                    )
         span.end(end_time=now)
         self._last_ns = now
         self.metrics.observe(step, stages)

@@ -548,6 +548,11 @@ class GatewayConfig(TransportConfig):
     )
     spike_min_ms: float = setting(5.0, "Floor (ms) of the relative spike threshold; see spike_factor.")
     spike_ms: float = setting(0.0, "Fixed spike threshold (ms) instead of the relative one (0: relative).")
+    spike_log_every_s: float = setting(
+        1.0,
+        "At most one log line per this many seconds for latency spikes (the next names how many went "
+        "unlogged); every spike still gets its span event and specdec:latency_spikes_total. 0: a line each.",
+    )
     verdict_timeout_s: float = setting(
         60.0,
         "Seconds the verifier may stay silent while it owes verdicts, once it sent the first (its queueing "

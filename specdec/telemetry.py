@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -169,14 +170,18 @@ def trace_id_hex(span: trace.Span) -> str:
 
 @dataclass
 class SpikeDetector:
-    """Rolling latency windows per stage; `check` names the stages of a round that spiked."""
+    """Rolling latency windows per stage; `check` names the stages of a round that spiked;
+    `loggable` says whether a spike gets a log line (at most one per `log_every_s`, seconds)."""
 
     window: int = 256
     factor: float = 3.0
     min_ms: float = 5.0
     absolute_ms: float = 0.0  # > 0: a fixed threshold instead of the relative one
+    log_every_s: float = 1.0
     _samples: dict[str, deque[float]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _logged_at: float = float("-inf")  # time.monotonic() of the last spike logged
+    _unlogged: int = 0  # spikes since then that got no line
 
     def threshold(self, stage: str) -> float | None:
         if self.absolute_ms > 0:
@@ -198,6 +203,19 @@ class SpikeDetector:
                     spiked[stage] = limit
                 self._samples.setdefault(stage, deque(maxlen=self.window)).append(ms)
         return spiked
+
+    def loggable(self, now: float | None = None) -> int | None:
+        """Whether a spiked round found at `now` (time.monotonic() when None) gets a log line: the
+        first after `log_every_s` does. A saturated host spikes on most rounds, and a line for
+        each would flood the log; every spike still gets its span event and its count. Returns
+        how many spiked rounds went unlogged before this one, or None: this one goes unlogged."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if now - self._logged_at < self.log_every_s:
+                self._unlogged += 1
+                return None
+            unlogged, self._unlogged, self._logged_at = self._unlogged, 0, now
+            return unlogged
 
 
 # ---- metrics ----------------------------------------------------------------------------

@@ -31,6 +31,18 @@ def test_absolute_threshold() -> None:
     assert d.check({"network": 49.0}) == {} and d.check({"network": 51.0}) == {"network": 50.0}
 
 
+def test_spike_log_lines_are_at_most_one_per_log_every_s() -> None:
+    """A spike gets a line when log_every_s passed since the last line; the line after a quiet
+    stretch counts the spikes that got none. 0: every spike gets one."""
+    d = SpikeDetector(log_every_s=1.0)
+    assert d.loggable(now=100.0) == 0
+    assert [d.loggable(now=100.0 + t) for t in (0.1, 0.5, 0.99)] == [None, None, None]
+    assert d.loggable(now=101.0) == 3
+    assert d.loggable(now=101.5) is None and d.loggable(now=103.0) == 1
+    every = SpikeDetector(log_every_s=0.0)
+    assert [every.loggable(now=5.0) for _ in range(3)] == [0, 0, 0]
+
+
 def _export(tmp_path):
     path = tmp_path / "spans.jsonl"
     provider = TracerProvider(resource=Resource.create({"service.name": "gateway"}))
