@@ -61,6 +61,9 @@ class ScriptedCore:
     def serving(self) -> bool:
         return True
 
+    def ended_by_drain(self, task: asyncio.Task[Any] | None) -> str | None:
+        return None  # never drained
+
     async def generate(
         self,
         spec: pb.GenerationSpec,
@@ -98,6 +101,9 @@ class GrpcHop:
 
     def serving(self) -> bool:
         return True
+
+    def ended_by_drain(self, task: asyncio.Task[Any] | None) -> str | None:
+        return None  # never drained
 
     async def generate(
         self,

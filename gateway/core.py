@@ -127,6 +127,11 @@ class Core(Protocol):
         """False once the gateway drains (shutting down): new generations are refused."""
         ...
 
+    def ended_by_drain(self, task: asyncio.Task[Any] | None) -> str | None:
+        """The notice for a generation (the task that runs it) that the drain ended, having
+        run past shutdown_timeout_s; None: the drain did not end it."""
+        ...
+
 
 log = logging.getLogger("specdec.gateway")
 
@@ -289,6 +294,10 @@ class GatewayCore:
     def serving(self) -> bool:
         """False once the drain began (serving.serve, at SIGTERM): new generations are refused."""
         return not self.slots.draining
+
+    def ended_by_drain(self, task: asyncio.Task[Any] | None) -> str | None:
+        """The notice for a generation the drain ended (serving.SessionSlots.ended_by_drain)."""
+        return self.slots.ended_by_drain(task)
 
     @contextlib.asynccontextmanager
     async def admitted(self, authorization: str | None) -> AsyncIterator[str]:

@@ -128,18 +128,25 @@ class SessionSlots:
         try:
             yield
         except asyncio.CancelledError:
-            if task in self._expired:  # our drain ran out: say so instead of a bare cancel
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"{self.service}: shut down before this call finished (shutdown_timeout_s, "
-                    f"{self._timeout_s:g} s, passed); retry",
-                )
+            notice = self.ended_by_drain(task)
+            if notice is not None:  # our drain ran out: say so instead of a bare cancel
+                await context.abort(grpc.StatusCode.UNAVAILABLE, notice)
             raise
         finally:
             self.active -= 1
             if task is not None:
                 self._calls.pop(task, None)
                 self._expired.discard(task)
+
+    def ended_by_drain(self, task: asyncio.Task[Any] | None) -> str | None:
+        """The notice for a call in flight (its task) that the drain ended, having run past
+        shutdown_timeout_s: what its caller is told. None: the drain did not end it."""
+        if task is None or task not in self._expired:
+            return None
+        return (
+            f"{self.service}: shut down before this call finished (shutdown_timeout_s, {self._timeout_s:g} s, "
+            "passed); retry"
+        )
 
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """Refuse new calls, wait up to `timeout_s` for those in flight, end the rest; returns

@@ -385,13 +385,22 @@ class EventStreamResponse(StreamingResponse):
     Each message must be taken within `write_timeout_s` (0: no limit). A client that stops
     reading fills the socket's buffers and the next send waits; past the timeout the events
     (and with them the generation) are closed and the response ends unfinished (the server
-    then closes the connection). `on_timeout()` is called once when that happens."""
+    then closes the connection). `on_timeout()` is called once when that happens.
+
+    A generation that outlives the drain at shutdown ends with an error event saying so
+    (`ended_by_drain(task)`: the notice, Core.ended_by_drain), wherever the drain's cancel finds
+    it: waiting for tokens (the events send it) or writing a message (sent here)."""
 
     def __init__(
-        self, events: AsyncGenerator[str, None], write_timeout_s: float, on_timeout: Callable[[], None] | None = None
+        self,
+        events: AsyncGenerator[str, None],
+        write_timeout_s: float,
+        on_timeout: Callable[[], None] | None = None,
+        ended_by_drain: Callable[[asyncio.Task[Any] | None], str | None] | None = None,
     ) -> None:
         super().__init__(events, media_type="text/event-stream")
         self.events, self.write_timeout_s, self.on_timeout = events, write_timeout_s, on_timeout
+        self.ended_by_drain = ended_by_drain
 
     async def _send(self, send: Callable[..., Any], message: dict[str, Any]) -> None:
         timeout = self.write_timeout_s
@@ -432,9 +441,17 @@ class EventStreamResponse(StreamingResponse):
         except OSError:  # the client is gone (a send after its disconnect)
             pass
         except asyncio.CancelledError:
-            if not state["gone"]:
+            notice = None if state["gone"] or self.ended_by_drain is None else self.ended_by_drain(task)
+            if not state["gone"] and notice is None:
                 raise
-            task.uncancel()  # our own cancel: the client went away
+            task.uncancel()  # our own cancel (the client went away), or the drain's, told below
+            if notice is not None:
+                error = _sse(api_error(GatewayError(ErrorCode.UNAVAILABLE, notice)).body())
+                try:
+                    await send({"type": "http.response.body", "body": error.encode(), "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                except OSError:
+                    pass  # the client is gone too
         finally:
             state["done"] = True
             watcher.cancel()
@@ -588,6 +605,7 @@ class OpenAIServing:
                 stream_events(answer, first, stream, include_usage),
                 self.stream_write_timeout_s,
                 on_timeout=timeouts.inc if timeouts is not None else None,
+                ended_by_drain=self.core.ended_by_drain,
             )
         # as vLLM's `with_cancellation`: a client that goes away cancels its generation (the
         # core's, so the verifier's engine and the drafter stop working for it)

@@ -68,6 +68,9 @@ class ScriptedCore:
     def serving(self) -> bool:
         return not self.draining
 
+    def ended_by_drain(self, task: asyncio.Task[Any] | None) -> str | None:
+        return self.slots.ended_by_drain(task)
+
     async def generate(
         self,
         spec: pb.GenerationSpec,

@@ -197,3 +197,69 @@ def test_a_content_part_that_is_not_text_is_refused_by_index_and_type(part: Any,
     assert api.message.startswith("messages.0.content: ")
     assert f"part 1 has type {kind}; only text parts" in api.message
     assert ChatRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]})
+
+
+def _drained_stream(notice: str | None) -> tuple[list[dict[str, Any]], BaseException | None, bool]:
+    """An EventStreamResponse whose first message's write never completes (a full socket) when
+    the drain cancels its task; `notice`: what ended_by_drain says of that task. Returns the
+    messages sent, the task's exception (None: it ended normally), and whether its events were
+    closed (the generation ended)."""
+    import asyncio
+
+    from gateway.rest.serving import EventStreamResponse
+
+    async def run() -> tuple[list[dict[str, Any]], BaseException | None, bool]:
+        sent: list[dict[str, Any]] = []
+        writing, forever = asyncio.Event(), asyncio.Event()
+        closed = []
+
+        async def events():  # noqa: ANN202 (an async generator)
+            try:
+                yield "data: {}\n\n"
+                await forever.wait()
+            finally:
+                closed.append(True)
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not sent[1:]:  # the first body message
+                sent.append(message)
+                writing.set()
+                await forever.wait()  # its write never completes
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            await forever.wait()  # the client never leaves
+            return {"type": "http.disconnect"}
+
+        response = EventStreamResponse(events(), 0.0, ended_by_drain=lambda task: notice if task is served else None)
+        served = asyncio.ensure_future(response({"type": "http"}, receive, send))
+        await asyncio.wait_for(writing.wait(), 10)
+        served.cancel()  # as SessionSlots.drain cancels a call past shutdown_timeout_s
+        try:
+            await asyncio.wait_for(served, 10)
+        except BaseException as err:  # noqa: BLE001 (what the task ended with is the result)
+            return sent, err, bool(closed)
+        return sent, None, bool(closed)
+
+    return asyncio.run(run())
+
+
+def test_a_rest_stream_the_drain_ends_mid_write_gets_an_error_event() -> None:
+    """A stream the drain ends while one of its messages is being written (not while it waits
+    for tokens, where the core's own error reaches the events) still gets the drain's notice as
+    an error event, and a proper end, instead of a connection closed mid-body. A cancel that is
+    not the drain's stays a cancel."""
+    import asyncio
+    import json
+
+    notice = "gateway: shut down before this call finished (shutdown_timeout_s, 30 s, passed); retry"
+    sent, err, closed = _drained_stream(notice)
+    assert err is None and closed
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    error = json.loads(bodies[-2]["body"].decode().removeprefix("data: "))
+    assert error["error"]["message"] == notice and error["error"]["code"] == "unavailable", error
+    assert bodies[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+
+    sent, err, closed = _drained_stream(None)
+    assert isinstance(err, asyncio.CancelledError) and closed
+    assert not any(b"shut down" in m.get("body", b"") for m in sent)
