@@ -441,17 +441,19 @@ class EventStreamResponse(StreamingResponse):
         except OSError:  # the client is gone (a send after its disconnect)
             pass
         except asyncio.CancelledError:
-            notice = None if state["gone"] or self.ended_by_drain is None else self.ended_by_drain(task)
-            if not state["gone"] and notice is None:
+            if state["gone"]:
+                task.uncancel()  # our own cancel: the client went away
+                return
+            notice = self.ended_by_drain(task) if self.ended_by_drain is not None else None
+            if notice is None:
                 raise
-            task.uncancel()  # our own cancel (the client went away), or the drain's, told below
-            if notice is not None:
-                error = _sse(api_error(GatewayError(ErrorCode.UNAVAILABLE, notice)).body())
-                try:
-                    await send({"type": "http.response.body", "body": error.encode(), "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                except OSError:
-                    pass  # the client is gone too
+            task.uncancel()  # the drain's cancel: say so, as an error event (the status line is gone)
+            error = _sse(api_error(GatewayError(ErrorCode.UNAVAILABLE, notice)).body())
+            try:
+                await send({"type": "http.response.body", "body": error.encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                pass  # the client is gone too
         finally:
             state["done"] = True
             watcher.cancel()

@@ -107,9 +107,12 @@ class Client:
             raise RuntimeError(f"{r.status_code}: {r.text}")
         return list(r.json()["choices"][0]["token_ids"])
 
-    async def stream(self, prompt: list[int], max_tokens: int, progress: list[tuple[float, int]]) -> dict[str, Any]:
+    async def stream(
+        self, prompt: list[int], max_tokens: int, first: asyncio.Event, progress: list[tuple[float, int]]
+    ) -> dict[str, Any]:
         """One streamed completion: {"ids", "finish", "error", "ended"} (`ended`: time.monotonic()
-        at its end). `progress` gets (time.monotonic(), tokens so far) at each chunk."""
+        at its end). `first` is set at its first chunk (or its end); `progress` gets
+        (time.monotonic(), tokens so far) at each chunk."""
         ids: list[int] = []
         finish = None
         try:
@@ -128,8 +131,11 @@ class Client:
                     ids += choice.get("token_ids") or []
                     finish = choice.get("finish_reason") or finish
                     progress.append((time.monotonic(), len(ids)))
+                    first.set()
         except Exception as err:  # noqa: BLE001 (a broken stream is what this counts)
             return {"ids": ids, "finish": finish, "error": f"{type(err).__name__}: {err}", "ended": time.monotonic()}
+        finally:
+            first.set()
         error = None if finish else "the stream ended with no finish_reason"
         return {"ids": ids, "finish": finish, "error": error, "ended": time.monotonic()}
 
@@ -212,13 +218,13 @@ async def main(cfg: dict[str, Any]) -> None:
         # the roll: 8 streams as long as the model allows, so they outlast the preStop sleep
         pre_stop_s, drain_s = drain_window(cluster.deployments["gateway"])
         tokens = cfg["stream_tokens"]
+        firsts = [asyncio.Event() for _ in range(8)]
         progress: list[list[tuple[float, int]]] = [[] for _ in range(8)]
         streams = [
-            asyncio.create_task(client.stream(p, tokens, log))
-            for p, log in zip(cfg["prompts"][:8], progress, strict=True)
+            asyncio.create_task(client.stream(p, tokens, e, log))
+            for p, e, log in zip(cfg["prompts"][:8], firsts, progress, strict=True)
         ]
-        while not all(log or t.done() for log, t in zip(progress, streams, strict=True)):
-            await asyncio.sleep(0.05)  # sampling the streams' progress: each has its first tokens
+        await asyncio.gather(*(e.wait() for e in firsts))
         victims = [
             min((p for p in cluster.pods.values() if p.deployment == d), key=lambda p: p.name)
             for d in ("drafter", "verifier", "gateway")

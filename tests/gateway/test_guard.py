@@ -612,14 +612,11 @@ def test_the_rest_bridge_keeps_idle_connections_for_rest_keepalive_s(tiny_target
         async with gateway(tiny_target, rest_keepalive_s=keepalive_s) as gw:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind(("127.0.0.1", 0))
+            sock.listen()  # a connection made now waits in the backlog until the bridge accepts it
             stop = asyncio.Event()
             serving = asyncio.create_task(rest_bridge(gw.core.cfg, gw.core, stop, sock))
             try:
-                for _ in range(600):  # bounded: until the bridge listens
-                    with contextlib.suppress(ConnectionRefusedError):
-                        reader, writer = await asyncio.open_connection(*sock.getsockname())
-                        break
-                    await asyncio.sleep(0.05)
+                reader, writer = await asyncio.open_connection(*sock.getsockname())
                 writer.write(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
                 await writer.drain()
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
